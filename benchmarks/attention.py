@@ -1,0 +1,209 @@
+"""Attention kernel benchmark: every figure from one run on one GPU.
+
+For each shape (CogVideoX-2B, Mochi, Flux 1024px, Llama-3.1-8B causal 32K):
+  * dense mode of our kernel vs SDPA (cuDNN backend, flash backend);
+  * block_sparse_attention vs compiled FlexAttention given the same block mask, densities 0.5/0.25/0.1;
+  * stage-1 prediction time as a share of cuDNN dense time;
+  * the whole method at default settings on structured inputs: sparsity, relative L1 against exact float32
+    attention (on a sample of query rows), time against cuDNN.
+
+Usage: python benchmarks/attention.py [--shapes mochi,flux] [--out results.json]
+Writes JSON (default benchmarks/results/attention-<gpu>.json) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, sparge_attention
+from sparge_diffusers.kernels.attention import block_mask_to_index
+from sparge_diffusers.kernels._inputs import check_attention_inputs
+from sparge_diffusers.kernels.stats import dense_block_count
+from sparge_diffusers.workloads import FULL, sampled_relative_l1
+
+DENSITIES = (0.5, 0.25, 0.1)
+
+
+def bench(fn, warmup_ms=50, rep_ms=300) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def attention_flops(B, H, N, D, causal) -> float:
+    return 4.0 * B * H * N * N * D * (0.5 if causal else 1.0)
+
+
+def sdpa_fn(q, k, v, causal, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    ke, ve = (t.repeat_interleave(group, 1) if group > 1 else t for t in (k, v))
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+    def run():
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
+
+    return run
+
+
+def random_block_mask(B, H, nq, nk, density, causal, N, device, seed=0):
+    """Random mask with the given fraction of the (causally visible) blocks; diagonal / first block kept."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    from sparge_diffusers.kernels._inputs import causal_block_straddles, causal_block_visible
+
+    score = torch.rand(B, H, nq, nk, generator=g, device=device)
+    visible = causal_block_visible(nq, nk, N, device) if causal else torch.ones(nq, nk, dtype=torch.bool,
+                                                                                  device=device)
+    mask = (score < density) & visible
+    if causal:
+        mask |= causal_block_straddles(nq, nk, N, device)
+    else:
+        mask[..., 0] = True
+    return mask
+
+
+def flex_fn(q, k, v, mask, causal, shape):
+    """Compiled FlexAttention over the same blocks: kept blocks that need no masking are 'full' blocks."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    index, count, n_full = block_mask_to_index(mask, shape, causal)
+    nk = index.shape[-1]
+    positions = (torch.arange(nk, device=q.device) + n_full[..., None]).clamp(max=nk - 1)
+    partial_index = torch.gather(index, -1, positions.long())
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def noop_mod(b, h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    block_mask = BlockMask.from_kv_blocks(
+        (count - n_full).contiguous(), partial_index.contiguous(), n_full.contiguous(), index.contiguous(),
+        BLOCK_SIZE=(BLOCK_Q, BLOCK_K), mask_mod=causal_mod if causal else noop_mod,
+        seq_lengths=(q.shape[2], k.shape[2]))
+    compiled = torch.compile(flex_attention, dynamic=False)
+    gqa = q.shape[1] != k.shape[1]
+    # FlexAttention's own tile must divide the mask's 128 x 64 blocks; its default for D = 64 does not.
+    options = {"BLOCK_M": BLOCK_Q, "BLOCK_N": BLOCK_K}
+    return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+
+
+def run_shape(w, densities, device, log):
+    name, B, H, HK, N, D, causal = w.name, w.batch, w.heads, w.kv_heads, w.seq_len, w.head_dim, w.causal
+    dtype = torch.bfloat16
+    flops = attention_flops(B, H, N, D, causal)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B, H, N, D, device=device, dtype=dtype, generator=g)
+    k = torch.randn(B, HK, N, D, device=device, dtype=dtype, generator=g)
+    v = torch.randn(B, HK, N, D, device=device, dtype=dtype, generator=g)
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal)
+    res = {"shape": {"B": B, "H": H, "H_kv": HK, "N": N, "D": D, "causal": causal, "dtype": "bf16"}}
+
+    cudnn = bench(sdpa_fn(q, k, v, causal, "cudnn"))
+    flash = bench(sdpa_fn(q, k, v, causal, "flash"))
+    ours_dense = bench(lambda: block_sparse_attention(q, k, v, None, is_causal=causal))
+    # the same dense walk with the stage-2 test compiled in (pvthreshd=50 skips nothing on random inputs)
+    ours_dense_pv = bench(lambda: block_sparse_attention(q, k, v, None, is_causal=causal, pvthreshd=50))
+    res["dense"] = {"cudnn_ms": cudnn, "flash_ms": flash, "ours_ms": ours_dense, "ours_pv_test_ms": ours_dense_pv,
+                    "ours_vs_cudnn": cudnn / ours_dense, "ours_vs_flash": flash / ours_dense,
+                    "ours_tflops": flops / ours_dense / 1e9, "cudnn_tflops": flops / cudnn / 1e9}
+    log(f"{name}: dense ours {ours_dense:.2f} ms, cuDNN {cudnn:.2f} ms, flash {flash:.2f} ms")
+
+    res["sparse"] = []
+    for density in densities:
+        mask = random_block_mask(B, H, shape.q_blocks, shape.k_blocks, density, causal, N, device)
+        dense_blocks = (mask.sum() / (B * H)).item()
+        ours = bench(lambda: block_sparse_attention(q, k, v, mask, is_causal=causal))
+        try:
+            flex = bench(flex_fn(q, k, v, mask, causal, shape))
+        except Exception as e:  # report, never hide
+            flex = float("nan")
+            log(f"  flex failed: {type(e).__name__}: {e}")
+        actual = float(mask.sum()) / (B * H * dense_block_count(shape, causal, q.device))
+        entry = {"density": density, "actual_density": actual, "kept_blocks_per_head": dense_blocks,
+                 "ours_ms": ours, "flex_ms": flex, "ours_vs_flex": flex / ours,
+                 "speedup_vs_own_dense": ours_dense / ours, "ideal_speedup": 1 / actual,
+                 "speedup_over_ideal": ours_dense / ours * actual}
+        res["sparse"].append(entry)
+        log(f"  density {density}: ours {ours:.2f} ms, flex {flex:.2f} ms, vs own dense x{ours_dense / ours:.2f}")
+
+    predict = bench(lambda: predict_block_mask(q, k, is_causal=causal))
+    res["predict"] = {"ms": predict, "share_of_cudnn": predict / cudnn}
+    del q, k, v
+    torch.cuda.empty_cache()
+
+    qs, ks, vs = w.make(device, 0)
+    out, stats = sparge_attention(qs, ks, vs, is_causal=causal, return_sparsity=True)
+    l1 = sampled_relative_l1(out, qs, ks, vs, causal)
+    whole = bench(lambda: sparge_attention(qs, ks, vs, is_causal=causal))
+    stage1_only = bench(lambda: sparge_attention(qs, ks, vs, is_causal=causal, pvthreshd=None))
+    cudnn_s = bench(sdpa_fn(qs, ks, vs, causal, "cudnn"))
+    l1_cudnn = sampled_relative_l1(sdpa_fn(qs, ks, vs, causal, "cudnn")(), qs, ks, vs, causal)
+    res["structured_default"] = {"sparsity": stats.sparsity, "qk_skipped": float(stats.qk_skipped.mean()),
+                                 "pv_skipped_stage2": float(stats.pv_skipped_stage2.mean()),
+                                 "relative_l1": l1, "relative_l1_cudnn_bf16": l1_cudnn, "ms": whole,
+                                 "stage1_only_ms": stage1_only,
+                                 "cudnn_ms": cudnn_s, "speedup_vs_cudnn": cudnn_s / whole}
+    log(f"  structured: sparsity {stats.sparsity:.3f}, L1 {l1:.4f}, {whole:.2f} ms vs cuDNN {cudnn_s:.2f} ms")
+    del qs, ks, vs, out
+    torch.cuda.empty_cache()
+    return res
+
+
+def print_table(results):
+    print(f"\nGPU: {results['gpu']}  (torch {results['torch']}, triton {results['triton']}); bf16; ms are medians")
+    print(f"{'shape':10} {'cuDNN':>8} {'flash':>8} {'ours':>8} {'ours+pv':>8} {'cuDNN/ours':>10} {'pred %':>7}")
+    for name, r in results["shapes"].items():
+        d = r["dense"]
+        print(f"{name:10} {d['cudnn_ms']:8.2f} {d['flash_ms']:8.2f} {d['ours_ms']:8.2f} {d['ours_pv_test_ms']:8.2f} "
+              f"{d['ours_vs_cudnn']:10.2f} {100 * r['predict']['share_of_cudnn']:7.2f}")
+    print(f"\n{'shape':10} {'density':>7} {'ours ms':>8} {'flex ms':>8} {'flex/ours':>9} {'x dense':>8} {'x/ideal':>8}")
+    for name, r in results["shapes"].items():
+        for s in r["sparse"]:
+            print(f"{name:10} {s['actual_density']:7.3f} {s['ours_ms']:8.2f} {s['flex_ms']:8.2f} "
+                  f"{s['ours_vs_flex']:9.2f} {s['speedup_vs_own_dense']:8.2f} {s['speedup_over_ideal']:8.2f}")
+    print(f"\n{'shape':10} {'sparsity':>8} {'rel L1':>8} {'L1 cuDNN':>8} {'ms':>8} {'no-pv ms':>8} {'cuDNN ms':>8} "
+          f"{'speedup':>8}")
+    for name, r in results["shapes"].items():
+        s = r["structured_default"]
+        print(f"{name:10} {s['sparsity']:8.3f} {s['relative_l1']:8.4f} {s['relative_l1_cudnn_bf16']:8.4f} "
+              f"{s['ms']:8.2f} {s['stage1_only_ms']:8.2f} {s['cudnn_ms']:8.2f} {s['speedup_vs_cudnn']:8.2f}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(FULL))
+    ap.add_argument("--densities", default=",".join(map(str, DENSITIES)))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/attention.py needs a CUDA GPU")
+    import triton
+
+    device = "cuda"
+    gpu = torch.cuda.get_device_name()
+    results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+               "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+    densities = [float(x) for x in args.densities.split(",")]
+    out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                   f"attention-{gpu.replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    for name in args.shapes.split(","):
+        results["shapes"][name] = run_shape(FULL[name], densities, device, lambda m: print(m, flush=True))
+        with open(out, "w") as f:  # after every shape, so a later failure keeps what was measured
+            json.dump(results, f, indent=1)
+    print_table(results)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""Triton sparse attention kernels (SpargeAttn) and their float32 references. Knows nothing of diffusers."""
+
+from ._inputs import BLOCK_K, BLOCK_Q
+from .api import block_sparse_attention, predict_block_mask, relative_l1, sparge_attention
+from .stats import SparsityStats
+
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_Q",
+    "SparsityStats",
+    "block_sparse_attention",
+    "predict_block_mask",
+    "relative_l1",
+    "sparge_attention",
+]

@@ -1,0 +1,170 @@
+"""Input checking and layout handling shared by every attention entry point.
+
+Everything here is device-agnostic: the Triton launchers and the float32 reference both call
+:func:`check_attention_inputs`, so a shape that one path accepts the other accepts too.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence, Union
+
+import torch
+
+# Block sizes of the block mask, the same as upstream SpargeAttn (b_q = 128 query rows, b_k = 64 keys).
+# The attention kernel's tiles equal these, so one mask entry is exactly one Q.K^T tile product.
+BLOCK_Q = 128
+BLOCK_K = 64
+
+TensorLayout = Literal["HND", "NHD"]
+Backend = Literal["auto", "triton", "reference"]
+PerHead = Union[float, int, Sequence[float], torch.Tensor]
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Sizes of one attention call, whatever the layout."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+    @property
+    def q_blocks(self) -> int:
+        return math.ceil(self.q_len / BLOCK_Q)
+
+    @property
+    def k_blocks(self) -> int:
+        return math.ceil(self.kv_len / BLOCK_K)
+
+
+def to_hnd(x: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    """A (B, H, N, D) view of ``x`` (no copy): kernels address it through strides."""
+    return x if layout == "HND" else x.transpose(1, 2)
+
+
+def check_layout(layout: str) -> None:
+    if layout not in ("HND", "NHD"):
+        raise ValueError(f"tensor_layout must be 'HND' (B, H, N, D) or 'NHD' (B, N, H, D), got {layout!r}")
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    *,
+    tensor_layout: TensorLayout,
+    is_causal: bool,
+) -> AttentionShape:
+    """Validate q/k/v and return their sizes; raises ValueError naming the problem."""
+    check_layout(tensor_layout)
+    tensors = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({'B, H, N, D' if tensor_layout == 'HND' else 'B, N, H, D'}), "
+                             f"got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"q and {name} are on different devices ({q.device} vs {t.device})")
+        if t.dtype != q.dtype:
+            raise ValueError(f"q and {name} have different dtypes ({q.dtype} vs {t.dtype})")
+    if q.dtype not in KERNEL_DTYPES + (torch.float32,):
+        raise ValueError(f"unsupported dtype {q.dtype}: use torch.float16 or torch.bfloat16 "
+                         "(torch.float32 only on CPU, where the reference runs)")
+    qh, kh = to_hnd(q, tensor_layout), to_hnd(k, tensor_layout)
+    B, H, Nq, D = qh.shape
+    Bk, HK, Nkv, Dk = kh.shape
+    if Bk != B:
+        raise ValueError(f"batch sizes differ: q has {B}, k has {Bk}")
+    if Dk != D:
+        raise ValueError(f"head dims differ: q has {D}, k has {Dk}")
+    if v is not None:
+        vh = to_hnd(v, tensor_layout)
+        if tuple(vh.shape) != tuple(kh.shape):
+            raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if HK == 0 or H % HK != 0:
+        raise ValueError(f"number of q heads ({H}) must be a multiple of the number of k/v heads ({HK})")
+    if min(B, H, Nq, Nkv) == 0:
+        raise ValueError(f"empty input: q shape {tuple(q.shape)}, k shape {tuple(k.shape)}")
+    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % 8 == 0):
+        raise ValueError(f"head dim {D} is not supported: use a multiple of 8 between {MIN_HEAD_DIM} and "
+                         f"{MAX_HEAD_DIM} (64 and 128 are the tuned ones)")
+    if is_causal and Nq != Nkv:
+        raise ValueError(f"is_causal=True needs equal query and key lengths, got {Nq} and {Nkv}")
+    return AttentionShape(B, H, HK, Nq, Nkv, D)
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return scale
+
+
+def per_head(value: PerHead, heads: int, name: str, device: torch.device, *,
+             low: float = -math.inf, high: float = math.inf) -> torch.Tensor:
+    """A float32 tensor of one threshold per q head, from a scalar or a length-H sequence.
+
+    Checked on the CPU before the copy to ``device``, so a call costs no GPU->CPU synchronisation
+    (a CUDA tensor argument is read back once).
+    """
+    t = torch.as_tensor(value, dtype=torch.float32).detach().flatten().cpu()
+    if t.numel() == 1:
+        t = t.expand(heads).contiguous()
+    if t.numel() != heads:
+        raise ValueError(f"{name} needs one value or one per head ({heads}), got {t.numel()}")
+    if torch.isnan(t).any():
+        raise ValueError(f"{name} contains NaN")
+    if (t < low).any() or (t > high).any():
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {t.tolist()}")
+    return _on_device(tuple(t.tolist()), str(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _on_device(values: tuple[float, ...], device: str) -> torch.Tensor:
+    """Threshold tensors are cached by value: repeated calls (every layer, every step) copy nothing."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def pick_backend(backend: Backend, device: torch.device) -> Literal["triton", "reference"]:
+    """'auto': Triton on CUDA, the float32 reference on CPU (documented fallback for tests and tiny models)."""
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu":
+        return "reference"
+    raise ValueError(f"device {device} is not supported: use a CUDA GPU, or CPU tensors for the reference path")
+
+
+def check_kernel_dtype(dtype: torch.dtype) -> None:
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the Triton kernels take torch.float16 or torch.bfloat16, got {dtype}; "
+                         "cast the inputs (e.g. q.to(torch.bfloat16)) or use backend='reference'")
+
+
+def causal_block_visible(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[q_blocks, k_blocks] bool: key block j holds at least one key that some query of block i may see."""
+    last_q = torch.clamp(torch.arange(q_blocks, device=device) * BLOCK_Q + BLOCK_Q - 1, max=kv_len - 1)
+    first_k = torch.arange(k_blocks, device=device) * BLOCK_K
+    return first_k[None, :] <= last_q[:, None]
+
+
+def causal_block_straddles(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[q_blocks, k_blocks] bool: visible key blocks that some query of block i may not fully see (the diagonal)."""
+    first_q = torch.arange(q_blocks, device=device) * BLOCK_Q
+    last_k = torch.arange(k_blocks, device=device) * BLOCK_K + BLOCK_K - 1
+    return causal_block_visible(q_blocks, k_blocks, kv_len, device) & (last_k[None, :] > first_q[:, None])

@@ -1,0 +1,230 @@
+"""Public entry points: one function per stage and one for the whole method.
+
+Each function takes q, k, v in either layout, checks them, and runs the Triton kernels on CUDA tensors or
+the float32 reference on CPU tensors (``backend="auto"``). None of them allocates O(N^2) memory: the block
+mask and its index list are O((N/128) * (N/64)).
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from ._inputs import (
+    Backend,
+    PerHead,
+    TensorLayout,
+    check_attention_inputs,
+    check_kernel_dtype,
+    pick_backend,
+    per_head,
+    resolve_scale,
+    to_hnd,
+    AttentionShape,
+)
+from .attention import block_mask_to_index, sparse_attention_triton
+from .predict import predict_block_mask_triton
+from .reference import reference_block_sparse_attention, reference_predict_block_mask
+from .stats import SparsityStats, sparsity_stats
+
+
+def _thresholds(shape: AttentionShape, device: torch.device, simthreshd1: PerHead, cdfthreshd: PerHead
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    theta = per_head(simthreshd1, shape.heads, "simthreshd1", device, low=-1.0, high=1.0)
+    tau = per_head(cdfthreshd, shape.heads, "cdfthreshd", device, low=0.0, high=1.0)
+    return theta, tau
+
+
+# A tile whose every row max lies >= 24 (log2 units) below the running max adds less than 2^-24 of the
+# largest term to each row's float32 accumulator: under float32 rounding, so skipping it cannot change a
+# float16/bfloat16 output. At such thresholds the Triton kernel leaves the stage-2 test out, because the
+# test itself costs more than it saves (H100, Mochi shape: 86.7 ms with the test vs 47.1 ms without).
+PV_TEST_LIMIT = 24.0
+
+
+def _pv_thresholds(pvthreshd: PerHead | None, shape: AttentionShape, device: torch.device, backend: str
+                   ) -> torch.Tensor | None:
+    if pvthreshd is None:
+        return None
+    t = per_head(pvthreshd, shape.heads, "pvthreshd", "cpu", low=0.0)
+    if (t <= 0).any():
+        raise ValueError("pvthreshd must be positive (or None / math.inf to turn stage 2 off)")
+    if torch.isinf(t).all() or (backend == "triton" and (t >= PV_TEST_LIMIT).all()):
+        return None
+    return per_head(t, shape.heads, "pvthreshd", device)
+
+
+def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend):
+    """Stage 1; returns (mask, compacted index or None for the reference path)."""
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
+    scale = resolve_scale(scale, shape.head_dim)
+    theta, tau = _thresholds(shape, q.device, simthreshd1, cdfthreshd)
+    if pick_backend(backend, q.device) == "reference":
+        mask = reference_predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=theta,
+                                            cdfthreshd=tau, attention_sink=attention_sink,
+                                            tensor_layout=tensor_layout)
+        return mask, None
+    check_kernel_dtype(q.dtype)
+    return predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
+                                     is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
+                                     attention_sink=attention_sink)
+
+
+def predict_block_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    simthreshd1: PerHead = 0.6,
+    cdfthreshd: PerHead = 0.98,
+    attention_sink: bool = False,
+    tensor_layout: TensorLayout = "HND",
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Stage 1 of SpargeAttn: predict which (128-query, 64-key) blocks of the attention map to compute.
+
+    Args:
+        q: (B, H, Nq, D) for ``tensor_layout="HND"`` or (B, Nq, H, D) for ``"NHD"``; fp16/bf16 (fp32 on CPU).
+        k: the same layout with H_kv heads (H_kv divides H) and Nkv tokens.
+        is_causal: drop key blocks that no query of the block may see; diagonal blocks are always kept.
+        scale: softmax scale, default 1/sqrt(D).
+        simthreshd1: theta, per head or one for all. A block whose mean pairwise cosine similarity is not
+            above theta is not summarised by its mean: its row (query) or column (key) is kept in full.
+        cdfthreshd: tau. Each query block keeps its most probable key blocks, under the softmax of the
+            compressed scores, until their cumulative probability reaches tau (TopCdf).
+        attention_sink: always keep the first key block.
+        backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference".
+    Returns:
+        (B, H, ceil(Nq/128), ceil(Nkv/64)) bool mask; every query block keeps at least one key block.
+    """
+    return _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
+                    attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend)[0]
+
+
+def _check_block_mask(block_mask: torch.Tensor, shape: AttentionShape, device: torch.device) -> None:
+    expected = (shape.q_blocks, shape.k_blocks)
+    if not isinstance(block_mask, torch.Tensor) or block_mask.dim() != 4:
+        raise ValueError(f"block_mask must be a 4-D tensor (B|1, H|1, {expected[0]}, {expected[1]})")
+    b, h, nq, nk = block_mask.shape
+    if (nq, nk) != expected or b not in (1, shape.batch) or h not in (1, shape.heads):
+        raise ValueError(f"block_mask shape {tuple(block_mask.shape)} does not match the inputs: expected "
+                         f"({shape.batch} or 1, {shape.heads} or 1, {expected[0]}, {expected[1]}) for "
+                         f"128-query x 64-key blocks")
+    if block_mask.device != device:
+        raise ValueError(f"block_mask is on {block_mask.device}, q on {device}")
+    if block_mask.dtype.is_floating_point or block_mask.dtype.is_complex:
+        raise ValueError(f"block_mask must be bool or integer, got {block_mask.dtype}")
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: torch.Tensor | None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    pvthreshd: PerHead | None = None,
+    tensor_layout: TensorLayout = "HND",
+    return_sparsity: bool = False,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+    _index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
+    """Block-sparse attention for any block mask (stage 2 of SpargeAttn, usable alone).
+
+    Args:
+        q, k, v: as in :func:`predict_block_mask`; v has k's shape.
+        block_mask: (B or 1, H or 1, ceil(Nq/128), ceil(Nkv/64)) bool/int; nonzero = compute that block.
+            None runs the dense mode of the same kernel (every block, contiguous loads).
+        is_causal: causal masking inside the kernel (needs Nq == Nkv); hidden blocks are skipped.
+        pvthreshd: stage 2 threshold, per head or one for all; None or math.inf turns it off. The P.V product
+            of a tile is skipped when, for every row, rowmax(S_tile) is at least pvthreshd below the running
+            max in log2 units of the scaled scores (the paper's lambda = -pvthreshd * ln 2). The Triton
+            kernel leaves the test out when every head's pvthreshd >= 24: what it could skip is below
+            float32 rounding, and the test costs more than it saves (see ``PV_TEST_LIMIT``); the statistics
+            then count no stage-2 skips.
+        return_sparsity: also return a :class:`SparsityStats`.
+        out: optional output buffer with q's shape, dtype and device (written in full).
+    Returns:
+        The output in q's layout and dtype; query rows that see no key (an empty mask row) are zero.
+    """
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    scale = resolve_scale(scale, shape.head_dim)
+    if block_mask is not None:
+        _check_block_mask(block_mask, shape, q.device)
+    chosen = pick_backend(backend, q.device)
+    thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; got "
+                         f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+    if chosen == "reference":
+        if block_mask is None:
+            block_mask = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
+        result, stats = reference_block_sparse_attention(q, k, v, block_mask, shape=shape, is_causal=is_causal,
+                                                         scale=scale, pvthreshd=thr, tensor_layout=tensor_layout)
+        if out is not None:
+            result = out.copy_(result)
+        return (result, stats) if return_sparsity else result
+    check_kernel_dtype(q.dtype)
+    qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
+    qh, kh, vh = (t if t.stride(-1) == 1 else t.contiguous() for t in (qh, kh, vh))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out_h = to_hnd(out, tensor_layout)
+    index = _index
+    if index is None and block_mask is not None:
+        index = block_mask_to_index(block_mask, shape, is_causal)
+    pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
+                                       pvthreshd=thr, return_counts=return_sparsity)
+    if not return_sparsity:
+        return out
+    if index is not None:
+        qk_count = index[1]
+    else:
+        full = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
+        qk_count = block_mask_to_index(full, shape, is_causal)[1]
+    return out, sparsity_stats(qk_count, pv_count, shape, is_causal)
+
+
+def sparge_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    simthreshd1: PerHead = 0.6,
+    cdfthreshd: PerHead = 0.98,
+    pvthreshd: PerHead | None = 50,
+    attention_sink: bool = False,
+    tensor_layout: TensorLayout = "HND",
+    return_sparsity: bool = False,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
+    """SpargeAttn: predict a block mask (stage 1) and run sparse attention with the PV filter (stage 2).
+
+    Defaults and names follow upstream SpargeAttn: ``simthreshd1`` is the paper's theta, ``cdfthreshd`` its
+    tau and ``pvthreshd`` its lambda as -pvthreshd in log2 units (50 skips almost nothing; 5-20 skips
+    more). See :func:`predict_block_mask` and :func:`block_sparse_attention` for each argument.
+
+    Example:
+        >>> out = sparge_attention(q, k, v, tensor_layout="NHD")                # (B, N, H, D) bf16 on CUDA
+        >>> out, stats = sparge_attention(q, k, v, return_sparsity=True)
+        >>> stats.sparsity, stats.qk_skipped                                     # overall, per head
+    """
+    mask, index = _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
+                           cdfthreshd=cdfthreshd, attention_sink=attention_sink, tensor_layout=tensor_layout,
+                           backend=backend)
+    return block_sparse_attention(q, k, v, mask, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd,
+                                  tensor_layout=tensor_layout, return_sparsity=return_sparsity, backend=backend,
+                                  out=out, _index=index)
+
+
+def relative_l1(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The paper's accuracy metric: sum|O - O'| / sum|O'|, in float64."""
+    o, r = out.double(), ref.double()
+    denom = r.abs().sum()
+    return float((o - r).abs().sum() / denom) if denom > 0 else math.inf

@@ -1,0 +1,224 @@
+"""Stage 2 of SpargeAttn in Triton: block-sparse FlashAttention with the sparse online softmax.
+
+One program per (128-row query block, batch*head). It visits the key blocks of its row of M_g through a
+compacted index list (ascending, built by ``_block_mask_to_index_kernel``), so skipped blocks cost
+nothing, and splits that walk in two loops: tiles that need no element masking first, then the few that
+do (the key tail and, under causal masking, the diagonal), so the hot loop carries no masking.
+
+The sparse online softmax (paper Sec. 3.4) skips a tile's P.V product when
+max over the tile's rows of (m_local - m_new) <= -pvthreshd in the log2-scaled score domain.
+Departure from the paper: the test covers the whole 128-row tile instead of one warp's rows (Triton has no
+per-warp branches); this skips less often than the per-warp test but never more.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _block_mask_to_index_kernel(
+    MASK, INDEX, COUNT, NFULL, H, NQ, NK, KV_LEN,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    cols = tl.arange(0, NK_PAD)
+    cvalid = cols < NK
+    keep = tl.load(MASK + b * stride_mb + h * stride_mh + pid_q * stride_mq + cols * stride_mk,
+                   mask=cvalid, other=0) != 0
+    keep = keep & cvalid
+    needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
+    if IS_CAUSAL:
+        last_q = tl.minimum(pid_q * BLOCK_Q + BLOCK_Q - 1, KV_LEN - 1)
+        keep = keep & (cols * BLOCK_K <= last_q)
+        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1) > pid_q * BLOCK_Q)
+    kept = keep.to(tl.int32)
+    position = tl.cumsum(kept, axis=0) - 1
+    row = pid_bh.to(tl.int64) * NQ + pid_q
+    tl.store(INDEX + row * NK + position, cols, mask=keep)
+    tl.store(COUNT + row, tl.sum(kept, axis=0))
+    tl.store(NFULL + row, tl.sum((keep & ~needs_masking).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, pv_count, q, j, K_base, V_base,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    cols = j * BLOCK_N + offs_n
+    kv_mask = d_mask[None, :]
+    if MASKED:
+        kv_mask = kv_mask & (cols < kv_len)[:, None]
+    k = tl.load(K_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED:
+        visible = (cols < kv_len)[None, :]
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+    # Scores stay unscaled; the scale (with log2 e) enters the row max and, fused as one FMA, the exponent.
+    m_local = tl.max(qk, axis=1) * qk_scale
+    m_new = tl.maximum(m_i, m_local)
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    # V is loaded whether or not its product is skipped: a load inside the branch cannot be software-
+    # pipelined, which cost more than the bandwidth it saves (attention here is compute-bound).
+    v = tl.load(V_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if PV_SKIP:
+        gap = tl.where(row_valid & (m_local > float("-inf")), m_local - m_new, float("-inf"))
+        if tl.max(gap, axis=0) > -pv_threshold:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            pv_count += 1
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        pv_count += 1
+    return acc, l_i, m_new, pv_count
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    Q, K, V, O, INDEX, COUNT, NFULL, PV_THRESHOLD, PV_COUNT,
+    qk_scale, H, GROUP, q_len, kv_len, NK,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_INDEX: tl.constexpr, PV_SKIP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    row_valid = offs_m < q_len
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    K_base = K + b * stride_kb + hk * stride_kh
+    V_base = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    pv_count = 0
+    pv_threshold = 0.0
+    if PV_SKIP:
+        pv_threshold = tl.load(PV_THRESHOLD + h)
+    row = pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m
+    index = INDEX + row * NK
+    if USE_INDEX:
+        count = tl.load(COUNT + row)
+        n_full = tl.load(NFULL + row)
+    else:
+        count = NK
+        n_full = kv_len // BLOCK_N
+        if IS_CAUSAL:
+            count = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, kv_len - 1) // BLOCK_N + 1
+            n_full = tl.minimum(n_full, (pid_m * BLOCK_M + 1) // BLOCK_N)
+
+    for it in range(0, n_full):
+        if USE_INDEX:
+            j = tl.load(index + it)
+        else:
+            j = it
+        acc, l_i, m_i, pv_count = _attend_tile(
+            acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+            MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+    for it in range(n_full, count):
+        if USE_INDEX:
+            j = tl.load(index + it)
+        else:
+            j = it
+        acc, l_i, m_i, pv_count = _attend_tile(
+            acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+            MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+
+    seen = l_i > 0.0  # a query row that saw no key gets a zero output, never NaN
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    if RETURN_COUNTS:
+        tl.store(PV_COUNT + row, pv_count)
+
+
+def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_causal: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compact each row of a (B|1, H|1, nq, nk) mask into ascending key-block indices.
+
+    Returns (index (B, H, nq, nk) int32, count (B, H, nq) int32, n_full (B, H, nq) int32), where the first
+    n_full indices of a row need no element masking. Blocks that causal masking hides are dropped.
+    """
+    B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
+    m = block_mask if block_mask.dtype != torch.bool else block_mask.view(torch.uint8)
+    m = m.expand(B, H, nq, nk)
+    index = torch.empty(B, H, nq, nk, device=m.device, dtype=torch.int32)
+    count = torch.empty(B, H, nq, device=m.device, dtype=torch.int32)
+    n_full = torch.empty_like(count)
+    _block_mask_to_index_kernel[(nq, B * H)](
+        m, index, count, n_full, H, nq, nk, shape.kv_len, *m.stride(),
+        NK_PAD=max(triton.next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+        num_warps=4,
+    )
+    return index, count, n_full
+
+
+# Benchmarks may set this to try other launch settings, e.g. {"num_warps": 4, "num_stages": 2}.
+LAUNCH_OVERRIDE: dict | None = None
+
+
+def _launch_config(head_dim: int) -> dict:
+    if LAUNCH_OVERRIDE is not None:
+        return LAUNCH_OVERRIDE
+    # Measured on an H100 (benchmarks/launch_sweep.py): 8 warps and 3 stages are best for D = 64 and 128.
+    return {"num_warps": 8, "num_stages": 3}
+
+
+def sparse_attention_triton(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, *,
+    is_causal: bool, scale: float, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    pvthreshd: torch.Tensor | None, return_counts: bool,
+) -> torch.Tensor | None:
+    """Launch the attention kernel on (B, H, N, D) views, writing ``out_h``.
+
+    ``index`` None runs the dense mode (every visible key block, contiguous walk). Returns the per-(b, h,
+    query block) count of P.V products computed when ``return_counts``, else None.
+    """
+    B, H = shape.batch, shape.heads
+    nq, nk = shape.q_blocks, shape.k_blocks
+    unused = torch.zeros(1, device=qh.device, dtype=torch.int32)  # stands in for pointers a mode never reads
+    pv_count = torch.empty(B, H, nq, device=qh.device, dtype=torch.int32) if return_counts else unused
+    idx, count, n_full = index if index is not None else (unused, unused, unused)
+    pv_thr = pvthreshd if pvthreshd is not None else unused.float()
+    _sparse_attention_kernel[(nq, B * H)](
+        qh, kh, vh, out_h, idx, count, n_full, pv_thr, pv_count,
+        scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk,
+        *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
+        HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_K,
+        IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,
+        RETURN_COUNTS=return_counts, **_launch_config(shape.head_dim),
+    )
+    return pv_count if return_counts else None

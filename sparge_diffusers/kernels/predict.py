@@ -1,0 +1,195 @@
+"""Stage 1 of SpargeAttn in Triton: predict the block mask M_g from compressed Q and K.
+
+Three launches (SpargeAttn Sec. 3.2, Algorithm 1 lines 4-6):
+1. ``_block_mean_similarity_kernel``: per block of Q (128 rows) and of K (64 rows), the mean token and
+   the mean pairwise cosine similarity. The similarity uses sum_{a,b} cos(x_a, x_b) = |sum_a x_a/|x_a||^2,
+   which is O(b*D) instead of the Gram matrix's O(b^2*D).
+2. ``_compressed_scores_kernel``: the compressed scores q_i.k_j * scale as tiled float32 products.
+3. ``_topcdf_block_mask_kernel``: for a group of query blocks, softmax over the key blocks (non-self-similar key blocks excluded), TopCdf, and the forced rows/columns.
+   TopCdf is computed without a sort: entry j is kept iff the probability mass of all entries >= p_j is at
+   most tau; the smallest such p is found by bisection over the bit patterns of positive floats (which
+   order like the floats), 30 steps, exactly, so the result equals the sort-based rule up to ties.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+
+LOG2E = 1.4426950408889634
+_BITS_ABOVE_ONE = 0x3F800001  # int32 bit pattern of the float right after 1.0
+
+
+@triton.jit
+def _block_mean_similarity_kernel(
+    X, MEANS, SIM, N, H,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    stride_mb, stride_mh, stride_mn, stride_md,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D_PAD)
+    rmask = rows < N
+    cmask = cols < HEAD_DIM
+    x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + cols[None, :] * stride_xd,
+                mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    n = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
+    mean = tl.sum(x, axis=0) / n
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    unit_sum = tl.sum(x / tl.maximum(norm, 1e-12)[:, None], axis=0)
+    similarity = tl.sum(unit_sum * unit_sum, axis=0) / (n * n)
+    tl.store(MEANS + b * stride_mb + h * stride_mh + pid_n * stride_mn + cols * stride_md, mean, mask=cmask)
+    tl.store(SIM + pid_bh * tl.num_programs(0) + pid_n, similarity)
+
+
+@triton.jit
+def _compressed_scores_kernel(QMEAN, KMEAN, S, H, GROUP, NQ, NK, scale_log2,
+                              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
+                              PRECISION: tl.constexpr = "tf32x3"):
+    """S[b, h] = (mean(Q_i) . mean(K_j)) * scale * log2(e), float32, one TILE x TILE tile per program.
+
+    tf32x3 (three tf32 tensor-core products) keeps float32 accuracy; an "ieee" 64 x 64 tile spills and
+    took 2.5 ms at the Mochi shape on an H100 against 0.03 ms (benchmarks/predict_breakdown.py).
+    """
+    pid_q = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    bhk = (pid_bh // H) * (H // GROUP) + (pid_bh % H) // GROUP
+    rq = pid_q * TILE + tl.arange(0, TILE)
+    rk = pid_k * TILE + tl.arange(0, TILE)
+    d = tl.arange(0, D_PAD)
+    dm = d < HEAD_DIM
+    qm = tl.load(QMEAN + (pid_bh.to(tl.int64) * NQ + rq[:, None]) * HEAD_DIM + d[None, :],
+                 mask=(rq < NQ)[:, None] & dm[None, :], other=0.0)
+    km = tl.load(KMEAN + (bhk.to(tl.int64) * NK + rk[:, None]) * HEAD_DIM + d[None, :],
+                 mask=(rk < NK)[:, None] & dm[None, :], other=0.0)
+    s = tl.dot(qm, tl.trans(km), input_precision=PRECISION) * scale_log2
+    tl.store(S + (pid_bh.to(tl.int64) * NQ + rq[:, None]) * NK + rk[None, :], s,
+             mask=(rq < NQ)[:, None] & (rk < NK)[None, :])
+
+
+@triton.jit
+def _topcdf_block_mask_kernel(
+    SCORES, QSIM, KSIM, THETA, TAU, MASK, INDEX, COUNT, NFULL,
+    H, GROUP, NQ, NK, KV_LEN,
+    ROWS: tl.constexpr, NK_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS_ABOVE_ONE: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    bhk = b * (H // GROUP) + h // GROUP
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, NK_PAD)
+    rvalid = rows < NQ
+    cvalid = cols < NK
+
+    row_offset = (pid_bh.to(tl.int64) * NQ + rows) * NK
+    s = tl.load(SCORES + row_offset[:, None] + cols[None, :], mask=rvalid[:, None] & cvalid[None, :], other=0.0)
+
+    theta = tl.load(THETA + h)
+    tau = tl.load(TAU + h)
+    q_similar = tl.load(QSIM + pid_bh * NQ + rows, mask=rvalid, other=1.0) > theta
+    k_similar = tl.load(KSIM + bhk * NK + cols, mask=cvalid, other=1.0) > theta
+    valid = rvalid[:, None] & cvalid[None, :]
+    if IS_CAUSAL:
+        last_q = tl.minimum(rows * BLOCK_Q + BLOCK_Q - 1, KV_LEN - 1)
+        valid = valid & ((cols * BLOCK_K)[None, :] <= last_q[:, None])
+    live = valid & k_similar[None, :]
+    s = tl.where(live, s, float("-inf"))
+    row_max = tl.max(s, axis=1)
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    p = tl.exp2(s - row_max[:, None])  # unnormalised softmax; exactly 1.0 at the row's argmax
+    target = tau * tl.sum(p, axis=1)
+
+    # Bisection for the smallest t with mass(p >= t) <= tau * total.
+    lo = tl.zeros([ROWS], dtype=tl.int32)
+    hi = tl.zeros([ROWS], dtype=tl.int32) + tl.where(tau >= 1.0, 0, BITS_ABOVE_ONE)
+    for _ in range(30):
+        mid = lo + (hi - lo) // 2
+        t = mid.to(tl.float32, bitcast=True)
+        mass = tl.sum(tl.where(p >= t[:, None], p, 0.0), axis=1)
+        ok = mass <= target
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid)
+    threshold = hi.to(tl.float32, bitcast=True)
+    keep = live & ((p >= threshold[:, None]) | (p == 1.0))  # p == 1: a row keeps at least its argmax
+    keep = keep | (~q_similar)[:, None] | (~k_similar)[None, :]
+    if SINK:
+        keep = keep | (cols == 0)[None, :]
+    if IS_CAUSAL:
+        keep = keep | ((cols * BLOCK_K + BLOCK_K - 1)[None, :] > (rows * BLOCK_Q)[:, None])
+    keep = keep & valid
+    tl.store(MASK + row_offset[:, None] + cols[None, :], keep.to(tl.int8), mask=rvalid[:, None] & cvalid[None, :])
+
+    # The attention kernel's compacted walk, built here while the row is in registers (same layout as
+    # attention._block_mask_to_index_kernel): ascending kept key blocks, tiles needing no masking first.
+    needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
+    needs_masking = needs_masking[None, :]
+    if IS_CAUSAL:
+        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1)[None, :] > (rows * BLOCK_Q)[:, None])
+    kept = keep.to(tl.int32)
+    position = tl.cumsum(kept, axis=1) - 1
+    tl.store(INDEX + row_offset[:, None] + position, cols[None, :] + 0 * position, mask=keep)
+    row_ids = pid_bh * NQ + rows
+    tl.store(COUNT + row_ids, tl.sum(kept, axis=1), mask=rvalid)
+    tl.store(NFULL + row_ids, tl.sum((keep & ~needs_masking).to(tl.int32), axis=1), mask=rvalid)
+
+
+def block_statistics_triton(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block means (B, H, nb, D) and mean pairwise cosine similarities (B, H, nb), both float32."""
+    B, H, N, D = x.shape
+    nb = triton.cdiv(N, block_size)
+    means = torch.empty(B, H, nb, D, device=x.device, dtype=torch.float32)
+    sm = means.stride()
+    sim = torch.empty(B, H, nb, device=x.device, dtype=torch.float32)
+    _block_mean_similarity_kernel[(nb, B * H)](
+        x, means, sim, N, H, *x.stride(), *sm,
+        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size,
+        num_warps=4 if block_size * D <= 8192 else 8,
+    )
+    return means, sim
+
+
+def predict_block_mask_triton(
+    qh: torch.Tensor, kh: torch.Tensor, shape: AttentionShape, *, is_causal: bool, scale: float,
+    simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Launch stage 1 on (B, H, N, D) views.
+
+    Returns the (B, H, nq, nk) bool block mask and its compacted form (index, count, n_full) as
+    :func:`attention.block_mask_to_index` builds it, so the attention kernel needs no extra pass.
+    """
+    q_means, q_sim = block_statistics_triton(qh, BLOCK_Q)
+    k_means, k_sim = block_statistics_triton(kh, BLOCK_K)
+    nq, nk = shape.q_blocks, shape.k_blocks
+    group = shape.heads // shape.kv_heads
+    scores = torch.empty(shape.batch, shape.heads, nq, nk, device=qh.device, dtype=torch.float32)
+    tile = 64
+    _compressed_scores_kernel[(triton.cdiv(nq, tile), triton.cdiv(nk, tile), shape.batch * shape.heads)](
+        q_means, k_means, scores, shape.heads, group, nq, nk, scale * LOG2E,
+        HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), TILE=tile, num_warps=4)
+    mask = torch.empty(shape.batch, shape.heads, nq, nk, device=qh.device, dtype=torch.int8)
+    index = torch.empty(shape.batch, shape.heads, nq, nk, device=qh.device, dtype=torch.int32)
+    count = torch.empty(shape.batch, shape.heads, nq, device=qh.device, dtype=torch.int32)
+    n_full = torch.empty_like(count)
+    nk_pad = max(triton.next_power_of_2(nk), 16)
+    rows = 1 if nk_pad >= 1024 else 4  # fastest on an H100 (benchmarks/predict_breakdown.py)
+    grid = (triton.cdiv(nq, rows), shape.batch * shape.heads)
+    _topcdf_block_mask_kernel[grid](
+        scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full,
+        shape.heads, group, nq, nk, shape.kv_len,
+        ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
+        BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
+        num_warps=4,
+    )
+    return mask.view(torch.bool), (index, count, n_full)

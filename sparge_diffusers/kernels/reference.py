@@ -1,0 +1,195 @@
+"""Float32 PyTorch reference of every kernel, written for clarity rather than speed.
+
+The tests use these functions as the oracle, and on CPU tensors the public functions run them
+(so pipelines can be tested without a GPU). They follow SpargeAttn (arXiv 2502.18137) Sec. 3.2-3.4 and
+Algorithm 1, with the same deliberate choices as the Triton kernels (each marked "departure" below).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._inputs import (
+    BLOCK_K,
+    BLOCK_Q,
+    AttentionShape,
+    TensorLayout,
+    causal_block_straddles,
+    causal_block_visible,
+    to_hnd,
+)
+from .stats import SparsityStats, sparsity_stats
+
+LOG2E = 1.4426950408889634
+
+
+def reference_block_statistics(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block mean token and mean pairwise cosine similarity (the paper's CosSim, upstream's "meansim").
+
+    Args:
+        x: (B, H, N, D) tensor.
+        block_size: tokens per block; the last block may be shorter and is averaged over its own tokens.
+    Returns:
+        means (B, H, nblocks, D) float32 and similarity (B, H, nblocks) float32, where the similarity of a
+        block X with n rows is mean_{a,b} cos(x_a, x_b) over all n^2 ordered pairs (diagonal included).
+    """
+    B, H, N, D = x.shape
+    nb = math.ceil(N / block_size)
+    xf = x.float()
+    pad = nb * block_size - N
+    xp = torch.nn.functional.pad(xf, (0, 0, 0, pad)).view(B, H, nb, block_size, D)
+    counts = torch.full((nb,), float(block_size), device=x.device)
+    counts[-1] = N - (nb - 1) * block_size
+    means = xp.sum(dim=3) / counts[:, None]
+    unit = xp / xp.norm(dim=-1, keepdim=True).clamp(min=1e-12)  # padded rows stay zero
+    gram = unit @ unit.transpose(-1, -2)
+    similarity = gram.sum(dim=(-1, -2)) / counts**2
+    return means, similarity
+
+
+def _mass_at_or_above(p: torch.Tensor) -> torch.Tensor:
+    """For each entry p_j of the last dim: sum of all entries >= p_j (TopCdf's cumulative mass)."""
+    asc, _ = torch.sort(p, dim=-1)
+    suffix = asc.flip(-1).cumsum(-1).flip(-1)
+    first_ge = torch.searchsorted(asc.contiguous(), p.contiguous(), right=False)
+    return torch.gather(suffix, -1, first_ge)
+
+
+def reference_prediction_details(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+    simthreshd1: torch.Tensor,
+    cdfthreshd: torch.Tensor,
+    attention_sink: bool,
+    tensor_layout: TensorLayout = "HND",
+) -> dict[str, torch.Tensor]:
+    """Stage 1 with every intermediate exposed (used by tests to locate borderline decisions)."""
+    qh, kh = to_hnd(q, tensor_layout), to_hnd(k, tensor_layout)
+    B, H, Nq, D = qh.shape
+    HK, Nkv = kh.shape[1], kh.shape[2]
+    q_means, q_sim = reference_block_statistics(qh, BLOCK_Q)
+    k_means, k_sim = reference_block_statistics(kh, BLOCK_K)
+    group = H // HK
+    k_means = k_means.repeat_interleave(group, dim=1)
+    k_sim = k_sim.repeat_interleave(group, dim=1)
+    nq, nk = q_means.shape[2], k_means.shape[2]
+    theta = simthreshd1.view(1, H, 1).to(q_sim.device)
+    q_similar = q_sim > theta  # (B, H, nq)
+    k_similar = k_sim > theta  # (B, H, nk)
+
+    scores = (q_means @ k_means.transpose(-1, -2)) * scale  # compressed Q.K^T, (B, H, nq, nk)
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    if is_causal:
+        visible = causal_block_visible(nq, nk, Nkv, q.device)
+    # Non-self-similar key blocks are not represented by their mean: keep them out of the softmax.
+    scores = scores.masked_fill(~k_similar[:, :, None, :] | ~visible, -math.inf)
+    row_max = scores.amax(-1, keepdim=True)
+    p = torch.exp(scores - torch.where(torch.isinf(row_max), 0.0, row_max))  # unnormalised softmax
+    total = p.sum(-1, keepdim=True)
+    mass = _mass_at_or_above(p)
+    tau = cdfthreshd.view(1, H, 1, 1).to(p.device)
+    # TopCdf: keep the top entries whose cumulative probability reaches tau. Departure from the paper's
+    # sort-based code: entries with equal probability are kept or dropped together.
+    selected = (mass <= tau * total) | (tau >= 1)
+    # Like upstream, a row always keeps its most probable block (the paper's TopCdf can select none).
+    selected |= (p == p.amax(-1, keepdim=True)) & (total > 0)
+    mask = selected & k_similar[:, :, None, :] & visible
+    mask |= ~q_similar[:, :, :, None]  # Eq. 5: rows of non-self-similar query blocks are computed in full
+    mask |= ~k_similar[:, :, None, :]  # Eq. 5: columns of non-self-similar key blocks too
+    if attention_sink:
+        mask[..., 0] = True
+    if is_causal:
+        # Departure: the diagonal key blocks are always kept, so every query row sees at least itself.
+        mask |= causal_block_straddles(nq, nk, Nkv, q.device)
+        mask &= visible
+    return {
+        "mask": mask,
+        "q_similarity": q_sim,
+        "k_similarity": k_sim,
+        "probability": p / total.clamp(min=1e-30),
+        "mass": mass / total.clamp(min=1e-30),
+        "visible": visible,
+    }
+
+
+def reference_predict_block_mask(q, k, **kwargs) -> torch.Tensor:
+    """Stage 1: the block mask M_g, (B, H, ceil(Nq/128), ceil(Nkv/64)) bool."""
+    return reference_prediction_details(q, k, **kwargs)["mask"]
+
+
+def reference_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: torch.Tensor,
+    *,
+    shape: AttentionShape,
+    is_causal: bool,
+    scale: float,
+    pvthreshd: torch.Tensor | None,
+    tensor_layout: TensorLayout = "HND",
+) -> tuple[torch.Tensor, SparsityStats]:
+    """Block-sparse FlashAttention with the sparse online softmax (stage 2), tile by tile, in float32.
+
+    Key blocks of each query block are visited in ascending order, as the kernel does. For each tile the
+    running max, normaliser and output rescale are updated as in Eq. 1; the P.V product is skipped when
+    max over the tile's rows of (m_local - m_new) * scale * log2(e) <= -pvthreshd (upstream's units; the
+    paper's lambda = -pvthreshd * ln 2). Departure: the granularity is the whole 128-row tile rather than a
+    warp's 16 rows. Following Algorithm 1 line 13, the row sums still enter the normaliser when P.V is
+    skipped. Query rows that see no key get a zero output.
+    """
+    qh, kh, vh = (to_hnd(t, tensor_layout).float() for t in (q, k, v))
+    B, H, Nq, D = qh.shape
+    group = H // kh.shape[1]
+    kh = kh.repeat_interleave(group, dim=1)
+    vh = vh.repeat_interleave(group, dim=1)
+    nq, nk = shape.q_blocks, shape.k_blocks
+    mask = block_mask.to(torch.bool).expand(B, H, nq, nk)
+    if is_causal:
+        mask = mask & causal_block_visible(nq, nk, shape.kv_len, q.device)
+    thr = None if pvthreshd is None else pvthreshd.view(1, H).to(q.device)
+    out = torch.zeros_like(qh)
+    qk_counts = mask.sum(-1).to(torch.int64)
+    pv_counts = torch.zeros(B, H, nq, dtype=torch.int64, device=q.device)
+    for i in range(nq):
+        rows = slice(i * BLOCK_Q, min((i + 1) * BLOCK_Q, Nq))
+        qi = qh[:, :, rows]
+        n_rows = qi.shape[2]
+        m = torch.full((B, H, n_rows), -math.inf, device=q.device)
+        l = torch.zeros(B, H, n_rows, device=q.device)
+        acc = torch.zeros(B, H, n_rows, D, device=q.device)
+        q_pos = torch.arange(rows.start, rows.stop, device=q.device)
+        for j in range(nk):
+            active = mask[:, :, i, j]  # (B, H)
+            if not active.any():
+                continue
+            cols = slice(j * BLOCK_K, min((j + 1) * BLOCK_K, shape.kv_len))
+            s = (qi @ kh[:, :, cols].transpose(-1, -2)) * (scale * LOG2E)  # log2 domain, like the kernel
+            if is_causal:
+                k_pos = torch.arange(cols.start, cols.stop, device=q.device)
+                s = s.masked_fill(k_pos[None, :] > q_pos[:, None], -math.inf)
+            m_local = s.amax(-1)
+            m_new = torch.maximum(m, m_local)
+            m_use = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that have seen no key yet
+            alpha = torch.exp2(m - m_use)
+            p = torch.exp2(s - m_use[..., None])
+            do_pv = active
+            if thr is not None:
+                # (B, H): the tile's largest row-max gap; rows with no visible key in the tile do not count
+                gap = torch.where(torch.isinf(m_local), -math.inf, m_local - m_new).amax(-1)
+                do_pv = active & (gap > -thr)
+            a = active[..., None]
+            l = torch.where(a, l * alpha + p.sum(-1), l)
+            acc = torch.where(a[..., None], acc * alpha[..., None], acc)
+            acc = torch.where(do_pv[..., None, None], acc + p @ vh[:, :, cols], acc)
+            m = torch.where(a, m_new, m)
+            pv_counts[:, :, i] += do_pv
+        out[:, :, rows] = torch.where(l[..., None] > 0, acc / l.clamp(min=1e-30)[..., None], 0.0)
+    stats = sparsity_stats(qk_counts, pv_counts, shape, is_causal)
+    out = out.to(q.dtype)
+    return (out if tensor_layout == "HND" else out.transpose(1, 2)), stats

@@ -1,0 +1,168 @@
+"""Structured attention inputs for tests and benchmarks.
+
+Random Gaussian q/k give a flat attention map: nothing to skip and nothing to learn about selection. These
+generators build inputs whose attention has the structure of real models, reproducibly from a seed:
+
+* :func:`video_like_qkv`: tokens on a (T, H, W) grid (row-major, W fastest) whose q/k mix a spatially
+  smooth content field with a 3-D rotary positional term. The positional amplitude falls from the first
+  head to the last, so heads range from local (a few neighbouring tokens) to global.
+* :func:`llm_like_qkv`: causal-LM-like q/k with an attention sink on token 0, a rotary local window and a
+  few scattered "vertical" key stripes that every query attends to, with grouped-query heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .kernels._inputs import TensorLayout, check_layout
+
+
+def _rotary_features(positions: torch.Tensor, pairs: int, min_wavelength: float, max_wavelength: float
+                     ) -> torch.Tensor:
+    """[N, 2*pairs] cos/sin features; their dot product is sum_i cos(w_i * delta), peaked at delta = 0."""
+    wavelengths = torch.logspace(math.log10(min_wavelength), math.log10(max_wavelength), pairs,
+                                 device=positions.device)
+    angles = positions.float()[:, None] * (2 * math.pi / wavelengths)[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _finish(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, layout: TensorLayout):
+    out = []
+    for t in (q, k, v):
+        t = t.to(dtype)
+        out.append(t if layout == "HND" else t.transpose(1, 2).contiguous())
+    return tuple(out)
+
+
+def video_like_qkv(
+    grid: tuple[int, int, int],
+    *,
+    batch: int = 1,
+    heads: int = 4,
+    head_dim: int = 64,
+    kv_heads: int | None = None,
+    text_tokens: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    tensor_layout: TensorLayout = "HND",
+    locality: tuple[float, float] = (14.0, 3.0),
+    mean_q: float = 1.5,
+    mean_k: float = 1.5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v for ``text_tokens`` text tokens followed by T*H*W visual tokens.
+
+    Args:
+        grid: (T, H, W) of the visual tokens.
+        locality: peak positional logit (after the 1/sqrt(D) scale) of the first and of the last head,
+            spaced geometrically; larger means more local attention.
+        mean_q, mean_k: norm of the per-head mean offset of q and k, relative to the mean token norm.
+    Returns:
+        (q, k, v) in ``tensor_layout``; k and v have ``kv_heads`` heads (default ``heads``).
+    """
+    check_layout(tensor_layout)
+    kv_heads = kv_heads or heads
+    T, Hh, W = grid
+    n_vis = T * Hh * W
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dev = torch.device(device)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev)
+
+    pos_dim = head_dim // 2
+    content_dim = head_dim - pos_dim
+    pairs = [pos_dim // 6, pos_dim // 6, pos_dim // 2 - 2 * (pos_dim // 6)]  # t, y, x
+    t, y, x = torch.meshgrid(torch.arange(T, device=dev), torch.arange(Hh, device=dev),
+                             torch.arange(W, device=dev), indexing="ij")
+    pos = torch.cat([_rotary_features(c.flatten(), n, 4.0, 4.0 * max(T, Hh, W))
+                     for c, n in zip((t, y, x), pairs)], dim=-1)  # [N, pos_dim]
+    peak = torch.logspace(math.log10(locality[0]), math.log10(locality[1]), kv_heads, device=dev)
+    amp_pos = (peak * math.sqrt(head_dim) / pos.shape[1]).sqrt()  # a^2 * pairs_total / sqrt(D) = peak
+
+    channels = 16
+    qs, ks, vs = [], [], []
+    for _ in range(batch):
+        low = randn(1, channels, T // 4 + 2, Hh // 8 + 2, W // 8 + 2)
+        field = F.interpolate(low, size=(T, Hh, W), mode="trilinear", align_corners=True)[0]
+        field = field.reshape(channels, n_vis).T
+        field = (field - field.mean(0)) / field.std(0).clamp(min=1e-6)  # [N, C], smooth in space-time
+        w_qk = randn(kv_heads, channels, content_dim) / math.sqrt(channels)
+        w_v = randn(kv_heads, channels, head_dim) / math.sqrt(channels)
+        content = field[None] @ w_qk  # [Hkv, N, content_dim]
+        k_vis = torch.cat([amp_pos[:, None, None] * pos[None].expand(kv_heads, -1, -1), content], dim=-1)
+        k_vis = k_vis + 0.3 * randn(kv_heads, n_vis, head_dim)
+        v_vis = field[None] @ w_v + 0.5 * randn(kv_heads, n_vis, head_dim)
+        group = heads // kv_heads
+        q_vis = k_vis.repeat_interleave(group, 0) + 0.3 * randn(heads, n_vis, head_dim)
+        # Real projections have a large mean component. On k it changes no attention weight (it adds the
+        # same logit to a whole row) but raises block self-similarity; on q it adds a mild global bias.
+        token_norm = k_vis.norm(dim=-1).mean()
+        k_vis = k_vis + mean_k * token_norm * F.normalize(randn(kv_heads, 1, head_dim), dim=-1)
+        q_vis = q_vis + mean_q * token_norm * F.normalize(randn(heads, 1, head_dim), dim=-1)
+        if text_tokens:
+            k_txt, v_txt = randn(kv_heads, text_tokens, head_dim), randn(kv_heads, text_tokens, head_dim)
+            q_txt = randn(heads, text_tokens, head_dim)
+            q_vis = torch.cat([q_txt, q_vis], 1)
+            k_vis = torch.cat([k_txt, k_vis], 1)
+            v_vis = torch.cat([v_txt, v_vis], 1)
+        qs.append(q_vis)
+        ks.append(k_vis)
+        vs.append(v_vis)
+    return _finish(torch.stack(qs), torch.stack(ks), torch.stack(vs), dtype, tensor_layout)
+
+
+def llm_like_qkv(
+    seq_len: int,
+    *,
+    batch: int = 1,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    tensor_layout: TensorLayout = "HND",
+    stripes_per_1k: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal-LM-like q, k, v: attention sink, rotary local window and scattered vertical stripes."""
+    check_layout(tensor_layout)
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dev = torch.device(device)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev)
+
+    group = heads // kv_heads
+    pos_dim = head_dim // 2
+    pos = _rotary_features(torch.arange(seq_len, device=dev), pos_dim // 2, 4.0, 4.0 * seq_len)
+    window = torch.logspace(math.log10(12.0), math.log10(4.0), kv_heads, device=dev)  # peak logits
+    amp = (window * math.sqrt(head_dim) / pos_dim).sqrt()
+    content_dim = head_dim - pos_dim
+    n_stripes = max(1, int(stripes_per_1k * seq_len / 1000))
+    qs, ks, vs = [], [], []
+    for _ in range(batch):
+        k = torch.cat([amp[:, None, None] * pos[None].expand(kv_heads, -1, -1),
+                       0.5 * randn(kv_heads, seq_len, content_dim)], -1)
+        q = k.repeat_interleave(group, 0) + 0.5 * randn(heads, seq_len, head_dim)
+        # Sink and stripes: a shared direction in the content dims that every query carries.
+        sink_dir = F.normalize(randn(kv_heads, content_dim), dim=-1)
+        stripe_dir = F.normalize(randn(kv_heads, content_dim), dim=-1)
+        scale = math.sqrt(head_dim)
+        k[:, 0, pos_dim:] += 4.0 * sink_dir
+        stripes = torch.randint(1, seq_len, (n_stripes,), generator=gen, device=dev)
+        k[:, stripes, pos_dim:] += 3.0 * stripe_dir[:, None, :]
+        q_dirs = 2.5 * sink_dir + 2.5 * stripe_dir
+        q[:, :, pos_dim:] += q_dirs.repeat_interleave(group, 0)[:, None, :] * (scale / 10)
+        norm = k.norm(dim=-1).mean()
+        k = k + 1.5 * norm * F.normalize(randn(kv_heads, 1, head_dim), dim=-1)  # mean offsets, as above
+        q = q + 1.5 * norm * F.normalize(randn(heads, 1, head_dim), dim=-1)
+        qs.append(q)
+        ks.append(k)
+        vs.append(randn(kv_heads, seq_len, head_dim))
+    return _finish(torch.stack(qs), torch.stack(ks), torch.stack(vs), dtype, tensor_layout)

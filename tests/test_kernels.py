@@ -1,0 +1,291 @@
+"""Triton kernels (interpreter on CPU) against the float32 reference, and the public API's contracts."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, relative_l1
+from sparge_diffusers import sparge_attention
+from sparge_diffusers.kernels.predict import block_statistics_triton
+from sparge_diffusers.kernels.reference import reference_block_statistics, reference_prediction_details
+from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
+
+# bf16 keeps 8 mantissa bits: rounding the output alone gives a relative L1 of about 2e-3 to 5e-3.
+L1_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+
+
+def make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(h, n):
+        x = torch.randn(B, h, n, D, generator=g).to(dtype)
+        return x if layout == "HND" else x.transpose(1, 2).contiguous()
+
+    return rnd(H, Nq), rnd(HK, Nkv), rnd(HK, Nkv)
+
+
+def dense_reference(q, k, v, is_causal, layout):
+    if layout == "NHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
+                                         v.float().repeat_interleave(g, 1), is_causal=is_causal)
+    return out if layout == "HND" else out.transpose(1, 2)
+
+
+def poisoned_like(q):
+    return torch.full_like(q, float("nan"))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("N,D,block", [(200, 64, BLOCK_Q), (77, 128, BLOCK_K), (64, 72, BLOCK_K), (5, 64, BLOCK_Q)])
+def test_block_statistics_match_reference(layout, N, D, block):
+    q, _, _ = make_qkv(2, 3, 3, N, N, D, torch.bfloat16, layout, seed=N + D)
+    qh = q if layout == "HND" else q.transpose(1, 2)
+    means, sim = block_statistics_triton(qh, block)
+    ref_means, ref_sim = reference_block_statistics(qh, block)
+    torch.testing.assert_close(means, ref_means, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(sim, ref_sim, atol=1e-5, rtol=1e-4)
+    # a block of identical tokens has similarity 1
+    same = torch.ones(1, 1, 2 * block, D, dtype=torch.bfloat16)
+    assert torch.allclose(block_statistics_triton(same, block)[1], torch.ones(1, 1, 2))
+
+
+MASK_CASES = [
+    # B, H, HK, Nq, Nkv, D, causal
+    (1, 2, 2, 300, 300, 64, False),
+    (2, 4, 2, 257, 257, 64, True),  # GQA, odd length
+    (1, 2, 1, 100, 450, 128, False),  # Nq != Nkv, Nq shorter than one block
+    (1, 2, 2, 600, 600, 128, True),
+]
+
+
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,D,causal", MASK_CASES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_predict_block_mask_matches_reference(B, H, HK, Nq, Nkv, D, causal, layout, dtype):
+    q, k, _ = make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed=Nq * 7 + D)
+    # give q and k a shared mean so that some blocks are self-similar and TopCdf has work to do
+    q, k = q + 1.0, k + 1.5
+    theta = torch.linspace(0.1, 0.5, H)
+    tau = torch.linspace(0.5, 0.95, H)
+    kw = dict(is_causal=causal, simthreshd1=theta, cdfthreshd=tau, tensor_layout=layout)
+    mask = predict_block_mask(q, k, backend="triton", **kw)
+    details = reference_prediction_details(q, k, scale=D ** -0.5, simthreshd1=theta, cdfthreshd=tau,
+                                           attention_sink=False, is_causal=causal, tensor_layout=layout)
+    ref = details["mask"]
+    assert mask.shape == (B, H, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K)) and mask.dtype == torch.bool
+    # Only decisions that sit on a threshold (within float32 rounding of the two summation orders) may differ.
+    t = tau.view(1, H, 1, 1)
+    borderline = (details["mass"] - t).abs() < 1e-4
+    borderline |= ((details["q_similarity"] - theta.view(1, H, 1)).abs() < 1e-4)[..., None]
+    borderline |= ((details["k_similarity"] - theta.view(1, H, 1)).abs() < 1e-4)[:, :, None, :]
+    assert ((mask != ref) & ~borderline).sum() == 0
+    assert mask.any(-1).all(), "every query block keeps at least one key block"
+    assert 0 < ref.float().mean() < 1, "the case should exercise selection"
+
+
+def test_topcdf_keeps_the_smallest_prefix_reaching_tau():
+    # one head, one query block; keys with hand-made compressed scores: the kept set must be exactly the
+    # most probable blocks whose cumulative probability stays within tau
+    D, nk = 64, 6
+    q = torch.zeros(1, 1, BLOCK_Q, D)
+    q[..., 0] = 1.0
+    logits = torch.tensor([3.0, 0.0, 2.0, -1.0, 1.0, -2.0])
+    k = torch.zeros(1, 1, nk * BLOCK_K, D)
+    k[..., 0] = logits.repeat_interleave(BLOCK_K) * math.sqrt(D)
+    k[..., 1] = 1.0  # keep every key block self-similar
+    p = torch.softmax(logits, 0)
+    for tau in (0.5, 0.7, 0.9, 0.99):
+        order = torch.argsort(p, descending=True)
+        n_keep = max(1, int((torch.cumsum(p[order], 0) <= tau).sum()))
+        expected = torch.zeros(nk, dtype=torch.bool)
+        expected[order[:n_keep]] = True
+        for backend in ("triton", "reference"):
+            got = predict_block_mask(q.half(), k.half(), simthreshd1=-1.0, cdfthreshd=tau, backend=backend)
+            assert torch.equal(got[0, 0, 0], expected), (tau, backend)
+
+
+ATTN_CASES = [
+    # B, H, HK, Nq, Nkv, D, causal
+    (1, 2, 2, 200, 200, 64, False),
+    (2, 4, 2, 300, 300, 64, True),  # GQA
+    (1, 2, 1, 77, 333, 128, False),  # Nq != Nkv, shorter than a block
+    (1, 1, 1, 129, 129, 128, True),
+    (1, 2, 2, 150, 150, 96, False),  # padded head dim
+]
+
+
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,D,causal", ATTN_CASES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pvthreshd", [None, 4.0])
+def test_block_sparse_attention_matches_reference(B, H, HK, Nq, Nkv, D, causal, layout, dtype, pvthreshd):
+    q, k, v = make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed=Nq + Nkv + D)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(B, H, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K), generator=g) < 0.6
+    mask[..., 0] = True
+    kw = dict(is_causal=causal, pvthreshd=pvthreshd, tensor_layout=layout, return_sparsity=True)
+    out, stats = block_sparse_attention(q, k, v, mask, backend="triton", out=poisoned_like(q), **kw)
+    ref, ref_stats = block_sparse_attention(q, k, v, mask, backend="reference", **kw)
+    assert not torch.isnan(out).any(), "every output element must be written, and never NaN"
+    assert relative_l1(out, ref) < L1_TOL[dtype]
+    torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
+    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_keeping_every_block_equals_sdpa(causal, layout, dtype):
+    q, k, v = make_qkv(1, 4, 2, 333, 333, 64, dtype, layout, seed=3)
+    dense = dense_reference(q, k, v, causal, layout)
+    for backend in ("triton", "reference"):
+        out, stats = sparge_attention(q, k, v, is_causal=causal, cdfthreshd=1.0, pvthreshd=None,
+                                      tensor_layout=layout, return_sparsity=True, backend=backend,
+                                      out=poisoned_like(q))
+        assert relative_l1(out, dense) < L1_TOL[dtype], backend
+        assert stats.sparsity == 0.0
+    out = block_sparse_attention(q, k, v, None, is_causal=causal, tensor_layout=layout, backend="triton",
+                                 out=poisoned_like(q))
+    assert relative_l1(out, dense) < L1_TOL[dtype]
+
+
+def test_pv_filter_skips_tiles_far_below_the_running_max():
+    # Row maxima of the second key block are 20 (log2 units) below the first block's: with pvthreshd 10 the
+    # P.V product of that tile is skipped, and the result still matches dense attention closely.
+    D = 64
+    q = torch.zeros(1, 1, BLOCK_Q, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 2 * BLOCK_K, D)
+    k[:, :, :BLOCK_K, 0] = 20 * math.log(2) * math.sqrt(D)
+    v = torch.randn(1, 1, 2 * BLOCK_K, D)
+    q, k, v = q.half(), k.half(), v.half()
+    for backend in ("triton", "reference"):
+        out, stats = block_sparse_attention(q, k, v, None, pvthreshd=10.0, return_sparsity=True,
+                                            backend=backend)
+        assert stats.pv_skipped_stage2.item() == pytest.approx(0.5)
+        assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < 2e-3
+        _, stats = block_sparse_attention(q, k, v, None, pvthreshd=30.0, return_sparsity=True, backend=backend)
+        assert stats.pv_skipped_stage2.item() == 0.0
+
+
+def test_empty_mask_rows_give_zeros_not_nan():
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 64, torch.float16, "HND", seed=5)
+    mask = torch.ones(1, 2, 2, 4, dtype=torch.bool)
+    mask[:, 1, 0] = False
+    for backend in ("triton", "reference"):
+        out = block_sparse_attention(q, k, v, mask, backend=backend, out=poisoned_like(q))
+        assert not torch.isnan(out).any()
+        assert (out[:, 1, :BLOCK_Q] == 0).all()
+        assert (out[:, 0] != 0).any()
+
+
+def test_non_contiguous_inputs_and_broadcast_mask():
+    q, k, v = make_qkv(2, 4, 4, 200, 200, 64, torch.float16, "HND", seed=9)
+    qn, kn, vn = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # same values, NHD storage
+    kn = kn[..., :].clone().as_strided(kn.shape, kn.stride())
+    assert not qn.is_contiguous()
+    mask = torch.rand(1, 1, 2, 4) < 0.7
+    mask[..., 0] = True
+    a = block_sparse_attention(qn, kn, vn, mask, backend="triton")
+    b = block_sparse_attention(q, k, v, mask.expand(2, 4, 2, 4).contiguous(), backend="reference")
+    assert relative_l1(a, b) < L1_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("maker,causal", [
+    (lambda: video_like_qkv((4, 16, 16), heads=4, head_dim=64, text_tokens=20, seed=1), False),
+    (lambda: llm_like_qkv(1300, heads=4, kv_heads=2, head_dim=64, seed=1), True),
+])
+def test_structured_inputs_are_sparse_and_accurate(maker, causal):
+    q, k, v = maker()
+    dense = dense_reference(q, k, v, causal, "HND")
+    out, stats = sparge_attention(q, k, v, is_causal=causal, return_sparsity=True, backend="triton",
+                                  out=poisoned_like(q))
+    ref, ref_stats = sparge_attention(q, k, v, is_causal=causal, return_sparsity=True, backend="reference")
+    assert stats.sparsity > 0.05, "the structured generators must give something to skip"
+    assert relative_l1(out, ref) < L1_TOL[torch.bfloat16]
+    assert abs(stats.sparsity - ref_stats.sparsity) < 0.02
+    assert relative_l1(out, dense) < 0.1
+
+
+def test_sparsity_stats_count_causal_blocks():
+    q, k, v = make_qkv(1, 2, 2, 512, 512, 64, torch.float16, "HND", seed=2)
+    # dense causal: query block i (128 rows) sees key blocks 0..2i+1 (64 keys each) -> 2+4+6+8 = 20 blocks
+    mask = torch.ones(1, 1, 4, 8, dtype=torch.bool)
+    mask[..., 1] = False  # block 1 is visible to every query block: 4 of 20 products skipped
+    for backend in ("triton", "reference"):
+        _, stats = block_sparse_attention(q, k, v, mask, is_causal=True, return_sparsity=True, backend=backend)
+        assert stats.dense_blocks == 20
+        torch.testing.assert_close(stats.qk_skipped, torch.full((2,), 4 / 20))
+        torch.testing.assert_close(stats.pv_skipped, torch.full((2,), 4 / 20))
+
+
+def test_bad_inputs_raise_value_error_naming_the_problem():
+    q, k, v = make_qkv(1, 4, 2, 100, 100, 64, torch.float16, "HND", seed=0)
+    cases = [
+        (lambda: sparge_attention(q, k[:, :, :50], v), "k and v shapes differ"),
+        (lambda: sparge_attention(q, k.float(), v), "different dtypes"),
+        (lambda: sparge_attention(q[:, :3], k, v), "multiple of the number of k/v heads"),
+        (lambda: sparge_attention(q, k, v, simthreshd1=float("nan")), "simthreshd1 contains NaN"),
+        (lambda: sparge_attention(q, k, v, cdfthreshd=[0.9, 0.9]), "one per head"),
+        (lambda: sparge_attention(q, k, v, pvthreshd=0.0), "pvthreshd must be positive"),
+        (lambda: sparge_attention(q, k, v, tensor_layout="BHSD"), "tensor_layout"),
+        (lambda: sparge_attention(q, k, v, scale=float("nan")), "scale"),
+        (lambda: sparge_attention(q.float(), k.float(), v.float(), backend="triton"), "float16 or torch.bfloat16"),
+        (lambda: sparge_attention(q[..., :60], k[..., :60], v[..., :60]), "head dim 60"),
+        (lambda: sparge_attention(q, k[:, :, :90], v[:, :, :90], is_causal=True), "equal query and key"),
+        (lambda: sparge_attention(q[0], k[0], v[0]), "must be 4-D"),
+        (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 3, 2, dtype=torch.bool)), "block_mask shape"),
+        (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 1, 2)), "bool or integer"),
+        (lambda: sparge_attention(q, k, v, out=torch.empty(3)), "out must match q"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_cpu_float32_runs_the_reference():
+    q, k, v = make_qkv(1, 2, 2, 130, 130, 64, torch.float32, "HND", seed=4)
+    out = sparge_attention(q, k, v, cdfthreshd=1.0, pvthreshd=None)
+    assert out.dtype == torch.float32
+    assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kernels_match_reference(causal, dtype):
+    q, k, v = llm_like_qkv(3000, heads=8, kv_heads=2, head_dim=128, dtype=dtype, device="cuda", seed=2)
+    out, stats = sparge_attention(q, k, v, is_causal=causal, pvthreshd=8, return_sparsity=True,
+                                  out=poisoned_like(q))
+    mask = predict_block_mask(q, k, is_causal=causal)
+    ref, ref_stats = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), is_causal=causal,
+                                            pvthreshd=8, return_sparsity=True, backend="reference")
+    assert not torch.isnan(out).any()
+    assert relative_l1(out.cpu(), ref) < L1_TOL[dtype]
+    torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_index_equals_mask_to_index(causal):
+    from sparge_diffusers.kernels._inputs import check_attention_inputs
+    from sparge_diffusers.kernels.attention import block_mask_to_index
+    from sparge_diffusers.kernels.predict import predict_block_mask_triton
+
+    q, k, _ = make_qkv(1, 2, 1, 450, 450, 64, torch.float16, "HND", seed=11)
+    q, k = q + 1.0, k + 1.5
+    shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=causal)
+    theta, tau = torch.full((2,), 0.3), torch.full((2,), 0.8)
+    mask, (index, count, n_full) = predict_block_mask_triton(q, k, shape, is_causal=causal, scale=0.125,
+                                                             simthreshd1=theta, cdfthreshd=tau,
+                                                             attention_sink=False)
+    ref_index, ref_count, ref_full = block_mask_to_index(mask, shape, causal)
+    assert torch.equal(count, ref_count) and torch.equal(n_full, ref_full)
+    assert torch.equal(count, mask.sum(-1).int())
+    for b, h, i in zip(*torch.nonzero(count >= 0, as_tuple=True)):
+        c = count[b, h, i]
+        assert torch.equal(index[b, h, i, :c], ref_index[b, h, i, :c])
+        assert torch.equal(index[b, h, i, :c].long(), torch.nonzero(mask[b, h, i]).flatten())
