@@ -1,0 +1,43 @@
+"""Row gather along the sequence dimension in Triton: out[b, h, i] = x[b, h, index[i]] (either layout).
+
+torch.index_select on the sequence dimension of a (B, H, N, D) tensor ran at about 1.3 TB/s on an H100;
+each token's row is one contiguous run of D elements, which this kernel copies with wide loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gather_rows_kernel(X, INDEX, OUT, N, H,
+                        stride_xb, stride_xh, stride_xn, stride_ob, stride_oh, stride_on,
+                        D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = pid_n * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, D_PAD)
+    valid = rows < N
+    src = tl.load(INDEX + rows, mask=valid, other=0).to(tl.int64)
+    m = valid[:, None] & (cols < D)[None, :]
+    x = tl.load(X + b * stride_xb + h * stride_xh + src[:, None] * stride_xn + cols[None, :], mask=m)
+    tl.store(OUT + b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_on + cols[None, :], x, mask=m)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """``x.index_select(seq_dim, index)`` for a 4-D tensor whose sequence dim is 1 or 2 and last dim is dense."""
+    if x.device.type != "cuda" or x.stride(-1) != 1:
+        return x.index_select(seq_dim, index)
+    xh = x if seq_dim == 2 else x.transpose(1, 2)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    oh = out if seq_dim == 2 else out.transpose(1, 2)
+    B, H, N, D = xh.shape
+    rows = max(1, min(64, 8192 // triton.next_power_of_2(D)))
+    _gather_rows_kernel[(triton.cdiv(N, rows), B * H)](
+        xh, index, oh, N, H, xh.stride(0), xh.stride(1), xh.stride(2), oh.stride(0), oh.stride(1), oh.stride(2),
+        D=D, D_PAD=triton.next_power_of_2(D), ROWS=rows, num_warps=4)
+    return out

@@ -1,0 +1,157 @@
+"""Orders of a (T, H, W) token grid, and applying them to q/k/v and their inverse to the output."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .gather import gather_rows
+
+Grid = tuple[int, int, int]
+
+
+def _coords(grid: Grid) -> np.ndarray:
+    """[T*H*W, 3] (t, h, w) of the tokens in storage order (row-major, w fastest)."""
+    T, H, W = grid
+    t, h, w = np.meshgrid(np.arange(T), np.arange(H), np.arange(W), indexing="ij")
+    return np.stack([t.ravel(), h.ravel(), w.ravel()], axis=1)
+
+
+def _sort_by(*keys: np.ndarray) -> np.ndarray:
+    return np.lexsort(keys[::-1])  # np.lexsort sorts by the last key first
+
+
+def _hilbert(grid: Grid, seed: int) -> np.ndarray:
+    """Visit the tokens in the order of a Hilbert curve through the smallest power-of-two cube holding the
+    grid, over the axes longer than 1 (an image uses a 2-D curve). For sizes that are not powers of two the
+    visit jumps where the curve leaves the grid, but stays local: neighbours on the curve are neighbours in
+    space."""
+    from hilbertcurve.hilbertcurve import HilbertCurve
+
+    coords = _coords(grid)
+    axes = [i for i, n in enumerate(grid) if n > 1] or [2]
+    bits = max(1, math.ceil(math.log2(max(grid))))
+    curve = HilbertCurve(bits, len(axes))
+    distances = np.asarray(curve.distances_from_points(coords[:, axes].tolist()), dtype=np.int64)
+    return np.argsort(distances, kind="stable")
+
+
+def _rowmajor(grid: Grid, seed: int) -> np.ndarray:
+    return np.arange(math.prod(grid))
+
+
+def _colmajor(grid: Grid, seed: int) -> np.ndarray:
+    c = _coords(grid)
+    return _sort_by(c[:, 0], c[:, 2], c[:, 1])  # frame by frame, each frame column by column
+
+
+def _timemajor(grid: Grid, seed: int) -> np.ndarray:
+    c = _coords(grid)
+    return _sort_by(c[:, 1], c[:, 2], c[:, 0])  # the same pixel across frames is contiguous
+
+
+def _random(grid: Grid, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(math.prod(grid))
+
+
+# name -> function(grid, seed) giving, for each position of the new order, the token it takes
+ORDERS: dict[str, Callable[[Grid, int], np.ndarray]] = {
+    "hilbert": _hilbert,
+    "rowmajor": _rowmajor,
+    "colmajor": _colmajor,
+    "timemajor": _timemajor,
+    "random": _random,
+}
+
+
+def grid_order(grid: Grid, order: str, seed: int = 0) -> np.ndarray:
+    """The permutation of T*H*W row-major tokens: new position i holds old token ``perm[i]``."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; choose from {sorted(ORDERS)}")
+    if len(grid) != 3 or any(int(n) < 1 for n in grid):
+        raise ValueError(f"grid must be three positive sizes (T, H, W), got {grid}")
+    return ORDERS[order](tuple(int(n) for n in grid), seed)
+
+
+@dataclass(frozen=True)
+class TokenPermutation:
+    """A permutation of the sequence dimension and its inverse, as int64 index tensors on one device."""
+
+    perm: torch.Tensor
+    inverse: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.perm.numel()
+
+    def _gather(self, x: torch.Tensor, index: torch.Tensor, tensor_layout: str) -> torch.Tensor:
+        dim = {"HND": 2, "NHD": 1}.get(tensor_layout)
+        if dim is None:
+            raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
+        if x.shape[dim] != index.numel():
+            raise ValueError(f"sequence length {x.shape[dim]} does not match the permutation's {index.numel()} "
+                             f"tokens (layout {tensor_layout})")
+        if index.device != x.device:
+            raise ValueError(f"permutation indices are on {index.device}, tensor on {x.device}")
+        return gather_rows(x, index, dim)  # one gather
+
+    def apply(self, x: torch.Tensor, tensor_layout: str = "HND") -> torch.Tensor:
+        """Reorder the tokens of q, k or v."""
+        return self._gather(x, self.perm, tensor_layout)
+
+    def restore(self, x: torch.Tensor, tensor_layout: str = "HND") -> torch.Tensor:
+        """Put the tokens of an output back in the original order."""
+        return self._gather(x, self.inverse, tensor_layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached(grid: Grid, order: str, text_before: int, text_after: int, device: str, seed: int
+            ) -> TokenPermutation:
+    visual = torch.from_numpy(np.ascontiguousarray(grid_order(grid, order, seed))).long()
+    n_vis = visual.numel()
+    perm = torch.cat([torch.arange(text_before), visual + text_before,
+                      torch.arange(text_before + n_vis, text_before + n_vis + text_after)])
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+    return TokenPermutation(perm.to(device), inverse.to(device))
+
+
+def visual_token_permutation(grid: Grid, order: str, *, text_before: int = 0, text_after: int = 0,
+                             device: str | torch.device = "cpu", seed: int = 0) -> TokenPermutation:
+    """Permutation of a sequence made of ``text_before`` tokens, a (T, H, W) grid, then ``text_after`` tokens.
+
+    Only the visual span moves; text tokens keep their positions. Built once per (grid, order, text
+    lengths, device, seed) and cached: a repeated call returns the same tensors.
+
+    Args:
+        grid: (T, H, W) sizes of the visual tokens, stored row-major (W fastest).
+        order: "hilbert", "rowmajor" (identity), "colmajor", "timemajor" or "random" (seeded).
+    """
+    if text_before < 0 or text_after < 0:
+        raise ValueError("text_before and text_after must be >= 0")
+    return _cached(tuple(int(n) for n in grid), order, int(text_before), int(text_after), str(torch.device(device)),
+                   int(seed))
+
+
+def permuted(attention_fn: Callable, permutation: TokenPermutation) -> Callable:
+    """Wrap an attention function ``f(q, k, v, *, tensor_layout=..., **kw)``: permute q, k, v, call it, and
+    put its output (or the first element of a returned tuple) back in the original order.
+
+    Not for causal attention: reordering tokens changes which keys a query may see.
+    """
+
+    @functools.wraps(attention_fn)
+    def wrapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, tensor_layout: str = "HND", **kwargs):
+        if kwargs.get("is_causal"):
+            raise ValueError("a token permutation cannot be combined with causal attention")
+        result = attention_fn(permutation.apply(q, tensor_layout), permutation.apply(k, tensor_layout),
+                              permutation.apply(v, tensor_layout), *args, tensor_layout=tensor_layout, **kwargs)
+        if isinstance(result, tuple):
+            return (permutation.restore(result[0], tensor_layout),) + result[1:]
+        return permutation.restore(result, tensor_layout)
+
+    return wrapped

@@ -1,0 +1,148 @@
+"""Visual token permutations: bijections, inverses, text tokens, caching, and exactness of attention."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparge_diffusers import relative_l1, sparge_attention
+from sparge_diffusers.kernels.reference import reference_block_statistics
+from sparge_diffusers.permutations import (
+    ORDERS,
+    block_self_similarity,
+    grid_order,
+    permuted,
+    visual_token_permutation,
+)
+from sparge_diffusers.testing import video_like_qkv
+
+GRIDS = [(3, 5, 7), (1, 9, 13), (13, 3, 1), (2, 4, 8), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.parametrize("grid", GRIDS)
+def test_every_order_is_a_bijection(order, grid):
+    perm = grid_order(grid, order, seed=3)
+    n = grid[0] * grid[1] * grid[2]
+    assert sorted(perm.tolist()) == list(range(n))
+
+
+def test_orders_are_what_their_names_say():
+    T, H, W = 2, 3, 4
+    assert grid_order((T, H, W), "rowmajor").tolist() == list(range(T * H * W))
+    # column-major: within a frame, down a column first
+    assert grid_order((T, H, W), "colmajor")[:3].tolist() == [0, W, 2 * W]
+    # time-major: the same pixel across frames first
+    assert grid_order((T, H, W), "timemajor")[:2].tolist() == [0, H * W]
+    # Hilbert: consecutive tokens are grid neighbours when the grid is a power-of-two cube
+    c = torch.tensor([(t, h, w) for t in range(4) for h in range(4) for w in range(4)])
+    path = c[torch.from_numpy(grid_order((4, 4, 4), "hilbert"))]
+    assert ((path[1:] - path[:-1]).abs().sum(-1) == 1).all()
+    # random is seeded
+    assert (grid_order((T, H, W), "random", seed=1) == grid_order((T, H, W), "random", seed=1)).all()
+    assert (grid_order((T, H, W), "random", seed=1) != grid_order((T, H, W), "random", seed=2)).any()
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_inverse_restores_and_text_tokens_stay(layout, order):
+    grid, before, after = (3, 5, 7), 4, 2
+    n = before + 105 + after
+    p = visual_token_permutation(grid, order, text_before=before, text_after=after)
+    x = torch.randn(2, 3, n, 8) if layout == "HND" else torch.randn(2, n, 3, 8)
+    y = p.apply(x, layout)
+    assert torch.equal(p.restore(y, layout), x)
+    seq = 2 if layout == "HND" else 1
+    assert torch.equal(y.narrow(seq, 0, before), x.narrow(seq, 0, before))
+    assert torch.equal(y.narrow(seq, n - after, after), x.narrow(seq, n - after, after))
+
+
+def test_cache_hit_returns_the_same_tensors():
+    a = visual_token_permutation((3, 5, 7), "hilbert", text_before=1)
+    b = visual_token_permutation((3, 5, 7), "hilbert", text_before=1)
+    assert a.perm is b.perm and a.inverse is b.inverse
+    assert visual_token_permutation((3, 5, 7), "hilbert", text_before=2).perm is not a.perm
+
+
+def test_hilbert_indices_for_mochi_grid_build_quickly():
+    start = time.perf_counter()
+    p = visual_token_permutation((28, 30, 53), "hilbert", text_before=256, seed=99)
+    assert len(p) == 44776
+    assert time.perf_counter() - start < 3.0  # about 0.6 s here; loose bound for slow CI machines
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("order", ["hilbert", "random", "timemajor"])
+def test_permuted_attention_keeping_everything_equals_dense(layout, order):
+    grid, text = (3, 7, 9), 5
+    q, k, v = video_like_qkv(grid, heads=2, head_dim=64, text_tokens=text, dtype=torch.float16,
+                             tensor_layout=layout, seed=2)
+    p = visual_token_permutation(grid, order, text_before=text)
+    attention = permuted(sparge_attention, p)
+    for backend in ("triton", "reference"):
+        out = attention(q, k, v, tensor_layout=layout, cdfthreshd=1.0, pvthreshd=None, backend=backend)
+        qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
+        dense = F.scaled_dot_product_attention(qh.float(), kh.float(), vh.float())
+        dense = dense if layout == "HND" else dense.transpose(1, 2)
+        assert relative_l1(out, dense) < 2e-3, backend
+    # a returned (out, stats) tuple keeps its stats
+    out, stats = attention(q, k, v, tensor_layout=layout, return_sparsity=True, backend="reference")
+    assert out.shape == q.shape and 0 <= stats.sparsity <= 1
+
+
+def test_permutation_errors():
+    p = visual_token_permutation((2, 2, 2), "hilbert")
+    with pytest.raises(ValueError, match="does not match"):
+        p.apply(torch.randn(1, 1, 9, 8))
+    with pytest.raises(ValueError, match="unknown order"):
+        visual_token_permutation((2, 2, 2), "zigzag")
+    with pytest.raises(ValueError, match="causal"):
+        permuted(sparge_attention, p)(*[torch.randn(1, 1, 8, 64)] * 3, is_causal=True)
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_block_self_similarity_matches_gram_definition(block):
+    x = torch.randn(2, 3, 300, 64) + 0.5
+    torch.testing.assert_close(block_self_similarity(x, block), reference_block_statistics(x, block)[1])
+    torch.testing.assert_close(block_self_similarity(x.transpose(1, 2), block, "NHD"),
+                               reference_block_statistics(x, block)[1])
+
+
+def test_hilbert_raises_self_similarity_over_random():
+    grid = (4, 16, 16)
+    q, k, _ = video_like_qkv(grid, heads=2, head_dim=64, seed=4)
+    sims = {}
+    for order in ("hilbert", "random"):
+        p = visual_token_permutation(grid, order)
+        sims[order] = float(block_self_similarity(p.apply(k), 64).mean())
+    assert sims["hilbert"] > sims["random"] + 0.05
+
+
+@pytest.mark.parametrize("seq_dim", [1, 2])
+@pytest.mark.parametrize("D", [64, 72])
+def test_triton_row_gather_equals_index_select(seq_dim, D):
+    from sparge_diffusers.permutations.gather import _gather_rows_kernel  # noqa: F401  (interpreter run below)
+    import triton
+
+    x = torch.randn(2, 37, 3, D) if seq_dim == 1 else torch.randn(2, 3, 37, D)
+    index = torch.randperm(37)
+    xh = x if seq_dim == 2 else x.transpose(1, 2)
+    out = torch.full_like(x, float("nan"))
+    oh = out if seq_dim == 2 else out.transpose(1, 2)
+    _gather_rows_kernel[(triton.cdiv(37, 16), 6)](
+        xh, index, oh, 37, 3, xh.stride(0), xh.stride(1), xh.stride(2), oh.stride(0), oh.stride(1), oh.stride(2),
+        D=D, D_PAD=triton.next_power_of_2(D), ROWS=16)
+    assert torch.equal(out, x.index_select(seq_dim, index))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_gpu_permutation_round_trip(layout):
+    p = visual_token_permutation((5, 7, 9), "hilbert", text_before=3, text_after=2, device="cuda")
+    x = torch.randn(2, 4, 320, 128, device="cuda", dtype=torch.bfloat16)
+    x = x if layout == "HND" else x.transpose(1, 2).contiguous()
+    seq = 2 if layout == "HND" else 1
+    y = p.apply(x, layout)
+    assert torch.equal(y, x.index_select(seq, p.perm))
+    assert torch.equal(p.restore(y, layout), x)
