@@ -1,0 +1,187 @@
+"""SpargeProcessor: diffusers attention processors whose attention product is SpargeAttn.
+
+The seam. Everything the native processor does (projections, norms, rotary embeddings, joint text+image
+attention, Mochi's text padding, output projections) stays the native processor's own code: SpargeProcessor
+calls it under a thread-local ``TorchFunctionMode`` that answers its ``F.scaled_dot_product_attention`` calls
+with :func:`sparge_attention`. In diffusers 0.42 that is the one attention call of all four models:
+SD3 (JointAttnProcessor2_0), CogVideoX (CogVideoXAttnProcessor2_0) and Mochi (MochiAttnProcessor2_0) call
+SDPA directly, and Flux (FluxAttnProcessor) reaches it through ``dispatch_attention_fn``'s native backend.
+The tests compare every model against its native processors, so an upgrade that moves the call fails loudly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..kernels import sparge_attention
+from ..kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
+
+
+@dataclass
+class SpargeSettings:
+    """Thresholds of one layer (upstream SpargeAttn names; see :func:`sparge_attention`)."""
+
+    simthreshd1: float = 0.6
+    cdfthreshd: float = 0.98
+    pvthreshd: float | None = 50
+    dense: bool = False  # run this layer densely (native SDPA)
+
+
+def _native_processor(attn: torch.nn.Module):
+    """The processor diffusers 0.42 gives this attention module by default (a small registry, by class)."""
+    from diffusers.models import attention_processor as ap
+
+    name = type(attn).__name__
+    if name == "FluxAttention":
+        from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+        return FluxAttnProcessor()
+    if name == "MochiAttention":
+        return ap.MochiAttnProcessor2_0()
+    if name == "Attention":
+        if getattr(attn, "add_k_proj", None) is not None:  # SD3's joint text+image attention
+            return ap.JointAttnProcessor2_0()
+        if getattr(attn, "is_cross_attention", False) is False and getattr(attn, "norm_q", None) is not None:
+            return ap.CogVideoXAttnProcessor2_0()
+    raise ValueError(f"SpargeProcessor does not know the native processor of {name}; pass native=...")
+
+
+class _SparseSDPA(TorchFunctionMode):
+    """Answers F.scaled_dot_product_attention with sparge_attention, or falls back to it with a reason."""
+
+    def __init__(self, processor: "SpargeProcessor", layer: str, settings: SpargeSettings):
+        super().__init__()
+        self.processor, self.layer, self.settings = processor, layer, settings
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self.processor._attention(self.layer, self.settings, func, *args, **kwargs)
+
+
+@dataclass
+class SpargeProcessor:
+    """A diffusers attention processor that computes attention with SpargeAttn.
+
+    Use ``transformer.set_attn_processor(SpargeProcessor())`` where the model has that method (Flux, SD3,
+    CogVideoX), or :func:`sparge_diffusers.apply` for any of the four models (Mochi has none in 0.42).
+
+    Args:
+        settings: thresholds for every layer.
+        layer_settings: per-layer overrides keyed by module name (e.g. ``"transformer_blocks.3.attn"``);
+            names are known once :meth:`bind` (or ``apply``) has seen the model.
+        dense_steps: run the first k denoising steps densely (steps are counted by ``bind``'s hook).
+        collect_stats: record sparsity per layer and step in ``self.stats``.
+        strict: raise instead of falling back to native attention when a call cannot run sparse.
+        native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
+    """
+
+    settings: SpargeSettings = field(default_factory=SpargeSettings)
+    layer_settings: dict[str, SpargeSettings] = field(default_factory=dict)
+    dense_steps: int = 0
+    collect_stats: bool = True
+    strict: bool = False
+    native: Any = None
+    enabled: bool = True
+    stats: list[dict] = field(default_factory=list)
+    step: int = 0
+    _names: dict[int, str] = field(default_factory=dict, repr=False)
+    _natives: dict[int, Any] = field(default_factory=dict, repr=False)
+    _warned: set = field(default_factory=set, repr=False)
+
+    def bind(self, transformer: torch.nn.Module) -> "SpargeProcessor":
+        """Learn the module names (for per-layer settings and stats) and count denoising steps."""
+        for name, module in _attention_modules(transformer):
+            self._names[id(module)] = name
+        unknown = set(self.layer_settings) - set(self._names.values())
+        if unknown:
+            raise ValueError(f"layer_settings name layers the model does not have: {sorted(unknown)[:5]}")
+        transformer.register_forward_pre_hook(self._count_step)
+        return self
+
+    def _count_step(self, module, args):
+        self.step += 1
+
+    def _warn_once(self, reason: str) -> None:
+        if self.strict:
+            raise ValueError(f"SpargeProcessor cannot run sparse attention: {reason} (strict=True)")
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"SpargeProcessor: falling back to native attention: {reason}", stacklevel=4)
+
+    def _attention(self, layer, settings, sdpa, query, key, value, attn_mask=None, dropout_p=0.0,
+                   is_causal=False, scale=None, enable_gqa=False):
+        reason = None
+        if attn_mask is not None:
+            reason = "an attention mask (the kernel takes block masks only)"
+        elif dropout_p:
+            reason = "dropout"
+        elif query.device.type == "cuda" and query.dtype not in KERNEL_DTYPES:
+            reason = f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
+        elif not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):
+            reason = f"head dim {query.shape[-1]}"
+        elif query.device.type not in ("cuda", "cpu"):
+            reason = f"device {query.device}"
+        if reason:
+            self._warn_once(reason)
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        out, stats = sparge_attention(query, key, value, is_causal=is_causal, scale=scale,
+                                      simthreshd1=settings.simthreshd1, cdfthreshd=settings.cdfthreshd,
+                                      pvthreshd=settings.pvthreshd, return_sparsity=True)
+        if self.collect_stats:
+            self.stats.append({"layer": layer, "step": self.step, **stats.as_dict()})
+        return out
+
+    def __call__(self, attn: torch.nn.Module, *args, **kwargs):
+        native = self.native or self._natives.get(id(attn))
+        if native is None:
+            native = self._natives[id(attn)] = _native_processor(attn)
+        layer = self._names.get(id(attn), f"<unbound {type(attn).__name__} {id(attn):x}>")
+        settings = self.layer_settings.get(layer, self.settings)
+        if not self.enabled or settings.dense or (self.dense_steps and self.step <= self.dense_steps):
+            return native(attn, *args, **kwargs)
+        with _SparseSDPA(self, layer, settings):
+            return native(attn, *args, **kwargs)
+
+    def sparsity_by_layer(self) -> dict[str, float]:
+        """Mean sparsity of each layer over the recorded calls."""
+        out: dict[str, list[float]] = {}
+        for s in self.stats:
+            out.setdefault(s["layer"], []).append(s["sparsity"])
+        return {k: sum(v) / len(v) for k, v in out.items()}
+
+
+def apply(pipe_or_transformer: Any, settings: SpargeSettings | None = None, **options) -> SpargeProcessor:
+    """Make a diffusers pipeline or transformer (Flux, SD3, CogVideoX, Mochi) use SpargeAttn.
+
+    Sets one :class:`SpargeProcessor` on every attention module (through ``set_processor``, which also
+    works for Mochi, whose transformer lacks ``set_attn_processor`` in diffusers 0.42), binds it to the
+    model, and returns it: read ``.stats`` after a run, set ``.enabled = False`` to switch back to dense.
+    ``options`` are SpargeProcessor's fields (layer_settings, dense_steps, strict, ...).
+    """
+    transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
+    processor = SpargeProcessor(settings=settings or SpargeSettings(), **options)
+    modules = [m for _, m in _attention_modules(transformer)]
+    if not modules:
+        raise ValueError(f"{type(transformer).__name__} has no attention modules with a processor")
+    for m in modules:
+        processor._natives[id(m)] = m.processor  # delegate to what the model had, whatever it was
+        if hasattr(m, "set_processor"):
+            m.set_processor(processor)
+        else:  # MochiAttention in diffusers 0.42 has a processor attribute but no setter
+            m.processor = processor
+    return processor.bind(transformer)
+
+
+def _attention_modules(transformer: torch.nn.Module):
+    """(name, module) of every attention module: those that hold a callable ``processor``."""
+    return [(n, m) for n, m in transformer.named_modules()
+            if callable(getattr(m, "processor", None)) and not isinstance(m.processor, torch.nn.Module)]

@@ -1,0 +1,134 @@
+"""SpargeProcessor on tiny random-weight diffusers transformers (CPU: the float32 reference path)."""
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from sparge_diffusers import relative_l1  # noqa: E402
+from sparge_diffusers.pipelines import SpargeProcessor, SpargeSettings, apply  # noqa: E402
+
+KEEP_ALL = SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+AGGRESSIVE = SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None)
+
+
+def flux():
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 28, 28))
+    H = W = 16
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(H).float(), torch.arange(W).float(), indexing="ij"), -1).reshape(-1, 3)
+    inputs = dict(hidden_states=torch.randn(2, H * W, 4), encoder_hidden_states=torch.randn(2, 40, 32),
+                  pooled_projections=torch.randn(2, 16), timestep=torch.tensor([0.5, 0.5]), img_ids=ids,
+                  txt_ids=torch.zeros(40, 3))
+    return model, inputs
+
+
+def sd3():
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=64, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=128, pooled_projection_dim=16, out_channels=4)
+    inputs = dict(hidden_states=torch.randn(2, 4, 32, 32), encoder_hidden_states=torch.randn(2, 20, 32),
+                  pooled_projections=torch.randn(2, 16), timestep=torch.tensor([10, 10]))
+    return model, inputs
+
+
+def cogvideox():
+    model = diffusers.CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=4,
+        text_embed_dim=16, num_layers=2, sample_width=16, sample_height=16, sample_frames=9, patch_size=2,
+        temporal_compression_ratio=4, max_text_seq_length=16)
+    inputs = dict(hidden_states=torch.randn(2, 3, 4, 16, 16), encoder_hidden_states=torch.randn(2, 16, 16),
+                  timestep=torch.tensor([10, 10]))
+    return model, inputs
+
+
+def mochi():
+    model = diffusers.MochiTransformer3DModel(
+        patch_size=2, num_attention_heads=2, attention_head_dim=64, num_layers=2, pooled_projection_dim=16,
+        in_channels=4, text_embed_dim=32, time_embed_dim=4, activation_fn="swiglu", max_sequence_length=16)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 10:] = False  # text padding in the second prompt
+    inputs = dict(hidden_states=torch.randn(2, 4, 3, 16, 16), encoder_hidden_states=torch.randn(2, 16, 32),
+                  timestep=torch.tensor([10, 10]), encoder_attention_mask=mask)
+    return model, inputs
+
+
+MODELS = {"flux": flux, "sd3": sd3, "cogvideox": cogvideox, "mochi": mochi}
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_keeping_every_block_matches_native_processors(name):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    native = run(model, inputs)
+    processor = apply(model, KEEP_ALL)
+    out = run(model, inputs)
+    assert processor.stats, "the sparse path must have run"
+    assert all(s["sparsity"] == 0 for s in processor.stats)
+    # float32 reference on CPU: only summation order differs from SDPA
+    assert relative_l1(out, native) < 1e-5
+    processor.enabled = False
+    assert torch.equal(run(model, inputs), native), "switching back to dense gives native results exactly"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sparse_run_reports_stats_and_bounded_error(name):
+    torch.manual_seed(1)
+    model, inputs = MODELS[name]()
+    native = run(model, inputs)
+    processor = apply(model, AGGRESSIVE)
+    out = run(model, inputs)
+    assert torch.isfinite(out).all()
+    by_layer = processor.sparsity_by_layer()
+    assert by_layer and max(by_layer.values()) > 0
+    assert all(not k.startswith("<unbound") for k in by_layer)
+    assert relative_l1(out, native) < 0.5
+
+
+def test_set_attn_processor_works_where_the_model_has_it():
+    torch.manual_seed(2)
+    model, inputs = flux()
+    native = run(model, inputs)
+    processor = SpargeProcessor(settings=KEEP_ALL)
+    model.set_attn_processor(processor)
+    assert relative_l1(run(model, inputs), native) < 1e-5
+    assert processor.stats
+
+
+def test_per_layer_settings_and_dense_warmup():
+    torch.manual_seed(3)
+    model, inputs = sd3()
+    layer = "transformer_blocks.1.attn"
+    processor = apply(model, AGGRESSIVE, layer_settings={layer: SpargeSettings(dense=True)}, dense_steps=1)
+    run(model, inputs)
+    assert processor.stats == [], "step 1 is a dense warm-up step"
+    run(model, inputs)
+    layers = {s["layer"] for s in processor.stats}
+    assert layers == {"transformer_blocks.0.attn"}, layers
+    assert {s["step"] for s in processor.stats} == {2}
+    with pytest.raises(ValueError, match="does not have"):
+        apply(sd3()[0], layer_settings={"nope.attn": SpargeSettings()})
+
+
+def test_fallback_warns_once_and_strict_raises():
+    import torch.nn.functional as F
+
+    from sparge_diffusers.pipelines.processor import _SparseSDPA
+
+    processor = SpargeProcessor()
+    q = torch.randn(1, 2, 64, 64)
+    mask = torch.ones(64, 64, dtype=torch.bool)
+    with pytest.warns(UserWarning, match="attention mask"):
+        with _SparseSDPA(processor, "layer", SpargeSettings()):
+            out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, q, q))
+    strict = SpargeProcessor(strict=True)
+    with pytest.raises(ValueError, match="strict"):
+        with _SparseSDPA(strict, "layer", SpargeSettings()):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
