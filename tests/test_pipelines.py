@@ -1,5 +1,7 @@
 """SpargeProcessor on tiny random-weight diffusers transformers (CPU: the float32 reference path)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -37,9 +39,13 @@ def cogvideox():
     model = diffusers.CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=4,
         text_embed_dim=16, num_layers=2, sample_width=16, sample_height=16, sample_frames=9, patch_size=2,
-        temporal_compression_ratio=4, max_text_seq_length=16)
+        temporal_compression_ratio=4, max_text_seq_length=16, use_rotary_positional_embeddings=True)
+    # rotary embeddings as CogVideoX-5B passes them: if a processor lost them, the native comparison fails
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    rotary = get_3d_rotary_pos_embed(64, ((0, 0), (8, 8)), (8, 8), 3)
     inputs = dict(hidden_states=torch.randn(2, 3, 4, 16, 16), encoder_hidden_states=torch.randn(2, 16, 16),
-                  timestep=torch.tensor([10, 10]))
+                  timestep=torch.tensor([10, 10]), image_rotary_emb=rotary)
     return model, inputs
 
 
@@ -132,3 +138,18 @@ def test_fallback_warns_once_and_strict_raises():
     with pytest.raises(ValueError, match="strict"):
         with _SparseSDPA(strict, "layer", SpargeSettings()):
             F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("name,grid", [("flux", ((1, 16, 16), "before")), ("sd3", ((1, 16, 16), "after")),
+                                       ("cogvideox", ((3, 8, 8), "before")), ("mochi", ((3, 8, 8), "after"))])
+def test_token_grid_is_inferred_and_permutation_keeps_native_results(name, grid):
+    torch.manual_seed(4)
+    model, inputs = MODELS[name]()
+    native = run(model, inputs)
+    processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, permutation="hilbert"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeProcessor")  # no fallback may happen silently here
+        out = run(model, inputs)
+    assert processor.grid == grid
+    assert relative_l1(out, native) < 1e-5  # a permutation never changes the exact result
+

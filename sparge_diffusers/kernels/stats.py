@@ -17,7 +17,7 @@ class SparsityStats:
     pair, or under causal masking only the pairs with at least one visible key.
 
     Attributes:
-        qk_skipped: [H] fraction of Q.K^T block products skipped by the block mask (stage 1).
+        qk_skipped: [H] fraction (a tensor on the input's device; so are the next two) of Q.K^T block products skipped by the block mask (stage 1).
         pv_skipped: [H] fraction of P.V block products skipped, by the block mask or by stage 2.
         pv_skipped_stage2: [H] fraction of the computed Q.K^T blocks whose P.V stage 2 skipped.
         dense_blocks: number of block products dense attention computes per (batch, head).
@@ -39,8 +39,8 @@ class SparsityStats:
             "qk_skipped": float(self.qk_skipped.mean()),
             "pv_skipped": float(self.pv_skipped.mean()),
             "pv_skipped_stage2": float(self.pv_skipped_stage2.mean()),
-            "qk_skipped_per_head": self.qk_skipped.tolist(),
-            "pv_skipped_per_head": self.pv_skipped.tolist(),
+            "qk_skipped_per_head": self.qk_skipped.cpu().tolist(),
+            "pv_skipped_per_head": self.pv_skipped.cpu().tolist(),
         }
 
 
@@ -56,7 +56,8 @@ def sparsity_stats(qk_counts: torch.Tensor, pv_counts: torch.Tensor, shape: Atte
     dense = dense_block_count(shape, is_causal, qk_counts.device)
     qk = qk_counts.double().sum(dim=-1)  # [B, H]
     pv = pv_counts.double().sum(dim=-1)
-    qk_skipped = (1 - qk / dense).mean(0).float().cpu()
-    pv_skipped = (1 - pv / dense).mean(0).float().cpu()
-    stage2 = (1 - pv / qk.clamp(min=1)).mean(0).float().cpu()
+    # left on the counts' device: reading them (as_dict, float()) is what synchronises, not building them
+    qk_skipped = (1 - qk / dense).mean(0).float()
+    pv_skipped = (1 - pv / dense).mean(0).float()
+    stage2 = (1 - pv / qk.clamp(min=1)).mean(0).float()
     return SparsityStats(qk_skipped, pv_skipped, stage2, dense)

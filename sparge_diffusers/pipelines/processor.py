@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..kernels import sparge_attention
 from ..kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
+from ..permutations import permuted, visual_token_permutation
 
 
 @dataclass
@@ -31,6 +32,35 @@ class SpargeSettings:
     cdfthreshd: float = 0.98
     pvthreshd: float | None = 50
     dense: bool = False  # run this layer densely (native SDPA)
+    permutation: str | None = None  # reorder visual tokens: "hilbert", "rowmajor", "colmajor", "timemajor", "random"
+
+
+def infer_token_grid(transformer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[int, int, int], str] | None:
+    """The (T, H, W) grid of visual tokens of one forward call, and where the text tokens sit in the joint
+    sequence ("before" or "after" the visual ones), from the latent shape and patch size (a registry by class).
+    """
+    hs = kwargs.get("hidden_states", args[0] if args else None)
+    name = type(transformer).__name__
+    cfg = getattr(transformer, "config", None)
+    if hs is None or cfg is None:
+        return None
+    if name == "FluxTransformer2DModel":  # packed latents: the positions come from img_ids (t, row, col)
+        ids = kwargs.get("img_ids")
+        if ids is None:
+            return None
+        ids = ids.reshape(-1, ids.shape[-1])
+        rows, cols = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
+        return ((1, rows, cols), "before") if rows * cols == hs.shape[1] else None
+    if name == "SD3Transformer2DModel":  # (B, C, H, W); joint attention is [image; text]
+        p = cfg.patch_size
+        return (1, hs.shape[-2] // p, hs.shape[-1] // p), "after"
+    if name == "CogVideoXTransformer3DModel":  # (B, F, C, H, W); attention is [text; video]
+        p, pt = cfg.patch_size, getattr(cfg, "patch_size_t", None) or 1
+        return (-(-hs.shape[1] // pt), hs.shape[-2] // p, hs.shape[-1] // p), "before"
+    if name == "MochiTransformer3DModel":  # (B, C, F, H, W); attention is [video; valid text]
+        p = cfg.patch_size
+        return (hs.shape[2], hs.shape[-2] // p, hs.shape[-1] // p), "after"
+    return None
 
 
 def _native_processor(attn: torch.nn.Module):
@@ -78,7 +108,7 @@ class SpargeProcessor:
         layer_settings: per-layer overrides keyed by module name (e.g. ``"transformer_blocks.3.attn"``);
             names are known once :meth:`bind` (or ``apply``) has seen the model.
         dense_steps: run the first k denoising steps densely (steps are counted by ``bind``'s hook).
-        collect_stats: record sparsity per layer and step in ``self.stats``.
+        collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read).
         strict: raise instead of falling back to native attention when a call cannot run sparse.
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
     """
@@ -90,8 +120,9 @@ class SpargeProcessor:
     strict: bool = False
     native: Any = None
     enabled: bool = True
-    stats: list[dict] = field(default_factory=list)
     step: int = 0
+    grid: tuple | None = None  # ((T, H, W), "before" | "after") of the current forward call, set by bind's hook
+    _records: list = field(default_factory=list, repr=False)
     _names: dict[int, str] = field(default_factory=dict, repr=False)
     _natives: dict[int, Any] = field(default_factory=dict, repr=False)
     _warned: set = field(default_factory=set, repr=False)
@@ -103,18 +134,21 @@ class SpargeProcessor:
         unknown = set(self.layer_settings) - set(self._names.values())
         if unknown:
             raise ValueError(f"layer_settings name layers the model does not have: {sorted(unknown)[:5]}")
-        transformer.register_forward_pre_hook(self._count_step)
+        transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         return self
 
-    def _count_step(self, module, args):
+    def _on_forward(self, module, args, kwargs):
+        """Count denoising steps and note the token grid of this call (for token permutations)."""
         self.step += 1
+        self.grid = infer_token_grid(module, args, kwargs)
 
-    def _warn_once(self, reason: str) -> None:
+    def _warn_once(self, reason: str, what: str = "attention") -> None:
+        fallback = "native attention" if what == "attention" else "no token permutation"
         if self.strict:
-            raise ValueError(f"SpargeProcessor cannot run sparse attention: {reason} (strict=True)")
+            raise ValueError(f"SpargeProcessor: {reason}; strict=True forbids falling back to {fallback}")
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"SpargeProcessor: falling back to native attention: {reason}", stacklevel=4)
+            warnings.warn(f"SpargeProcessor: falling back to {fallback}: {reason}", stacklevel=4)
 
     def _attention(self, layer, settings, sdpa, query, key, value, attn_mask=None, dropout_p=0.0,
                    is_causal=False, scale=None, enable_gqa=False):
@@ -133,23 +167,59 @@ class SpargeProcessor:
             self._warn_once(reason)
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
-        out, stats = sparge_attention(query, key, value, is_causal=is_causal, scale=scale,
-                                      simthreshd1=settings.simthreshd1, cdfthreshd=settings.cdfthreshd,
-                                      pvthreshd=settings.pvthreshd, return_sparsity=True)
-        if self.collect_stats:
-            self.stats.append({"layer": layer, "step": self.step, **stats.as_dict()})
+        attention = sparge_attention
+        if settings.permutation is not None:
+            perm = self._permutation(settings.permutation, query.shape[2], query.device)
+            if perm is not None:
+                attention = permuted(sparge_attention, perm)
+        result = attention(query, key, value, is_causal=is_causal, scale=scale,
+                           simthreshd1=settings.simthreshd1, cdfthreshd=settings.cdfthreshd,
+                           pvthreshd=settings.pvthreshd, return_sparsity=self.collect_stats)
+        if not self.collect_stats:
+            return result
+        out, stats = result
+        self._records.append((layer, self.step, stats))  # device tensors: read later, no sync per call
         return out
 
-    def __call__(self, attn: torch.nn.Module, *args, **kwargs):
+    # The keyword parameters are spelled out on purpose: diffusers' attention modules pass a processor only
+    # the keyword arguments its __call__ signature names, so a bare **kwargs would silently drop
+    # image_rotary_emb (and rotary models would give wrong results).
+    def _permutation(self, order: str, seq_len: int, device: torch.device):
+        """The permutation of this call's joint sequence, or None (with a one-time warning) if unknown."""
+        if self.grid is None:
+            self._warn_once("no token grid for permutation (use apply() or bind(); model not recognised)", "perm")
+            return None
+        (T, H, W), text_at = self.grid
+        n_text = seq_len - T * H * W
+        if n_text < 0:
+            self._warn_once(f"sequence of {seq_len} tokens is shorter than the {T}x{H}x{W} grid", "perm")
+            return None
+        return visual_token_permutation((T, H, W), order, device=device, text_before=n_text if text_at == "before"
+                                        else 0, text_after=n_text if text_at == "after" else 0)
+
+    def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb: Any = None, **kwargs):
+        kwargs.update(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
+        if image_rotary_emb is not None:
+            kwargs["image_rotary_emb"] = image_rotary_emb
         native = self.native or self._natives.get(id(attn))
         if native is None:
             native = self._natives[id(attn)] = _native_processor(attn)
         layer = self._names.get(id(attn), f"<unbound {type(attn).__name__} {id(attn):x}>")
         settings = self.layer_settings.get(layer, self.settings)
         if not self.enabled or settings.dense or (self.dense_steps and self.step <= self.dense_steps):
-            return native(attn, *args, **kwargs)
+            return native(attn, hidden_states, **kwargs)
         with _SparseSDPA(self, layer, settings):
-            return native(attn, *args, **kwargs)
+            return native(attn, hidden_states, **kwargs)
+
+    @property
+    def stats(self) -> list[dict]:
+        """One record per sparse attention call: layer, step and the SparsityStats figures."""
+        return [{"layer": layer, "step": step, **st.as_dict()} for layer, step, st in self._records]
+
+    def reset_stats(self) -> None:
+        self._records.clear()
 
     def sparsity_by_layer(self) -> dict[str, float]:
         """Mean sparsity of each layer over the recorded calls."""

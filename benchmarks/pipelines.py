@@ -1,0 +1,166 @@
+"""One denoising step of each diffusers transformer at full size (random weights, built on the GPU), native
+SDPA against SpargeProcessor, in one run on one GPU.
+
+Reports per model: step time dense and sparse (default thresholds, and an aggressive setting), the attention
+share of the dense step (SDPA calls of the step, timed alone), sparsity, and the relative L1 of the step's
+output against the dense step. Random weights give little attention structure: sparsity here says little
+about real checkpoints; the timings show what a given sparsity buys.
+
+Usage: python benchmarks/pipelines.py [--models flux,sd3,cogvideox,mochi] [--out results.json]
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import diffusers
+from sparge_diffusers import relative_l1
+from sparge_diffusers.pipelines import SpargeSettings, apply
+
+DTYPE = torch.bfloat16
+
+
+def flux():
+    m = diffusers.FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                                         attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                                         pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    H = W = 64  # 1024 px: 128x128 latents packed 2x2
+    ids = torch.stack(torch.meshgrid(torch.zeros(1).float(), torch.arange(H).float(), torch.arange(W).float(),
+                                     indexing="ij"), -1).reshape(-1, 3).cuda()
+    x = dict(hidden_states=torch.randn(1, H * W, 64), encoder_hidden_states=torch.randn(1, 512, 4096),
+             pooled_projections=torch.randn(1, 768), timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+             img_ids=ids, txt_ids=torch.zeros(512, 3).cuda())
+    return m, x, "1024x1024"
+
+
+def sd3():
+    m = diffusers.SD3Transformer2DModel(sample_size=128, patch_size=2, in_channels=16, num_layers=38,
+                                        attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
+                                        caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
+                                        pos_embed_max_size=192, qk_norm="rms_norm")
+    x = dict(hidden_states=torch.randn(1, 16, 128, 128), encoder_hidden_states=torch.randn(1, 333, 4096),
+             pooled_projections=torch.randn(1, 2048), timestep=torch.tensor([500.0]))
+    return m, x, "1024x1024 (SD3.5-large)"
+
+
+def cogvideox():
+    m = diffusers.CogVideoXTransformer3DModel(num_attention_heads=30, attention_head_dim=64, in_channels=16,
+                                              out_channels=16, text_embed_dim=4096, num_layers=30, sample_width=90,
+                                              sample_height=60, sample_frames=49, patch_size=2, time_embed_dim=512,
+                                              temporal_compression_ratio=4, max_text_seq_length=226)
+    x = dict(hidden_states=torch.randn(1, 13, 16, 60, 90), encoder_hidden_states=torch.randn(1, 226, 4096),
+             timestep=torch.tensor([500]))
+    return m, x, "49 frames 480x720 (CogVideoX-2B)"
+
+
+def mochi():
+    m = diffusers.MochiTransformer3DModel(patch_size=2, num_attention_heads=24, attention_head_dim=128,
+                                          num_layers=48, pooled_projection_dim=1536, in_channels=12,
+                                          text_embed_dim=4096, time_embed_dim=256, max_sequence_length=256)
+    x = dict(hidden_states=torch.randn(1, 12, 28, 60, 106), encoder_hidden_states=torch.randn(1, 256, 4096),
+             timestep=torch.tensor([500]), encoder_attention_mask=torch.ones(1, 256, dtype=torch.bool))
+    return m, x, "163 frames 848x480"
+
+
+MODELS = {"flux": flux, "sd3": sd3, "cogvideox": cogvideox, "mochi": mochi}
+
+
+class RecordSDPA(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            qkv = list(args[:3]) + [kwargs[n] for n in ("query", "key", "value") if n in kwargs]
+            self.calls.append(tuple(t.shape for t in qkv))
+        return func(*args, **kwargs)
+
+
+def timed(fn, reps=3):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "models": {}}
+    for name in args.models.split(","):
+        try:
+            results["models"][name] = run_model(name)
+        except Exception as e:  # report and go on to the next model
+            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+        torch.cuda.empty_cache()
+    print_table(results)
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", "pipelines-H100.json")
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def run_model(name):
+    torch.manual_seed(0)
+    torch.set_default_dtype(DTYPE)  # build in bf16 on the GPU: Flux in float32 alone would take 48 GB
+    with torch.device("cuda"):
+        model, inputs, res = MODELS[name]()
+    torch.set_default_dtype(torch.float32)
+    model = model.eval()
+    inputs = {k: (v.to(DTYPE) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v).cuda()
+              for k, v in inputs.items()}
+    step = lambda: model(**inputs, return_dict=False)[0]  # noqa: E731
+    with torch.no_grad():
+        rec = RecordSDPA()
+        with rec:
+            dense_out = step()
+        dense_ms = timed(step)
+        attn_ms = 0.0
+        for shape in set(rec.calls):
+            q = torch.randn(shape[0], device="cuda", dtype=DTYPE)
+            k = torch.randn(shape[1], device="cuda", dtype=DTYPE)
+            one = timed(lambda: F.scaled_dot_product_attention(q, k, k), reps=5)
+            attn_ms += one * rec.calls.count(shape)
+        row = {"resolution": res, "attention_calls": len(rec.calls), "attention_shape": list(max(rec.calls, key=lambda c: c[0].numel())[0]),
+               "dense_step_ms": dense_ms, "attention_ms_in_dense_step": attn_ms,
+               "attention_share": attn_ms / dense_ms, "settings": {}}
+        for label, settings in {"default": SpargeSettings(),
+                                "aggressive": SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9)}.items():
+            processor = apply(model, settings)
+            out = step()
+            processor.collect_stats = False
+            ms = timed(step)
+            sp = [s["sparsity"] for s in processor.stats]
+            row["settings"][label] = {"step_ms": ms, "speedup": dense_ms / ms, "sparsity": sum(sp) / len(sp),
+                                      "relative_l1_vs_dense_step": relative_l1(out, dense_out)}
+            processor.enabled = False
+        print(name, json.dumps(row), flush=True)
+    return row
+
+
+def print_table(results):
+    print(f"\nGPU: {results['gpu']}; bf16, random weights; one denoising step (median of 3)")
+    print(f"{'model':10} {'tokens':>7} {'dense ms':>9} {'attn %':>7} {'default ms':>10} {'x':>5} {'spars':>6} "
+          f"{'aggr ms':>8} {'x':>5} {'spars':>6} {'L1':>6}")
+    for name, r in results["models"].items():
+        d, a = r["settings"]["default"], r["settings"]["aggressive"]
+        print(f"{name:10} {r['attention_shape'][2]:7d} {r['dense_step_ms']:9.1f} {100 * r['attention_share']:7.1f} "
+              f"{d['step_ms']:10.1f} {d['speedup']:5.2f} {d['sparsity']:6.3f} {a['step_ms']:8.1f} {a['speedup']:5.2f} "
+              f"{a['sparsity']:6.3f} {a['relative_l1_vs_dense_step']:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
