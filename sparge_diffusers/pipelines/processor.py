@@ -107,7 +107,8 @@ class SpargeProcessor:
         settings: thresholds for every layer.
         layer_settings: per-layer overrides keyed by module name (e.g. ``"transformer_blocks.3.attn"``);
             names are known once :meth:`bind` (or ``apply``) has seen the model.
-        dense_steps: run the first k denoising steps densely (steps are counted by ``bind``'s hook).
+        dense_steps: run the first k denoising steps of every generation densely (counted by ``bind``'s
+            hook, which restarts the count when the timestep rises).
         collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read).
         strict: raise instead of falling back to native attention when a call cannot run sparse.
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
@@ -123,6 +124,7 @@ class SpargeProcessor:
     step: int = 0
     grid: tuple | None = None  # ((T, H, W), "before" | "after") of the current forward call, set by bind's hook
     _records: list = field(default_factory=list, repr=False)
+    _last_timestep: float | None = field(default=None, repr=False)
     _names: dict[int, str] = field(default_factory=dict, repr=False)
     _natives: dict[int, Any] = field(default_factory=dict, repr=False)
     _warned: set = field(default_factory=set, repr=False)
@@ -138,7 +140,17 @@ class SpargeProcessor:
         return self
 
     def _on_forward(self, module, args, kwargs):
-        """Count denoising steps and note the token grid of this call (for token permutations)."""
+        """Count denoising steps and note the token grid of this call (for token permutations).
+
+        Within one generation the timestep only falls, so a timestep above the last one starts a new
+        generation and the count (hence the dense warm-up) starts again. This reads one number per step.
+        """
+        timestep = kwargs.get("timestep")
+        if isinstance(timestep, torch.Tensor) and timestep.numel():
+            t = float(timestep.flatten()[0])
+            if self._last_timestep is not None and t > self._last_timestep:
+                self.step = 0
+            self._last_timestep = t
         self.step += 1
         self.grid = infer_token_grid(module, args, kwargs)
 
