@@ -1,8 +1,9 @@
 """The ``sparge-diffusers`` command line.
 
     sparge-diffusers bench [--workloads cogvideox,mochi,flux,llama32k] [--json out.json]
+    sparge-diffusers tune --model ID_OR_PATH --prompts FILE --out settings.json [--l1 0.05 --l2 0.06 ...]
 
-Later releases add ``generate``, ``tune`` and ``eval`` to the same command.
+Later releases add ``generate`` and ``eval`` to the same command.
 """
 
 from __future__ import annotations
@@ -84,6 +85,76 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipe_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def load_pipeline(model: str, device: str | None, dtype: str | None):
+    """``DiffusionPipeline.from_pretrained`` on the chosen device (CUDA if present) and dtype."""
+    from diffusers import DiffusionPipeline
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    torch_dtype = dtypes[dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch_dtype)
+    return pipe.to(device)
+
+
+def pipeline_kwargs(args: argparse.Namespace) -> dict:
+    kw = {"num_inference_steps": args.steps}
+    for name in ("height", "width", "num_frames", "guidance_scale"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    kw.update(dict(args.pipe_arg or []))
+    return kw
+
+
+def tune_command(args: argparse.Namespace) -> int:
+    from .tuning.pipeline import tune
+
+    with open(args.prompts) as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        print(f"{args.prompts} holds no prompts (one per line)", file=sys.stderr)
+        return 2
+    pipe = load_pipeline(args.model, args.device, args.dtype)
+    from .tuning import ThresholdGrid
+
+    grid = ThresholdGrid(pvthreshd=(50.0,)) if args.no_stage2 else None
+    tuned = tune(pipe, prompts, l1=args.l1, l2=args.l2, grid=grid, per_head=not args.per_layer,
+                 aggregate=args.aggregate, permutation=args.permutation, pipe_kwargs=pipeline_kwargs(args),
+                 seed=args.seed, progress=not args.quiet)
+    tuned.save(args.out)
+    print(f"{'layer':45} {'sparsity':>8} {'L1':>8}")
+    for name, m in tuned.measured.items():
+        print(f"{name:45} {m['sparsity']:8.3f} {m['l1']:8.4f}" + ("" if m["within_budget"] else "  (over budget)"))
+    mean = sum(m["sparsity"] for m in tuned.measured.values()) / max(1, len(tuned.measured))
+    print(f"{len(tuned.measured)} layers, mean sparsity {mean:.3f} on the calibration prompts; wrote {args.out}")
+    return 0
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="hub id or local directory of a diffusers pipeline")
+    p.add_argument("--prompts", required=True, help="text file with one prompt per line")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps per prompt (default 10)")
+    p.add_argument("--height", type=int)
+    p.add_argument("--width", type=int)
+    p.add_argument("--num-frames", type=int, dest="num_frames")
+    p.add_argument("--guidance-scale", type=float, dest="guidance_scale")
+    p.add_argument("--pipe-arg", type=_pipe_arg, action="append", metavar="KEY=VALUE",
+                   help="any other pipeline call argument (value parsed as JSON when it can be)")
+    p.add_argument("--device", help="default: cuda if present, else cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first prompt (prompt i uses seed + i)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparge-diffusers", description="Sparse attention for diffusion "
                                      "transformers and long-context prefill (SpargeAttn in Triton).")
@@ -96,6 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--cpu", action="store_true", help="use the CPU reference even when a GPU is present")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=bench)
+    t = sub.add_parser("tune", help="choose thresholds per attention layer on calibration prompts (section 3.6)")
+    _add_generation_args(t)
+    t.add_argument("--out", required=True, help="settings file to write (JSON)")
+    t.add_argument("--l1", type=float, default=0.05, help="relative L1 budget of (simthreshd1, cdfthreshd)")
+    t.add_argument("--l2", type=float, default=0.06, help="relative L1 budget with pvthreshd")
+    t.add_argument("--no-stage2", action="store_true",
+                   help="leave pvthreshd off (50): faster kernels, less sparsity (see the README's tuning table)")
+    t.add_argument("--per-layer", action="store_true", help="one setting per layer instead of one per head")
+    t.add_argument("--aggregate", choices=["max", "mean"], default="max",
+                   help="the budget holds on every calibration call (max) or on average (mean)")
+    t.add_argument("--permutation", choices=["hilbert", "rowmajor", "colmajor", "timemajor", "random"],
+                   help="token order used while tuning and stored with the settings")
+    t.set_defaults(func=tune_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,5 +1,6 @@
 """diffusers integration: attention processors that compute attention with SpargeAttn."""
 
-from .processor import SpargeProcessor, SpargeSettings, apply
+from .processor import SpargeProcessor, SpargeSettings, apply, install
+from .settings_file import LayerSettingsFile
 
-__all__ = ["SpargeProcessor", "SpargeSettings", "apply"]
+__all__ = ["SpargeProcessor", "SpargeSettings", "LayerSettingsFile", "apply", "install"]

@@ -11,6 +11,7 @@ The tests compare every model against its native processors, so an upgrade that 
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,15 +23,17 @@ from torch.overrides import TorchFunctionMode
 from ..kernels import sparge_attention
 from ..kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from ..permutations import permuted, visual_token_permutation
+from .settings_file import LayerSettingsFile
 
 
 @dataclass
 class SpargeSettings:
-    """Thresholds of one layer (upstream SpargeAttn names; see :func:`sparge_attention`)."""
+    """Thresholds of one layer (upstream SpargeAttn names; see :func:`sparge_attention`): one value for the
+    layer or a list with one per head (as ``tune`` writes them)."""
 
-    simthreshd1: float = 0.6
-    cdfthreshd: float = 0.98
-    pvthreshd: float | None = 50
+    simthreshd1: float | list[float] = 0.6
+    cdfthreshd: float | list[float] = 0.98
+    pvthreshd: float | list[float] | None = 50
     dense: bool = False  # run this layer densely (native SDPA)
     permutation: str | None = None  # reorder visual tokens: "hilbert", "rowmajor", "colmajor", "timemajor", "random"
 
@@ -105,8 +108,11 @@ class SpargeProcessor:
 
     Args:
         settings: thresholds for every layer.
-        layer_settings: per-layer overrides keyed by module name (e.g. ``"transformer_blocks.3.attn"``);
-            names are known once :meth:`bind` (or ``apply``) has seen the model.
+        layer_settings: per-layer overrides keyed by module name (e.g. ``"transformer_blocks.3.attn"``),
+            or the path of a settings file written by :func:`sparge_diffusers.tune` (or a loaded
+            :class:`LayerSettingsFile`). Names are checked when :meth:`bind` (or ``apply``) sees the model: a
+            file for another model class or naming layers the model lacks is refused; layers a file does not
+            cover use ``settings``, with a warning (an error when ``strict``).
         dense_steps: run the first k denoising steps of every generation densely (counted by ``bind``'s
             hook, which restarts the count when the timestep rises).
         collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read).
@@ -115,7 +121,7 @@ class SpargeProcessor:
     """
 
     settings: SpargeSettings = field(default_factory=SpargeSettings)
-    layer_settings: dict[str, SpargeSettings] = field(default_factory=dict)
+    layer_settings: dict[str, SpargeSettings] | str | os.PathLike | LayerSettingsFile = field(default_factory=dict)
     dense_steps: int = 0
     collect_stats: bool = True
     strict: bool = False
@@ -128,16 +134,39 @@ class SpargeProcessor:
     _names: dict[int, str] = field(default_factory=dict, repr=False)
     _natives: dict[int, Any] = field(default_factory=dict, repr=False)
     _warned: set = field(default_factory=set, repr=False)
+    _settings_file: LayerSettingsFile | None = field(default=None, repr=False)
+    _hook: Any = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.layer_settings, (str, os.PathLike)):
+            self.layer_settings = LayerSettingsFile.load(self.layer_settings)
+        if isinstance(self.layer_settings, LayerSettingsFile):
+            self._settings_file = self.layer_settings
+            self.layer_settings = dict(self._settings_file.layers)
 
     def bind(self, transformer: torch.nn.Module) -> "SpargeProcessor":
         """Learn the module names (for per-layer settings and stats) and count denoising steps."""
-        for name, module in _attention_modules(transformer):
-            self._names[id(module)] = name
-        unknown = set(self.layer_settings) - set(self._names.values())
+        names = [name for name, _ in _attention_modules(transformer)]
+        if self._settings_file is not None:
+            self._settings_file.check_model(transformer, names, self.strict)
+        unknown = set(self.layer_settings) - set(names)
         if unknown:
             raise ValueError(f"layer_settings name layers the model does not have: {sorted(unknown)[:5]}")
-        transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        for name, module in _attention_modules(transformer):
+            self._names[id(module)] = name
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         return self
+
+    def detach(self, transformer: torch.nn.Module) -> None:
+        """Undo :func:`apply`: give every attention module back the processor it had, remove the step hook."""
+        for _, module in _attention_modules(transformer):
+            if module.processor is self:
+                _set_processor(module, self._natives.get(id(module)) or _native_processor(module))
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def _on_forward(self, module, args, kwargs):
         """Count denoising steps and note the token grid of this call (for token permutations).
@@ -162,28 +191,36 @@ class SpargeProcessor:
             self._warned.add(reason)
             warnings.warn(f"SpargeProcessor: falling back to {fallback}: {reason}", stacklevel=4)
 
+    def fallback_reason(self, query: torch.Tensor, attn_mask=None, dropout_p: float = 0.0) -> str | None:
+        """Why this SDPA call cannot run sparse (None when it can)."""
+        if attn_mask is not None:
+            return "an attention mask (the kernel takes block masks only)"
+        if dropout_p:
+            return "dropout"
+        if query.device.type == "cuda" and query.dtype not in KERNEL_DTYPES:
+            return f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
+        if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):
+            return f"head dim {query.shape[-1]}"
+        if query.device.type not in ("cuda", "cpu"):
+            return f"device {query.device}"
+        return None
+
+    def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor):
+        """sparge_attention, wrapped in the layer's token permutation when it has one and the grid is known."""
+        if settings.permutation is not None:
+            perm = self._permutation(settings.permutation, query.shape[2], query.device)
+            if perm is not None:
+                return permuted(sparge_attention, perm)
+        return sparge_attention
+
     def _attention(self, layer, settings, sdpa, query, key, value, attn_mask=None, dropout_p=0.0,
                    is_causal=False, scale=None, enable_gqa=False):
-        reason = None
-        if attn_mask is not None:
-            reason = "an attention mask (the kernel takes block masks only)"
-        elif dropout_p:
-            reason = "dropout"
-        elif query.device.type == "cuda" and query.dtype not in KERNEL_DTYPES:
-            reason = f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
-        elif not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):
-            reason = f"head dim {query.shape[-1]}"
-        elif query.device.type not in ("cuda", "cpu"):
-            reason = f"device {query.device}"
+        reason = self.fallback_reason(query, attn_mask, dropout_p)
         if reason:
             self._warn_once(reason)
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
-        attention = sparge_attention
-        if settings.permutation is not None:
-            perm = self._permutation(settings.permutation, query.shape[2], query.device)
-            if perm is not None:
-                attention = permuted(sparge_attention, perm)
+        attention = self.sparse_attention_fn(settings, query)
         result = attention(query, key, value, is_causal=is_causal, scale=scale,
                            simthreshd1=settings.simthreshd1, cdfthreshd=settings.cdfthreshd,
                            pvthreshd=settings.pvthreshd, return_sparsity=self.collect_stats)
@@ -193,9 +230,6 @@ class SpargeProcessor:
         self._records.append((layer, self.step, stats))  # device tensors: read later, no sync per call
         return out
 
-    # The keyword parameters are spelled out on purpose: diffusers' attention modules pass a processor only
-    # the keyword arguments its __call__ signature names, so a bare **kwargs would silently drop
-    # image_rotary_emb (and rotary models would give wrong results).
     def _permutation(self, order: str, seq_len: int, device: torch.device):
         """The permutation of this call's joint sequence, or None (with a one-time warning) if unknown."""
         if self.grid is None:
@@ -209,6 +243,9 @@ class SpargeProcessor:
         return visual_token_permutation((T, H, W), order, device=device, text_before=n_text if text_at == "before"
                                         else 0, text_after=n_text if text_at == "after" else 0)
 
+    # The keyword parameters are spelled out on purpose: diffusers' attention modules pass a processor only
+    # the keyword arguments its __call__ signature names, so a bare **kwargs would silently drop
+    # image_rotary_emb (and rotary models would give wrong results).
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: Any = None, **kwargs):
@@ -249,18 +286,28 @@ def apply(pipe_or_transformer: Any, settings: SpargeSettings | None = None, **op
     model, and returns it: read ``.stats`` after a run, set ``.enabled = False`` to switch back to dense.
     ``options`` are SpargeProcessor's fields (layer_settings, dense_steps, strict, ...).
     """
+    return install(pipe_or_transformer, SpargeProcessor(settings=settings or SpargeSettings(), **options))
+
+
+def install(pipe_or_transformer: Any, processor: SpargeProcessor) -> SpargeProcessor:
+    """Set ``processor`` on every attention module of the model and bind it (``apply`` with a ready processor)."""
     transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
-    processor = SpargeProcessor(settings=settings or SpargeSettings(), **options)
     modules = [m for _, m in _attention_modules(transformer)]
     if not modules:
         raise ValueError(f"{type(transformer).__name__} has no attention modules with a processor")
+    processor.bind(transformer)  # checks the names first, so a refused settings file changes nothing
     for m in modules:
-        processor._natives[id(m)] = m.processor  # delegate to what the model had, whatever it was
-        if hasattr(m, "set_processor"):
-            m.set_processor(processor)
-        else:  # MochiAttention in diffusers 0.42 has a processor attribute but no setter
-            m.processor = processor
-    return processor.bind(transformer)
+        if m.processor is not processor:
+            processor._natives[id(m)] = m.processor  # delegate to what the model had, whatever it was
+        _set_processor(m, processor)
+    return processor
+
+
+def _set_processor(module: torch.nn.Module, processor: Any) -> None:
+    if hasattr(module, "set_processor"):
+        module.set_processor(processor)
+    else:  # MochiAttention in diffusers 0.42 has a processor attribute but no setter
+        module.processor = processor
 
 
 def _attention_modules(transformer: torch.nn.Module):

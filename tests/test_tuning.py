@@ -1,0 +1,291 @@
+"""Per-layer threshold tuning: the search against a brute-force evaluation with the reference, tune() on a tiny
+Flux transformer, settings files (round trip, mismatches) and the ``tune`` command on a locally saved pipeline."""
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from sparge_diffusers import sparge_attention
+from sparge_diffusers.testing import video_like_qkv
+from sparge_diffusers.tuning import ThresholdGrid, ThresholdSearch
+
+GRID = ThresholdGrid(simthreshd1=(0.3, 0.6, 1.0), cdfthreshd=(0.8, 0.95, 0.98, 1.0), pvthreshd=(50.0, 4.0, 1.0))
+
+
+def exact(q, k, v):
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+
+
+def evaluate(samples, simthreshd1, cdfthreshd, pvthreshd):
+    """Per call: ([H] sparsity, [H] relative L1) of one setting, with the float32 reference."""
+    rows = []
+    for q, k, v, ref in samples:
+        out, st = sparge_attention(q, k, v, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, pvthreshd=pvthreshd,
+                                   return_sparsity=True, backend="reference")
+        l1 = (out.float() - ref).abs().sum((0, 2, 3)) / ref.abs().sum((0, 2, 3))
+        rows.append(((st.qk_skipped + st.pv_skipped) / 2, l1))
+    return rows
+
+
+def brute_force(samples, grid, l1, l2, aggregate):
+    """Per head: the highest mean sparsity whose aggregated L1 is below budget, phase by phase."""
+    agg = (lambda xs: max(xs)) if aggregate == "max" else (lambda xs: sum(xs) / len(xs))
+    heads = samples[0][0].shape[1]
+
+    def best(candidates, budget):  # candidates: list of (setting, rows) -> per head (setting, sparsity, l1)
+        chosen = []
+        for h in range(heads):
+            scored = [(s, sum(float(r[0][h]) for r in rows) / len(rows), agg([float(r[1][h]) for r in rows]))
+                      for s, rows in candidates]
+            ok = [c for c in scored if c[2] < budget]
+            chosen.append(max(ok, key=lambda c: (c[1], -c[2])))
+        return chosen
+
+    phase1 = best([((s, c), evaluate(samples, s, c, None)) for s, c in grid.stage1_points()], l1)
+    sim = [c[0][0] for c in phase1]
+    cdf = [c[0][1] for c in phase1]
+    return best([(p, evaluate(samples, sim, cdf, p)) for p in grid.pvthreshd], l2), phase1
+
+
+def calibration_samples(seeds, grid=(2, 16, 16), heads=4):
+    samples = []
+    for s in seeds:
+        q, k, v = video_like_qkv(grid, heads=heads, head_dim=32, seed=s, locality=(14.0, 2.0))
+        samples.append((q, k, v, exact(q, k, v)))
+    return samples
+
+
+@pytest.mark.parametrize("aggregate", ["max", "mean"])
+def test_search_picks_the_best_grid_point_within_budget(aggregate):
+    samples = calibration_samples([0, 1, 2])
+    search = ThresholdSearch(l1=0.05, l2=0.06, grid=GRID, aggregate=aggregate)
+    for phase in (1, 2):
+        for q, k, v, ref in samples:
+            search.observe(q, k, v, ref)
+        if phase == 1:
+            search.finish_stage1()
+    choice = search.result()
+    expected, _ = brute_force(samples, GRID, 0.05, 0.06, aggregate)
+    assert choice.within_budget and choice.calls == 3
+    for h, (pv, sparsity, l1) in enumerate(expected):
+        assert choice.sparsity_per_head[h] == pytest.approx(sparsity, abs=1e-9)
+        assert choice.l1_per_head[h] == pytest.approx(l1, rel=1e-6) and l1 < 0.06
+        # the chosen setting itself, re-run: the budget holds on the calibration data
+        rows = evaluate(samples, choice.simthreshd1, choice.cdfthreshd, choice.pvthreshd)
+        l1s = [float(r[1][h]) for r in rows]
+        assert (max(l1s) if aggregate == "max" else sum(l1s) / 3) < 0.06
+    assert choice.sparsity > 0.05, "structured inputs must leave something to skip"
+
+
+def layer_rows(samples, *setting):
+    """Per call: (layer sparsity, layer relative L1) of one setting."""
+    rows = []
+    for q, k, v, ref in samples:
+        out, st = sparge_attention(q, k, v, simthreshd1=setting[0], cdfthreshd=setting[1], pvthreshd=setting[2],
+                                   return_sparsity=True, backend="reference")
+        rows.append((st.sparsity, float((out.float() - ref).abs().sum() / ref.abs().sum())))
+    return rows
+
+
+def test_search_per_layer_chooses_one_setting():
+    samples = calibration_samples([0, 1])
+    search = ThresholdSearch(l1=0.05, l2=0.06, grid=GRID, per_head=False)
+    for phase in (1, 2):
+        for q, k, v, ref in samples:
+            search.observe(q, k, v, ref)
+        if phase == 1:
+            search.finish_stage1()
+    choice = search.result()
+    assert len(set(choice.simthreshd1)) == len(set(choice.cdfthreshd)) == len(set(choice.pvthreshd)) == 1
+
+    def best(settings, budget):
+        scored = []
+        for setting in settings:
+            rows = layer_rows(samples, *setting)
+            scored.append((sum(r[0] for r in rows) / len(rows), -max(r[1] for r in rows), setting))
+        return max((c for c in scored if -c[1] < budget), key=lambda c: c[:2])  # ties: the first point
+
+    _, _, (sim, cdf, _) = best([(s, c, None) for s, c in GRID.stage1_points()], 0.05)
+    sparsity, neg_l1, _ = best([(sim, cdf, p) for p in GRID.pvthreshd], 0.06)
+    assert (choice.simthreshd1[0], choice.cdfthreshd[0]) == (sim, cdf)
+    assert choice.sparsity == pytest.approx(sparsity, abs=1e-6) and choice.l1 == pytest.approx(-neg_l1, rel=1e-6)
+    assert choice.l1 < 0.06
+
+
+def test_search_errors():
+    with pytest.raises(ValueError, match="l1 <= l2"):
+        ThresholdSearch(l1=0.1, l2=0.05)
+    with pytest.raises(ValueError, match="aggregate"):
+        ThresholdSearch(aggregate="median")
+    search = ThresholdSearch()
+    with pytest.raises(RuntimeError, match="finish_stage1"):
+        search.result()
+    q, k, v = video_like_qkv((1, 8, 16), heads=2, head_dim=32)
+    search.observe(q, k, v)
+    with pytest.raises(ValueError, match="heads"):
+        search.observe(q[:, :1], k[:, :1], v[:, :1])
+
+
+def test_budget_too_tight_is_reported():
+    samples = calibration_samples([0], heads=2)
+    search = ThresholdSearch(l1=1e-9, l2=1e-9, grid=GRID)
+    for phase in (1, 2):
+        search.observe(*samples[0])
+        if phase == 1:
+            search.finish_stage1()
+    assert not search.result().within_budget
+
+
+# --- tune() on a tiny Flux transformer ------------------------------------------------------------------
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def tiny_flux(size=32):
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 28, 28))
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(size).float(), torch.arange(size).float(),
+                                     indexing="ij"), -1).reshape(-1, 3)
+
+    def latents(seed):  # structured: a spatially smooth latent field, as image latents are
+        g = torch.Generator().manual_seed(seed)
+        field = F.interpolate(torch.randn(1, 4, 4, 4, generator=g), size=(size, size), mode="bicubic")
+        return dict(hidden_states=3 * field.flatten(2).transpose(1, 2),
+                    encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+                    pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]), img_ids=ids,
+                    txt_ids=torch.zeros(8, 3))
+    return model, latents
+
+
+class CaptureSDPA(TorchFunctionMode):
+    """Records (layer, q, k, v, exact output) of every SDPA call of a dense run."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.layer, self.samples = None, {}
+        for name, m in model.named_modules():
+            if hasattr(m, "processor"):
+                m.register_forward_pre_hook(lambda mod, args, name=name: setattr(self, "layer", name))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
+            self.samples.setdefault(self.layer, []).append((q, k, v, exact(q, k, v)))
+        return func(*args, **kwargs)
+
+
+def test_tune_tiny_model_matches_brute_force(tmp_path):
+    from sparge_diffusers import tune
+
+    model, latents = tiny_flux()
+    inputs = [latents(0), latents(1)]
+    capture = CaptureSDPA(model)
+    with torch.no_grad(), capture:
+        for kw in inputs:
+            model(**kw)
+    tuned = tune(model, inputs, l1=0.05, l2=0.06, grid=GRID, progress=False)
+    assert set(tuned.layers) == set(capture.samples) == {"transformer_blocks.0.attn", "single_transformer_blocks.0.attn"}
+    for layer, samples in capture.samples.items():
+        expected, _ = brute_force(samples, GRID, 0.05, 0.06, "max")
+        got = tuned.measured[layer]
+        assert got["within_budget"] and got["calls"] == 2
+        for h, (pv, sparsity, l1) in enumerate(expected):
+            assert got["sparsity_per_head"][h] == pytest.approx(sparsity, abs=1e-6)
+            assert got["l1_per_head"][h] < 0.06
+    assert any(m["sparsity"] > 0 for m in tuned.measured.values())
+
+    # save, load, apply: the per-layer (per-head) thresholds reach their layers
+    path = tmp_path / "settings.json"
+    tuned.save(path)
+    doc = json.loads(path.read_text())
+    assert doc["model_class"] == "FluxTransformer2DModel" and doc["budget"]["l1"] == 0.05
+    assert doc["diffusers_version"] == diffusers.__version__
+    from sparge_diffusers import apply
+    from sparge_diffusers.pipelines import LayerSettingsFile
+
+    loaded = LayerSettingsFile.load(path)
+    assert loaded.layers == tuned.layers and loaded.measured == json.loads(json.dumps(tuned.measured))
+    processor = apply(model, layer_settings=str(path))
+    with torch.no_grad():
+        model(**latents(0))
+    by_layer = processor.sparsity_by_layer()
+    assert set(by_layer) == set(tuned.layers)
+    # the first layer sees calibration input 0 as in the dense run (later ones see sparse outputs): its
+    # sparsity is that of its chosen per-head setting on that input
+    first = "transformer_blocks.0.attn"
+    s = tuned.layers[first]
+    rows = evaluate(capture.samples[first][:1], s.simthreshd1, s.cdfthreshd, s.pvthreshd)
+    assert by_layer[first] == pytest.approx(float(rows[0][0].mean()), abs=1e-6)
+
+
+def test_settings_file_mismatches(tmp_path):
+    from sparge_diffusers.pipelines import LayerSettingsFile, SpargeSettings, apply
+
+    model, _ = tiny_flux(8)
+    good = LayerSettingsFile(model_class="FluxTransformer2DModel", diffusers_version=diffusers.__version__,
+                             layers={"transformer_blocks.0.attn": SpargeSettings(cdfthreshd=0.9)})
+    path = tmp_path / "s.json"
+    good.save(path)
+    with pytest.warns(UserWarning, match="cover 1 of 2 attention layers"):
+        processor = apply(model, layer_settings=path)
+    assert processor.layer_settings["transformer_blocks.0.attn"].cdfthreshd == 0.9
+    processor.detach(model)
+    with pytest.raises(ValueError, match="cover 1 of 2"):
+        apply(model, layer_settings=path, strict=True)
+
+    other = LayerSettingsFile(model_class="SD3Transformer2DModel", layers=good.layers)
+    other.save(path)
+    with pytest.raises(ValueError, match="tuned for SD3Transformer2DModel, not FluxTransformer2DModel"):
+        apply(model, layer_settings=path)
+    extra = LayerSettingsFile(model_class="FluxTransformer2DModel",
+                              layers={"transformer_blocks.7.attn": SpargeSettings()})
+    extra.save(path)
+    with pytest.raises(ValueError, match="lacks"):
+        apply(model, layer_settings=path)
+    old = LayerSettingsFile(model_class="FluxTransformer2DModel", diffusers_version="0.30.0",
+                            layers={n: SpargeSettings() for n in ("transformer_blocks.0.attn",
+                                                                  "single_transformer_blocks.0.attn")})
+    old.save(path)
+    with pytest.warns(UserWarning, match="diffusers 0.30.0"):
+        apply(model, layer_settings=path).detach(model)
+
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a JSON settings file"):
+        LayerSettingsFile.load(path)
+    path.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not a sparge-diffusers layer-settings file"):
+        LayerSettingsFile.load(path)
+    path.write_text(json.dumps({"format": "sparge-diffusers/layer-settings", "version": 1, "model_class": "X",
+                                "layers": {"a": {"cdfthreshd": 0.9, "bogus": 1}}}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        LayerSettingsFile.load(path)
+
+
+def test_detach_restores_native_processors():
+    from sparge_diffusers import apply
+
+    model, latents = tiny_flux(8)
+    natives = {n: type(m.processor) for n, m in model.named_modules() if hasattr(m, "processor")}
+    processor = apply(model)
+    processor.detach(model)
+    assert {n: type(m.processor) for n, m in model.named_modules() if hasattr(m, "processor")} == natives
+    assert not model._forward_pre_hooks
+
+
+def test_tune_rejects_bad_calibration():
+    from sparge_diffusers import tune
+
+    model, _ = tiny_flux(8)
+    with pytest.raises(ValueError, match="non-empty list"):
+        tune(model, [])
+    with pytest.raises(ValueError, match="prompts need a pipeline"):
+        tune(model, ["a cat"])
+    with pytest.raises(ValueError, match="l1 <= l2"):
+        tune(model, [{}], l1=0.1, l2=0.05)
