@@ -2,8 +2,7 @@
 
     sparge-diffusers bench [--workloads cogvideox,mochi,flux,llama32k] [--json out.json]
     sparge-diffusers tune --model ID_OR_PATH --prompts FILE --out settings.json [--l1 0.05 --l2 0.06 ...]
-
-Later releases add ``generate`` and ``eval`` to the same command.
+    sparge-diffusers eval --model ID_OR_PATH --prompts FILE --attention dense,sparge[:settings.json] --out DIR
 """
 
 from __future__ import annotations
@@ -139,6 +138,37 @@ def tune_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def eval_command(args: argparse.Namespace) -> int:
+    from .eval import LPIPS, evaluate, load_clip, parse_modes
+
+    with open(args.prompts) as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        print(f"{args.prompts} holds no prompts (one per line)", file=sys.stderr)
+        return 2
+    modes = parse_modes(args.attention)
+    # metric models first: a missing weights file fails before any generation
+    lpips = LPIPS.from_files(args.lpips_weights) if args.lpips_weights else None
+    pipe = load_pipeline(args.model, args.device, args.dtype)
+    clip = load_clip(args.clip, pipe.device) if args.clip else None
+    real = None
+    if args.fid_real:
+        from .eval.run import load_images
+
+        size = (args.height or 1024, args.width or 1024)
+        real = load_images(args.fid_real, size)
+    report = evaluate(pipe, prompts, modes, args.out, seed=args.seed, pipe_kwargs=pipeline_kwargs(args), clip=clip,
+                      lpips=lpips, inception_weights=args.fid_weights, real_images=real, progress=not args.quiet)
+    keys = [k for k in ("sparsity", "seconds_per_step", "psnr", "ssim", "lpips", "clip_score", "clipsim",
+                        "clip_temp", "fid_vs_dense", "fid_vs_real") if any(k in s for s in report["summary"].values())]
+    print(f"{report['model_class']} on {report['device']}, {len(prompts)} prompt(s)")
+    print(f"{'mode':24}" + "".join(f" {k:>16}" for k in keys))
+    for name, s in report["summary"].items():
+        print(f"{name:24}" + "".join(f" {s[k]:16.4f}" if s.get(k) is not None else f" {'-':>16}" for k in keys))
+    print(f"wrote {args.out}/report.json, metrics.csv, grids and quality_vs_time.png")
+    return 0
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="hub id or local directory of a diffusers pipeline")
     p.add_argument("--prompts", required=True, help="text file with one prompt per line")
@@ -180,6 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--permutation", choices=["hilbert", "rowmajor", "colmajor", "timemajor", "random"],
                    help="token order used while tuning and stored with the settings")
     t.set_defaults(func=tune_command)
+    e = sub.add_parser("eval", help="generate with each attention mode for the same seeds and score the outputs")
+    _add_generation_args(e)
+    e.add_argument("--attention", default="dense,sparge",
+                   help="comma-separated modes: dense, sparge, sparge:SETTINGS.json (default dense,sparge)")
+    e.add_argument("--out", required=True, help="output folder (report.json, metrics.csv, grids, plot)")
+    e.add_argument("--clip", help="CLIP model for CLIP score / CLIPSIM / CLIP-Temp: open_clip:ARCH:WEIGHTS or "
+                   "transformers:PATH_OR_ID")
+    e.add_argument("--lpips-weights", help="torchvision's alexnet-owt-7be5be79.pth, for LPIPS against dense")
+    e.add_argument("--fid-weights", help="the FID Inception weights file (needs torch-fidelity), for FID vs dense")
+    e.add_argument("--fid-real", help="folder of real images (e.g. the COCO images of the captions) for FID")
+    e.set_defaults(func=eval_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -289,3 +289,19 @@ def test_tune_rejects_bad_calibration():
         tune(model, ["a cat"])
     with pytest.raises(ValueError, match="l1 <= l2"):
         tune(model, [{}], l1=0.1, l2=0.05)
+
+
+@pytest.mark.gpu
+def test_tune_on_gpu_with_the_triton_kernels():
+    from sparge_diffusers import tune
+
+    model, latents = tiny_flux()
+    model = model.to("cuda", torch.bfloat16)
+
+    def cuda(inputs):  # activations in bf16; positions and timestep as they are
+        return {k: v.cuda().to(torch.bfloat16) if k in ("hidden_states", "encoder_hidden_states",
+                                                        "pooled_projections") else v.cuda() for k, v in inputs.items()}
+
+    tuned = tune(model, [cuda(latents(0)), cuda(latents(1))], grid=GRID, progress=False)
+    assert set(tuned.layers) == {"transformer_blocks.0.attn", "single_transformer_blocks.0.attn"}
+    assert all(m["within_budget"] and m["calls"] == 2 and m["l1"] < 0.06 for m in tuned.measured.values())

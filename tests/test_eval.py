@@ -1,0 +1,346 @@
+"""Evaluation metrics on inputs with known answers, metric models with random weights built here (nothing
+downloads), and the eval runner end to end on tiny models."""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("torchmetrics")
+
+from sparge_diffusers.eval import (  # noqa: E402
+    LPIPS, ClipModel, clip_score, clip_temp, clipsim, fid, parse_modes, psnr, sharpness, ssim, temporal_flicker)
+from sparge_diffusers.eval.fidelity import ALEXNET_FILE  # noqa: E402
+
+
+def images(n=4, size=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    low = torch.rand(n, 3, size // 8, size // 8, generator=g)
+    return F.interpolate(low, size=(size, size), mode="bilinear", align_corners=False).clamp(0, 1)
+
+
+# --- fidelity -----------------------------------------------------------------------------------------
+
+def test_psnr_ssim_lpips_of_identical_images():
+    x = images()
+    lpips = LPIPS()
+    assert psnr(x, x) == math.inf
+    assert ssim(x, x) == pytest.approx(1.0, abs=1e-6)
+    assert lpips.distance(x, x) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_psnr_known_value_and_ordering():
+    x = images()
+    assert psnr(x + 0.1, x) == pytest.approx(20.0, abs=1e-4)  # MSE 0.01 (up to float32 rounding of x + 0.1)
+    noisy = lambda s: (x + s * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)  # noqa: E731
+    assert psnr(noisy(0.02), x) > psnr(noisy(0.1), x)
+    assert ssim(noisy(0.02), x) > ssim(noisy(0.1), x)
+    lpips = LPIPS()
+    assert 0 < lpips.distance(noisy(0.02), x) < lpips.distance(noisy(0.2), x)
+
+
+def test_fidelity_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match="shapes differ"):
+        psnr(images(2), images(3))
+    with pytest.raises(ValueError, match="3, H, W"):
+        ssim(torch.rand(2, 1, 8, 8), torch.rand(2, 1, 8, 8))
+
+
+def test_lpips_loads_weight_files(tmp_path):
+    torch.manual_seed(0)
+    backbone = LPIPS().features
+    path = tmp_path / ALEXNET_FILE
+    torch.save({f"features.{k}": v for k, v in backbone.state_dict().items()} | {"classifier.1.weight": torch.ones(1)},
+               path)
+    lpips = LPIPS.from_files(path)  # layer weights: the LPIPS v0.1 copy that torchmetrics ships
+    for a, b in zip(lpips.features.state_dict().values(), backbone.state_dict().values()):
+        assert torch.equal(a, b)
+    assert all((p >= 0).all() for p in lpips.lins), "LPIPS layer weights are non-negative"
+    x = images()
+    assert lpips.distance(x, x) == 0 and lpips.distance(images(seed=1), x) > 0
+    with pytest.raises(FileNotFoundError, match=ALEXNET_FILE):
+        LPIPS.from_files(tmp_path / "missing.pth")
+
+
+# --- FID ----------------------------------------------------------------------------------------------
+
+class SmallFeatures(torch.nn.Module):
+    """A fixed random feature extractor standing in for Inception (images in [0, 1] -> 8 features)."""
+
+    num_features = 8
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 5, stride=2)
+
+    def forward(self, x):
+        return self.conv(x.float()).relu().mean((2, 3))
+
+
+def frechet(a, b):
+    """|mu_a - mu_b|^2 + Tr(S_a + S_b - 2 (S_a S_b)^(1/2)), in float64."""
+    a, b = a.double(), b.double()
+    sa, sb = torch.cov(a.T), torch.cov(b.T)
+    root = torch.linalg.eigvals(sa @ sb).real.clamp(min=0).sqrt().sum()
+    return float(((a.mean(0) - b.mean(0)) ** 2).sum() + sa.trace() + sb.trace() - 2 * root)
+
+
+def test_fid_same_set_is_zero_and_shifted_set_matches_the_formula():
+    real, feature = images(16), SmallFeatures()
+    assert abs(fid(real, real, feature=feature)) < 1e-4
+    fake = real * 0.6 + 0.3
+    with torch.no_grad():
+        expected = frechet(feature(real), feature(fake))
+    assert expected > 1e-3
+    assert fid(real, fake, feature=feature) == pytest.approx(expected, rel=1e-3)
+    assert fid(real, real * 0.3 + 0.5, feature=feature) > fid(real, fake, feature=feature)
+
+
+def test_fid_errors():
+    with pytest.raises(ValueError, match="at least two"):
+        fid(images(1), images(1), feature=SmallFeatures())
+    with pytest.raises(FileNotFoundError, match="weights-inception-2015-12-05"):
+        fid(images(2), images(2), inception_weights="/nowhere/inception.pth")
+
+
+# --- CLIP ---------------------------------------------------------------------------------------------
+
+WORDS = "a an the cat dog red blue on in moon sky sea car tree".split()
+
+
+def save_tiny_transformers_clip(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPConfig, CLIPModel, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                            model_max_length=16).save_pretrained(path)
+    text = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(path)
+    return f"transformers:{path}"
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from sparge_diffusers.eval import load_clip
+
+    return load_clip(save_tiny_transformers_clip(tmp_path_factory.mktemp("clip")))
+
+
+def test_clip_metrics_on_known_answers(tiny_clip):
+    frames = images(6, size=48)
+    still = frames[:1].expand(5, -1, -1, -1)
+    assert clip_temp(still, tiny_clip) == pytest.approx(1.0, abs=1e-5)
+    assert clip_temp(frames, tiny_clip) < 1.0
+    e_img, e_txt = tiny_clip.encode_images(frames), tiny_clip.encode_texts(["a red car"])
+    assert torch.allclose(e_img.norm(dim=-1), torch.ones(6), atol=1e-5)
+    assert clipsim(frames, "a red car", tiny_clip) == pytest.approx(float((e_img @ e_txt[0]).mean()), abs=1e-6)
+    prompts = ["a cat", "the moon", "a blue sea"]
+    cos = (tiny_clip.encode_images(frames[:3]) * tiny_clip.encode_texts(prompts)).sum(-1)
+    assert clip_score(frames[:3], prompts, tiny_clip) == pytest.approx(float((100 * cos.clamp(min=0)).mean()), abs=1e-4)
+    with pytest.raises(ValueError, match="3 images but 2 prompts"):
+        clip_score(frames[:3], prompts[:2], tiny_clip)
+    with pytest.raises(ValueError, match="two frames"):
+        clip_temp(frames[:1], tiny_clip)
+
+
+def test_clip_preprocess_resizes_and_crops():
+    model = ClipModel(encode_image_fn=lambda x: x.flatten(1), encode_text_fn=lambda t: torch.zeros(len(t), 1),
+                      image_size=16)
+    x = model.preprocess(torch.rand(2, 3, 40, 64))
+    assert x.shape == (2, 3, 16, 16)
+
+
+def test_load_clip_errors(tmp_path):
+    from sparge_diffusers.eval import load_clip
+
+    with pytest.raises(ValueError, match="open_clip:ARCH:WEIGHTS"):
+        load_clip("clip-vit")
+    with pytest.raises(FileNotFoundError, match="open_clip_pytorch_model.bin"):
+        load_clip("open_clip:ViT-B-32:/nowhere/open_clip_pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_clip(f"transformers:{tmp_path}")
+
+
+def test_open_clip_architecture_with_random_weights():
+    open_clip = pytest.importorskip("open_clip", reason="open_clip needs torchvision, which this torch build lacks")
+    from sparge_diffusers.eval import from_open_clip
+
+    torch.manual_seed(0)
+    model = open_clip.CLIP(embed_dim=16, vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
+                           text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1)).eval()
+    clip = from_open_clip(model, open_clip.tokenizer.SimpleTokenizer(context_length=16))
+    frames = images(4, size=40)
+    assert clip_temp(frames[:1].expand(3, -1, -1, -1), clip) == pytest.approx(1.0, abs=1e-5)
+    assert -1 <= clipsim(frames, "a cat on the moon", clip) <= 1
+    assert 0 <= clip_score(frames[:2], ["a cat", "a dog"], clip) <= 100
+
+
+# --- video indicators and modes ------------------------------------------------------------------------
+
+def test_video_indicators():
+    frames = images(5)
+    still = frames[:1].expand(5, -1, -1, -1)
+    assert temporal_flicker(still) == 0 and temporal_flicker(frames) > 0
+    assert sharpness(torch.full((2, 3, 16, 16), 0.5)) == 0
+    blurred = F.avg_pool2d(F.pad(frames, (2, 2, 2, 2), mode="replicate"), 5, stride=1)
+    assert sharpness(blurred) < sharpness(frames)
+
+
+def test_parse_modes(tmp_path):
+    settings = tmp_path / "flux-tuned.json"
+    settings.write_text("{}")
+    modes = parse_modes(f"dense,sparge,sparge:{settings}")
+    assert [m.name for m in modes] == ["dense", "sparge", "sparge:flux-tuned"]
+    assert [m.sparse for m in modes] == [False, True, True] and modes[2].settings_file == str(settings)
+    for bad in ["", "dense,dense", "flash", "dense:x"]:
+        with pytest.raises(ValueError):
+            parse_modes(bad)
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        parse_modes("sparge:missing.json")
+
+
+# --- the runner end to end -----------------------------------------------------------------------------
+
+class TinyImagePipeline:
+    """A stand-in image pipeline: a tiny Flux transformer denoises seeded latents; the image is their sigmoid.
+    Enough to drive every image branch of the runner (the real pipelines are exercised in test_pipeline_calls)."""
+
+    def __init__(self):
+        import diffusers
+
+        torch.manual_seed(0)
+        self.transformer = diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=3, num_layers=1, num_single_layers=1, attention_head_dim=64,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 28, 28))
+        self.device = torch.device("cpu")
+        ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(16.0), torch.arange(16.0), indexing="ij"), -1)
+        self.img_ids = ids.reshape(-1, 3)
+
+    def __call__(self, prompt, generator, output_type, num_inference_steps=1):
+        assert output_type == "pt"
+        x = torch.randn(1, 256, 3, generator=generator)
+        text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(len(prompt)))
+        with torch.no_grad():
+            for _ in range(num_inference_steps):
+                x = x + 0.5 * self.transformer(hidden_states=x, encoder_hidden_states=text,
+                                               pooled_projections=torch.zeros(1, 16), timestep=torch.tensor([0.5]),
+                                               img_ids=self.img_ids, txt_ids=torch.zeros(8, 3), return_dict=False)[0]
+        image = torch.sigmoid(x).reshape(1, 16, 16, 3).permute(0, 3, 1, 2)
+        return type("Output", (), {"images": image})()
+
+
+def test_evaluate_image_pipeline(tmp_path, tiny_clip):
+    pytest.importorskip("diffusers")
+    from sparge_diffusers.eval import AttentionMode, evaluate
+    from sparge_diffusers.pipelines import LayerSettingsFile, SpargeSettings
+
+    pipe = TinyImagePipeline()
+    aggressive = tmp_path / "aggressive.json"
+    LayerSettingsFile(model_class="FluxTransformer2DModel", layers={
+        n: SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None)
+        for n in ("transformer_blocks.0.attn", "single_transformer_blocks.0.attn")}).save(aggressive)
+    modes = [AttentionMode("dense", False), AttentionMode("keep-all", True, None),
+             AttentionMode("aggressive", True, str(aggressive))]
+    from PIL import Image
+
+    from sparge_diffusers.eval.run import load_images
+
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    for i in range(3):
+        Image.fromarray((images(1, 32, seed=i)[0].permute(1, 2, 0) * 255).byte().numpy()).save(real_dir / f"{i}.png")
+    real = load_images(real_dir, (16, 16))
+    assert real.shape == (3, 3, 16, 16) and 0 <= real.min() and real.max() <= 1
+    report = evaluate(pipe, ["a cat", "a red car", "the moon"], modes, tmp_path / "out", pipe_kwargs={
+        "num_inference_steps": 2}, clip=tiny_clip, lpips=LPIPS(), fid_feature=SmallFeatures(), real_images=real,
+        progress=False)
+    s = report["summary"]
+    assert report["kind"] == "image" and set(s) == {"dense", "keep-all", "aggressive"}
+    assert s["dense"]["psnr"] == math.inf and s["dense"]["lpips"] == 0 and abs(s["dense"]["fid_vs_dense"]) < 1e-3
+    assert s["keep-all"]["sparsity"] == 0 and s["aggressive"]["sparsity"] > 0.2
+    assert all(v["fid_vs_real"] > 0 for v in s.values())
+    assert s["aggressive"]["psnr"] < math.inf and 0 < s["aggressive"]["ssim"] < 1
+    assert 0 <= s["aggressive"]["clip_score"] <= 100 and s["aggressive"]["seconds_per_step"] > 0
+    assert set(report["sparsity_by_layer"]["aggressive"]) == {"transformer_blocks.0.attn",
+                                                              "single_transformer_blocks.0.attn"}
+    out = tmp_path / "out"
+    assert json.loads((out / "report.json").read_text())["summary"]["aggressive"]["sparsity"] > 0.2
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(rows) == 9 and {r["mode"] for r in rows} == {"dense", "keep-all", "aggressive"}
+    assert Image.open(out / "grid_0.png").size == (3 * 16, 16)  # three modes side by side
+    assert (out / "quality_vs_time.png").stat().st_size > 0
+    # the model is back on its native processors afterwards
+    assert all(type(m.processor).__name__ == "FluxAttnProcessor" for m in pipe.transformer.modules()
+               if hasattr(m, "processor"))
+
+
+def test_eval_command_on_a_locally_saved_video_pipeline(tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    from tiny_pipes import save_tiny_cogvideox_pipeline
+
+    from sparge_diffusers.cli import main
+
+    model = save_tiny_cogvideox_pipeline(tmp_path / "pipe")
+    clip = save_tiny_transformers_clip(tmp_path / "clip")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat walks on the moon\na red car under the sea\n")
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", model, "--prompts", str(prompts), "--attention", "dense,sparge", "--out", str(out),
+                 "--steps", "2", "--height", "64", "--width", "64", "--num-frames", "9", "--guidance-scale", "1.0",
+                 "--clip", clip, "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "CogVideoXTransformer3DModel on cpu" in printed and "clipsim" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["kind"] == "video" and report["device"] == "cpu"
+    for mode in ("dense", "sparge"):
+        s = report["summary"][mode]
+        assert -1 <= s["clipsim"] <= 1 and -1 <= s["clip_temp"] <= 1 and s["temporal_flicker"] >= 0
+    assert "sparsity" in report["summary"]["sparge"] and set(report["sparsity_by_layer"]["sparge"]) == {
+        "transformer_blocks.0.attn1", "transformer_blocks.1.attn1"}
+    assert report["summary"]["dense"]["psnr"] is None or report["summary"]["dense"]["psnr"] == math.inf
+    for name in ("metrics.csv", "grid_0.png", "grid_0.gif", "grid_1.png", "quality_vs_time.png"):
+        assert (out / name).is_file(), name
+    from PIL import Image
+
+    gif = Image.open(out / "grid_0.gif")
+    assert gif.n_frames == 9 and gif.size == (2 * 64, 64)
+
+
+def test_eval_command_fails_before_generating_when_weights_are_missing(tmp_path):
+    from sparge_diffusers.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    with pytest.raises(FileNotFoundError, match=ALEXNET_FILE):
+        main(["eval", "--model", str(tmp_path / "no-model"), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+              "--lpips-weights", str(tmp_path / "alexnet.pth")])
+
+
+@pytest.mark.gpu
+def test_eval_command_on_gpu(tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    from tiny_pipes import save_tiny_cogvideox_pipeline
+
+    from sparge_diffusers.cli import main
+
+    model = save_tiny_cogvideox_pipeline(tmp_path / "pipe")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat walks on the moon\n")
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", model, "--prompts", str(prompts), "--out", str(out), "--steps", "2", "--height",
+                 "64", "--width", "64", "--num-frames", "9", "--guidance-scale", "1.0", "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["device"] != "cpu" and "sparge" in report["sparsity_by_layer"]
+    assert report["summary"]["sparge"]["psnr"] > 20
