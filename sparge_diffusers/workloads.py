@@ -81,15 +81,22 @@ def exact_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
     return torch.cat(out, 1)
 
 
-def sampled_relative_l1(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        rows: int = 2048, seed: int = 0) -> float:
-    """The paper's relative L1 of ``out`` against exact float32 attention, on a random sample of query rows.
+def sampled_errors(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   rows: int = 2048, seed: int = 0) -> tuple[float, float]:
+    """(relative L1, MSE) of ``out`` against exact float32 attention, on a random sample of query rows (HND).
 
     Exact attention of every row would need O(N^2) memory at the benchmark sizes; 2048 rows of every head
-    estimate the metric with a spread well below the differences we report.
+    estimate the metrics with a spread well below the differences we report.
     """
     N = q.shape[2]
     g = torch.Generator(device=q.device).manual_seed(seed)
     idx = torch.randperm(N, generator=g, device=q.device)[:rows].sort().values
     exact = exact_attention_rows(q, k, v, idx, causal)
-    return float((out[:, :, idx].float() - exact).abs().sum() / exact.abs().sum())
+    diff = out[:, :, idx].float() - exact
+    return float(diff.abs().sum() / exact.abs().sum()), float((diff ** 2).mean())
+
+
+def sampled_relative_l1(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        rows: int = 2048, seed: int = 0) -> float:
+    """The paper's relative L1 of ``out`` against exact float32 attention, on a sample of query rows."""
+    return sampled_errors(out, q, k, v, causal, rows, seed)[0]

@@ -1,7 +1,8 @@
 """Triton sparse attention kernels (SpargeAttn) and their float32 references. Knows nothing of diffusers."""
 
 from ._inputs import BLOCK_K, BLOCK_Q
-from .api import block_sparse_attention, predict_block_mask, relative_l1, sparge_attention
+from .api import block_sparse_attention, predict_block_mask, relative_l1, s2o_attention, sparge_attention
+from .s2o import VisitOrder, s2o_visit_order
 from .stats import SparsityStats
 
 __all__ = [
@@ -11,5 +12,8 @@ __all__ = [
     "block_sparse_attention",
     "predict_block_mask",
     "relative_l1",
+    "s2o_attention",
+    "s2o_visit_order",
+    "VisitOrder",
     "sparge_attention",
 ]

@@ -11,6 +11,8 @@ import math
 import torch
 
 from ._inputs import (
+    BLOCK_K,
+    BLOCK_Q,
     Backend,
     PerHead,
     TensorLayout,
@@ -24,7 +26,14 @@ from ._inputs import (
 )
 from .attention import block_mask_to_index, sparse_attention_triton
 from .predict import predict_block_mask_triton
-from .reference import reference_block_sparse_attention, reference_predict_block_mask
+from .predict import block_statistics_triton
+from .reference import (
+    reference_block_sparse_attention,
+    reference_block_statistics,
+    reference_ordered_attention,
+    reference_predict_block_mask,
+)
+from .s2o import CHECK_EVERY, VisitOrder, ordered_attention_triton, s2o_visit_order
 from .stats import SparsityStats, sparsity_stats
 
 
@@ -221,6 +230,84 @@ def sparge_attention(
     return block_sparse_attention(q, k, v, mask, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd,
                                   tensor_layout=tensor_layout, return_sparsity=return_sparsity, backend=backend,
                                   out=out, _index=index)
+
+
+def s2o_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    tau: PerHead | None = 0.0005,
+    segment: int = 2048,
+    check_every: int = CHECK_EVERY,
+    simthreshd1: PerHead = 0.6,
+    pvthreshd: PerHead | None = None,
+    attention_sink: bool = False,
+    tensor_layout: TensorLayout = "HND",
+    return_sparsity: bool = False,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
+    order: VisitOrder | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
+    """Sparse attention with S2O's selection: ranked key blocks and early stopping (see kernels/s2o.py).
+
+    Each 128-row query block visits its forced key blocks (stage 1's non-self-similar blocks, the sink, the
+    ragged tail, and under causal masking its own ``segment``), then the other visible key blocks in
+    descending compressed score, and stops after the first ranked tile whose relative gain in the softmax
+    normaliser (mean over the tile's rows of delta_l / l) falls below ``tau``.
+
+    Args:
+        tau: the early-stop threshold, per head or one for all. 0 visits every block (dense up to rounding);
+            None visits every block without evaluating the test. The default, 0.0005, is lower than S2O's
+            0.005 because our test averages the gains of a 128-row tile; it gives about TopCdf's default
+            error on the video workload (benchmarks/s2o.py sweeps tau; the right value differs by model).
+        segment: tokens per causal segment whose key blocks are computed densely (a multiple of 128).
+        check_every: ranked tiles between two stop tests (1 = after every tile; larger is faster).
+        simthreshd1, attention_sink, pvthreshd: as in :func:`sparge_attention` (pvthreshd off by default).
+        order: a visiting order from :func:`s2o_visit_order` to reuse (tests, benchmarks).
+        Others as in :func:`sparge_attention`. Statistics count the key blocks not visited as skipped.
+    """
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    scale = resolve_scale(scale, shape.head_dim)
+    if not isinstance(segment, int) or segment <= 0 or segment % 128:
+        raise ValueError(f"segment must be a positive multiple of 128 tokens, got {segment!r}")
+    if not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+    chosen = pick_backend(backend, q.device)
+    theta = per_head(simthreshd1, shape.heads, "simthreshd1", q.device, low=-1.0, high=1.0)
+    tau_t = None if tau is None else per_head(tau, shape.heads, "tau", q.device, low=0.0)
+    thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}")
+    if chosen == "triton":
+        check_kernel_dtype(q.dtype)
+    qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
+    if order is None:
+        stats_of = reference_block_statistics if chosen == "reference" else block_statistics_triton
+        (q_means, q_sim), (k_means, k_sim) = stats_of(qh, BLOCK_Q), stats_of(kh, BLOCK_K)
+        order = s2o_visit_order(q_means, k_means, q_sim, k_sim, shape, is_causal=is_causal, scale=scale,
+                                simthreshd1=theta, segment=segment, attention_sink=attention_sink)
+    if chosen == "reference":
+        result, visited, pv_count = reference_ordered_attention(qh, kh, vh, order, shape=shape, is_causal=is_causal,
+                                                                scale=scale, tau=tau_t, pvthreshd=thr,
+                                                                check_every=check_every)
+        result = result.to(q.dtype)
+        result = result if tensor_layout == "HND" else result.transpose(1, 2)
+        if out is not None:
+            result = out.copy_(result)
+    else:
+        qh, kh, vh = (t if t.stride(-1) == 1 else t.contiguous() for t in (qh, kh, vh))
+        result = out if out is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
+        counts = ordered_attention_triton(qh, kh, vh, to_hnd(result, tensor_layout), shape, order,
+                                          is_causal=is_causal, scale=scale, tau=tau_t, pvthreshd=thr,
+                                          return_counts=return_sparsity, check_every=check_every)
+        if return_sparsity:
+            visited, pv_count = counts
+    if not return_sparsity:
+        return result
+    return result, sparsity_stats(visited.to(q.device), pv_count.to(q.device), shape, is_causal)
 
 
 def relative_l1(out: torch.Tensor, ref: torch.Tensor) -> float:

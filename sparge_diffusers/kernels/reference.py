@@ -193,3 +193,61 @@ def reference_block_sparse_attention(
     stats = sparsity_stats(qk_counts, pv_counts, shape, is_causal)
     out = out.to(q.dtype)
     return (out if tensor_layout == "HND" else out.transpose(1, 2)), stats
+
+
+def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, shape: AttentionShape, is_causal: bool, scale: float,
+                                tau: torch.Tensor | None, pvthreshd: torch.Tensor | None, check_every: int = 16
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 reference of the S2O ordered walk (kernels/s2o.py), one (batch, head, query block) at a time,
+    (B, H, N, D) inputs, visiting order (index, n_unmasked, n_forced, count) from ``s2o_visit_order``.
+
+    Same order, same online softmax in the log2 domain, same stop rule (mean relative gain of the last tile
+    below tau, tested every ``check_every`` ranked tiles), same PV skip. Returns (out float32, visited,
+    pv_count).
+    """
+    qh, kh, vh = (t.float() for t in (q, k, v))
+    B, H, Nq, D = qh.shape
+    group = H // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    index, n_unmasked, n_forced, count = (t.cpu() for t in order)
+    out = torch.zeros_like(qh)
+    visited = torch.zeros(B, H, shape.q_blocks, dtype=torch.int64)
+    pv_count = torch.zeros_like(visited)
+    c = scale * LOG2E
+    for b in range(B):
+        for h in range(H):
+            for i in range(shape.q_blocks):
+                rows = torch.arange(i * BLOCK_Q, min((i + 1) * BLOCK_Q, Nq))
+                qi = qh[b, h, rows]
+                m = torch.full((len(rows),), -math.inf)
+                l = torch.zeros(len(rows))
+                acc = torch.zeros(len(rows), D)
+                n = 0
+                while n < int(count[b, h, i]):
+                    j = int(index[b, h, i, n])
+                    cols = torch.arange(j * BLOCK_K, min((j + 1) * BLOCK_K, shape.kv_len))
+                    s = (qi @ kh[b, h, cols].T) * c
+                    if is_causal:
+                        s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
+                    m_local = s.amax(-1)
+                    m_new = torch.maximum(m, m_local)
+                    m_use = torch.where(torch.isinf(m_new), 0.0, m_new)
+                    alpha = torch.exp2(m - m_use)
+                    p = torch.exp2(s - m_use[:, None])
+                    before = l * alpha
+                    l = before + p.sum(-1)
+                    acc = acc * alpha[:, None]
+                    gap = torch.where(torch.isinf(m_local), -math.inf, m_local - m_new).max()
+                    if pvthreshd is None or gap > -float(pvthreshd[h]):
+                        acc = acc + p @ vh[b, h, cols]
+                        pv_count[b, h, i] += 1
+                    m = m_new
+                    n += 1
+                    ranked = n - int(n_forced[b, h, i])
+                    if tau is not None and ranked > 0 and ranked % check_every == 0:
+                        gain = torch.where(before > 0, (l - before) / before.clamp(min=1e-30), math.inf)
+                        if float(gain.mean()) < float(tau[h]):
+                            break
+                visited[b, h, i] = n
+                out[b, h, rows] = torch.where(l[:, None] > 0, acc / l.clamp(min=1e-30)[:, None], 0.0)
+    return out, visited, pv_count

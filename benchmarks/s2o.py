@@ -1,0 +1,196 @@
+"""S2O selection (ranked key blocks + early stopping) against TopCdf: accuracy, overhead and time.
+
+1. Trade-off on structured inputs (video-like CogVideoX shape, non-causal; LLM-like Llama-3.1-8B causal 32K):
+   sweeps of TopCdf's cdfthreshd and of S2O's tau (simthreshd1 = 0.6, stage 2 off for both); sparsity,
+   relative L1 and MSE against exact float32 attention on 2048 sampled query rows. Then S2O's error over
+   TopCdf's at matched sparsity and the sparsity of each at matched L1 (linear interpolation along each sweep).
+2. Overhead decomposition with no skipping (S2O appendix B): A our dense kernel (contiguous), B the S2O
+   kernel walking every block in ascending order through the index (indexed loads), C the same in ranked
+   order, D with the early-stop check on (tau = 0, never stops; every 16 ranked tiles, the default, and
+   every tile, every 4 and every 64 tiles for comparison). Each as a share of the previous variant.
+3. Time at the default tau (0.0005, tested every 16 ranked tiles) against the TopCdf path (default
+   settings) and cuDNN SDPA, with sparsity and L1, at the core benchmark shapes.
+
+Usage: python benchmarks/s2o.py [--out results.json]   (needs a GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, s2o_attention, s2o_visit_order, sparge_attention
+from sparge_diffusers.kernels._inputs import check_attention_inputs
+from sparge_diffusers.kernels.predict import block_statistics_triton
+from sparge_diffusers.kernels.s2o import VisitOrder
+from sparge_diffusers.workloads import FULL, sampled_errors
+
+CDF = (0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
+TAU = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02)
+
+
+def bench(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def cudnn(q, k, v, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    ke, ve = (t.repeat_interleave(group, 1) if group > 1 else t for t in (k, v))
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
+    return run
+
+
+def interpolate(xs, ys, x):
+    """y at x along a sweep (sorted by x); None outside the sweep's range."""
+    order = np.argsort(xs)
+    xs, ys = np.asarray(xs)[order], np.asarray(ys)[order]
+    if x < xs[0] or x > xs[-1]:
+        return None
+    return float(np.interp(x, xs, ys))
+
+
+def tradeoff(name, w):
+    q, k, v = w.make("cuda", 0)
+    rows = {"topcdf": [], "s2o": []}
+    for c in CDF:
+        out, st = sparge_attention(q, k, v, is_causal=w.causal, cdfthreshd=c, pvthreshd=None, return_sparsity=True)
+        l1, mse = sampled_errors(out, q, k, v, w.causal)
+        rows["topcdf"].append({"cdfthreshd": c, "sparsity": st.sparsity, "l1": l1, "mse": mse})
+    for tau in TAU:
+        out, st = s2o_attention(q, k, v, is_causal=w.causal, tau=tau, return_sparsity=True)
+        l1, mse = sampled_errors(out, q, k, v, w.causal)
+        rows["s2o"].append({"tau": tau, "sparsity": st.sparsity, "l1": l1, "mse": mse})
+    t, s = rows["topcdf"], rows["s2o"]
+    matched = []
+    for r in s:  # at each S2O point: TopCdf's error at the same sparsity
+        l1_t = interpolate([x["sparsity"] for x in t], [x["l1"] for x in t], r["sparsity"])
+        mse_t = interpolate([x["sparsity"] for x in t], [x["mse"] for x in t], r["sparsity"])
+        if l1_t is not None:
+            matched.append({"sparsity": r["sparsity"], "tau": r["tau"], "s2o_l1": r["l1"], "topcdf_l1": l1_t,
+                            "s2o_mse": r["mse"], "topcdf_mse": mse_t, "l1_ratio_topcdf_over_s2o": l1_t / r["l1"],
+                            "mse_ratio_topcdf_over_s2o": mse_t / r["mse"]})
+    at_l1 = []
+    for target in (0.005, 0.01, 0.02, 0.05):
+        at_l1.append({"l1": target,
+                      "topcdf_sparsity": interpolate([x["l1"] for x in t], [x["sparsity"] for x in t], target),
+                      "s2o_sparsity": interpolate([x["l1"] for x in s], [x["sparsity"] for x in s], target)})
+    return {"sweeps": rows, "matched_sparsity": matched, "matched_l1": at_l1}
+
+
+def ranked_ascending(order: VisitOrder) -> VisitOrder:
+    """The same blocks with the ranked part in ascending block order (variant B)."""
+    index, n_unmasked, n_forced, count = order
+    pos = torch.arange(index.shape[-1], device=index.device)
+    big = index.shape[-1] * 4
+    key = torch.where(pos < n_forced[..., None], pos - big, torch.where(pos < count[..., None], index, big + pos))
+    return VisitOrder((torch.gather(index, -1, key.argsort(-1)).contiguous(), n_unmasked, n_forced, count))
+
+
+def overhead(name, w):
+    q, k, v = w.make("cuda", 0)
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=w.causal)
+    (qm, qs), (km, ks) = block_statistics_triton(q, BLOCK_Q), block_statistics_triton(k, BLOCK_K)
+    theta = torch.full((shape.heads,), -1.0, device="cuda")  # every block trusted: nothing forced by stage 1
+    order = s2o_visit_order(qm, km, qs, ks, shape, is_causal=w.causal, scale=shape.head_dim ** -0.5,
+                            simthreshd1=theta, segment=128, attention_sink=False)  # smallest dense window
+    ascending = ranked_ascending(order)
+    kw = dict(is_causal=w.causal, segment=128)
+    t = {"A_dense": bench(lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal)),
+         "B_indexed_ascending": bench(lambda: s2o_attention(q, k, v, tau=None, order=ascending, **kw)),
+         "C_indexed_ranked": bench(lambda: s2o_attention(q, k, v, tau=None, order=order, **kw)),
+         "D_ranked_with_check": bench(lambda: s2o_attention(q, k, v, tau=0.0, order=order, **kw)),
+         "D1_check_every_tile": bench(lambda: s2o_attention(q, k, v, tau=0.0, order=order, check_every=1, **kw)),
+         "D4_check_every_4": bench(lambda: s2o_attention(q, k, v, tau=0.0, order=order, check_every=4, **kw)),
+         "D64_check_every_64": bench(lambda: s2o_attention(q, k, v, tau=0.0, order=order, check_every=64, **kw))}
+    t["B_over_A"] = t["B_indexed_ascending"] / t["A_dense"] - 1
+    t["C_over_B"] = t["C_indexed_ranked"] / t["B_indexed_ascending"] - 1
+    t["D_over_C"] = t["D_ranked_with_check"] / t["C_indexed_ranked"] - 1
+    t["D_over_A"] = t["D_ranked_with_check"] / t["A_dense"] - 1
+    t["D1_over_C"] = t["D1_check_every_tile"] / t["C_indexed_ranked"] - 1
+    t["D4_over_C"] = t["D4_check_every_4"] / t["C_indexed_ranked"] - 1
+    t["D64_over_C"] = t["D64_check_every_64"] / t["C_indexed_ranked"] - 1
+    return t
+
+
+def timing(name, w):
+    q, k, v = w.make("cuda", 0)
+    r = {"cudnn_ms": bench(cudnn(q, k, v, w.causal)),
+         "topcdf_ms": bench(lambda: sparge_attention(q, k, v, is_causal=w.causal)),
+         "s2o_ms": bench(lambda: s2o_attention(q, k, v, is_causal=w.causal))}
+    out, st = sparge_attention(q, k, v, is_causal=w.causal, return_sparsity=True)
+    r["topcdf_sparsity"], r["topcdf_l1"] = st.sparsity, sampled_errors(out, q, k, v, w.causal)[0]
+    out, st = s2o_attention(q, k, v, is_causal=w.causal, return_sparsity=True)
+    r["s2o_sparsity"], r["s2o_l1"] = st.sparsity, sampled_errors(out, q, k, v, w.causal)[0]
+    r["s2o_vs_cudnn"] = r["cudnn_ms"] / r["s2o_ms"]
+    r["topcdf_vs_cudnn"] = r["cudnn_ms"] / r["topcdf_ms"]
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+               "torch": torch.__version__, "tradeoff": {}, "overhead": {}, "timing": {}}
+    for name in ("cogvideox", "llama32k"):
+        results["tradeoff"][name] = tradeoff(name, FULL[name])
+        print(name, "tradeoff done", flush=True)
+    for name, w in FULL.items():
+        results["overhead"][name] = overhead(name, w)
+        results["timing"][name] = timing(name, w)
+        print(name, "overhead/timing done", flush=True)
+
+    lines = [f"# {results['device']}, torch {results['torch']}; structured inputs (sparge_diffusers.workloads.FULL)"]
+    for name, r in results["tradeoff"].items():
+        lines.append(f"## {name}: sweeps (sparsity / rel. L1 / MSE)")
+        for key, rows in r["sweeps"].items():
+            param = "cdfthreshd" if key == "topcdf" else "tau"
+            lines.append(f"{key:7} " + "  ".join(f"{x[param]}:{x['sparsity']:.3f}/{x['l1']:.4f}/{x['mse']:.2e}"
+                                                 for x in rows))
+        lines.append(f"{'sparsity':>8} {'S2O L1':>8} {'TopCdf L1':>9} {'ratio':>6} {'S2O MSE':>9} {'TopCdf MSE':>10} "
+                     f"{'ratio':>6}")
+        for m in r["matched_sparsity"]:
+            lines.append(f"{m['sparsity']:8.3f} {m['s2o_l1']:8.4f} {m['topcdf_l1']:9.4f} "
+                         f"{m['l1_ratio_topcdf_over_s2o']:6.2f} {m['s2o_mse']:9.2e} {m['topcdf_mse']:10.2e} "
+                         f"{m['mse_ratio_topcdf_over_s2o']:6.2f}")
+        for m in r["matched_l1"]:
+            f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+            lines.append(f"at L1 {m['l1']}: sparsity TopCdf {f(m['topcdf_sparsity'])}, S2O {f(m['s2o_sparsity'])}")
+    lines.append("## overhead with no skipping (ms; share over the previous variant)")
+    lines.append(f"{'shape':10} {'A dense':>8} {'B idx':>8} {'C ranked':>8} {'D check':>8} {'B/A':>6} {'C/B':>6} "
+                 f"{'D/C':>6} {'D/A':>6} {'D1/C':>6} {'D4/C':>6} {'D64/C':>6}")
+    for name, t in results["overhead"].items():
+        lines.append(f"{name:10} {t['A_dense']:8.2f} {t['B_indexed_ascending']:8.2f} {t['C_indexed_ranked']:8.2f} "
+                     f"{t['D_ranked_with_check']:8.2f} {t['B_over_A']:+6.1%} {t['C_over_B']:+6.1%} "
+                     f"{t['D_over_C']:+6.1%} {t['D_over_A']:+6.1%} {t['D1_over_C']:+6.1%} {t['D4_over_C']:+6.1%} "
+                     f"{t['D64_over_C']:+6.1%}")
+    lines.append("## default settings: TopCdf (0.6, 0.98) vs S2O (tau 0.0005, check every 16) vs cuDNN")
+    lines.append(f"{'shape':10} {'cuDNN ms':>8} {'TopCdf ms':>9} {'sp':>5} {'L1':>7} {'x':>5} {'S2O ms':>7} {'sp':>5} "
+                 f"{'L1':>7} {'x':>5}")
+    for name, r in results["timing"].items():
+        lines.append(f"{name:10} {r['cudnn_ms']:8.2f} {r['topcdf_ms']:9.2f} {r['topcdf_sparsity']:5.3f} "
+                     f"{r['topcdf_l1']:7.4f} {r['topcdf_vs_cudnn']:5.2f} {r['s2o_ms']:7.2f} {r['s2o_sparsity']:5.3f} "
+                     f"{r['s2o_l1']:7.4f} {r['s2o_vs_cudnn']:5.2f}")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""S2O-style selection: visit key blocks by predicted importance and stop once the normaliser stops growing.
+
+S2O (Zhang et al., "Early Stopping for Sparse Attention via Online Permutation") does not move tensors: it
+builds index arrays and lets the attention kernel load tiles through them, most important first, and stops
+a query tile once the last tile's gain in the softmax normaliser l falls below tau * l. Here that is a
+second selection policy beside TopCdf, for one query block (128 rows) at a time:
+
+1. Order (:func:`s2o_visit_order`, PyTorch on the stage-1 statistics, shared by the kernel and the
+   reference). Forced blocks come first, in ascending order: every key block of a query block that stage 1
+   does not trust (non-self-similar query or key block, SpargeAttn Eq. 5), the first key block with
+   ``attention_sink``, the ragged last key block, and under causal masking every visible key block of the
+   query block's own segment of ``segment`` tokens (S2O's dense intra-segment pass, Algorithm 2 / 4 lines
+   7-12). The remaining visible key blocks follow in descending compressed score q_mean . k_mean (stage 1's
+   map, the same for both masks).
+2. Walk (``_ordered_attention_kernel``): forced blocks unconditionally, then the ranked blocks while the
+   last tile's relative gain, mean over the tile's valid rows of (l_new - l_old) / l_old (both at the new
+   running max), is at least ``tau`` (the paper's deferred check, Algorithm 4 lines 14-20), tested every
+   ``check_every`` ranked tiles. The PV skip of stage 2 applies to every tile.
+
+Departures from the paper, each for a reason:
+* Granularity is the 64-key block, not the token: S2O ranks individual keys (KV_perm) and gathers them; our
+  kernel keeps contiguous 64-key tiles, so index arrays stay O((N/128)(N/64)) and loads stay block loads.
+* One order per query block (its own q_mean) instead of one per segment (the segment's q_mean), and no
+  query reordering inside a segment (the paper's Algorithm 4 also omits it).
+* The stop test is the mean of the rows' relative gains (a tile has 128 rows, the paper states the rule
+  per query); the tile whose gain triggers the stop is kept, since it is computed already (Algorithm 4
+  discards it, which costs a copy of the state and loses accuracy); and it runs every ``check_every``
+  (default 16) ranked tiles instead of after each, so the walk stays a software-pipelined for loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible
+from .attention import LOG2E, _attend_tile, _launch_config
+
+# Default number of ranked tiles between two stop tests (see the kernel's comment).
+CHECK_EVERY = 16
+
+
+@triton.jit
+def _ordered_attention_kernel(
+    Q, K, V, O, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, PV_THRESHOLD, VISITED, PV_COUNT,
+    qk_scale, H, GROUP, q_len, kv_len, NK,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, EARLY_STOP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
+    CHECK_EVERY: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    row_valid = offs_m < q_len
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    K_base = K + b * stride_kb + hk * stride_kh
+    V_base = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    pv_count = 0
+    pv_threshold = 0.0
+    if PV_SKIP:
+        pv_threshold = tl.load(PV_THRESHOLD + h)
+    row = pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m
+    index = INDEX + row * NK
+    n_unmasked = tl.load(N_UNMASKED + row)
+    n_forced = tl.load(N_FORCED + row)
+    count = tl.load(COUNT + row)
+
+    # The next key block's index is loaded one iteration ahead (as in attention.py), across all three loops.
+    j_next = tl.load(index, mask=count > 0, other=0)
+    # forced blocks: those needing no element masking, then the diagonal / ragged ones
+    for it in range(0, n_unmasked):
+        j = j_next
+        j_next = tl.load(index + tl.minimum(it + 1, count - 1))
+        acc, l_i, m_i, pv_count = _attend_tile(
+            acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+            MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+    for it in range(n_unmasked, n_forced):
+        j = j_next
+        j_next = tl.load(index + tl.minimum(it + 1, count - 1))
+        acc, l_i, m_i, pv_count = _attend_tile(
+            acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+            MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+
+    # Ranked blocks, most important first (fully visible whole tiles: no masking), in chunks of CHECK_EVERY
+    # tiles: the inner loop is an ordinary, software-pipelined for loop, and the stop test runs between
+    # chunks on the last tile's gain. (A test after every tile needs a while loop around each tile, which
+    # Triton does not pipeline: +59-155% over the checkless walk on an H100; every 4 tiles still cost
+    # +19-73%, each chunk refilling the pipeline; benchmarks/s2o.py.)
+    visited = n_forced
+    tau = 0.0
+    if EARLY_STOP:
+        tau = tl.load(TAU + h)
+    n_valid = tl.sum(row_valid.to(tl.float32), axis=0)
+    m_old = m_i
+    l_old = l_i
+    go = visited < count
+    while go:
+        end = count
+        if EARLY_STOP:
+            end = tl.minimum(visited + CHECK_EVERY, count)
+        for it in range(visited, end):
+            j = j_next
+            j_next = tl.load(index + tl.minimum(it + 1, count - 1))
+            if EARLY_STOP:
+                last = it == end - 1
+                m_old = tl.where(last, m_i, m_old)
+                l_old = tl.where(last, l_i, l_old)
+            acc, l_i, m_i, pv_count = _attend_tile(
+                acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+                MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+        visited = end
+        go = False
+        if EARLY_STOP:
+            before = l_old * tl.exp2(m_old - m_i)  # the normaliser before the last tile, at the new max
+            gain = tl.where(before > 0.0, (l_i - before) / tl.where(before > 0.0, before, 1.0), float("inf"))
+            gain = tl.where(row_valid, gain, 0.0)
+            go = (visited < count) & (tl.sum(gain, axis=0) / n_valid >= tau)
+
+    seen = l_i > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    if RETURN_COUNTS:
+        tl.store(VISITED + row, visited)
+        tl.store(PV_COUNT + row, pv_count)
+
+
+class VisitOrder(tuple):
+    """(index (B, H, nq, nk) int32, n_unmasked, n_forced, count (B, H, nq) int32): per query block, the key
+    blocks in visiting order; the first n_forced are always visited (the first n_unmasked of those need no
+    element masking); entries past count are unused (invisible under causal masking)."""
+
+
+def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor,
+                    shape: AttentionShape, *, is_causal: bool, scale: float, simthreshd1: torch.Tensor,
+                    segment: int, attention_sink: bool) -> VisitOrder:
+    """Build the visiting order from stage 1's block statistics (means (B, H|H_kv, n, D), similarities)."""
+    B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
+    group = H // shape.kv_heads
+    k_means = k_means.repeat_interleave(group, dim=1) if group > 1 else k_means
+    k_sim = k_sim.repeat_interleave(group, dim=1) if group > 1 else k_sim
+    device = q_means.device
+    scores = (q_means.float() @ k_means.float().transpose(-1, -2)) * scale  # (B, H, nq, nk)
+    theta = simthreshd1.view(1, H, 1)
+    cols = torch.arange(nk, device=device)
+    forced = (q_sim <= theta)[..., None] | (k_sim <= theta)[:, :, None, :]
+    ragged = (cols * BLOCK_K + BLOCK_K) > shape.kv_len
+    needs_masking = ragged[None, :].expand(nq, nk)
+    forced = forced | ragged
+    if attention_sink:
+        forced = forced | (cols == 0)
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if is_causal:
+        visible = causal_block_visible(nq, nk, shape.kv_len, device)
+        first_q = torch.arange(nq, device=device) * BLOCK_Q
+        segment_start = (first_q // segment) * segment
+        forced = forced | (cols[None, :] * BLOCK_K >= segment_start[:, None])  # S2O's dense intra-segment pass
+        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1)[None, :] > first_q[:, None])
+    forced = forced & visible
+    # group: 3 forced without masking, 2 forced with masking, 1 ranked, 0 invisible; inside a group forced
+    # blocks go in ascending order and ranked ones by descending score (two stable sorts)
+    group_id = torch.where(forced, torch.where(needs_masking, 2, 3), 1) * visible
+    within = torch.where(forced, -cols.to(scores.dtype).expand_as(scores), scores)
+    order = torch.sort(within, dim=-1, descending=True, stable=True).indices
+    order = torch.gather(order, -1, torch.sort(torch.gather(group_id, -1, order), dim=-1, descending=True,
+                                               stable=True).indices)
+    count = visible.sum(-1).to(torch.int32).expand(B, H, nq)
+    n_forced = forced.sum(-1).to(torch.int32)
+    n_unmasked = (forced & ~needs_masking).sum(-1).to(torch.int32)
+    return VisitOrder((order.to(torch.int32).contiguous(), n_unmasked.contiguous(), n_forced.contiguous(),
+                       count.contiguous()))
+
+
+def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: VisitOrder, *, is_causal: bool,
+                             scale: float, tau: torch.Tensor | None, pvthreshd: torch.Tensor | None,
+                             return_counts: bool, check_every: int = CHECK_EVERY
+                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Launch the ordered walk on (B, H, N, D) views; ``tau`` None visits every block without the check.
+    Returns (visited, pv_count) per (b, h, query block) when ``return_counts``."""
+    B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
+    unused = torch.zeros(1, device=qh.device, dtype=torch.int32)
+    visited = torch.empty(B, H, nq, device=qh.device, dtype=torch.int32) if return_counts else unused
+    pv_count = torch.empty_like(visited) if return_counts else unused
+    index, n_unmasked, n_forced, count = order
+    _ordered_attention_kernel[(nq, B * H)](
+        qh, kh, vh, out_h, index, n_unmasked, n_forced, count,
+        tau if tau is not None else unused.float(), pvthreshd if pvthreshd is not None else unused.float(),
+        visited, pv_count, scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk,
+        *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
+        HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_K,
+        IS_CAUSAL=is_causal, PV_SKIP=pvthreshd is not None, EARLY_STOP=tau is not None,
+        RETURN_COUNTS=return_counts, CHECK_EVERY=check_every, **_launch_config(shape.head_dim),
+    )
+    return (visited, pv_count) if return_counts else None
