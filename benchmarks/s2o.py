@@ -27,7 +27,7 @@ from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, s2o_atten
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.predict import block_statistics_triton
 from sparge_diffusers.kernels.s2o import VisitOrder
-from sparge_diffusers.workloads import FULL, sampled_errors
+from sparge_diffusers.workloads import FULL, cudnn_attention_fn, sampled_errors
 
 CDF = (0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 TAU = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02)
@@ -37,19 +37,6 @@ def bench(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
-
-
-def cudnn(q, k, v, causal):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    group = q.shape[1] // k.shape[1]
-    ke, ve = (t.repeat_interleave(group, 1) if group > 1 else t for t in (k, v))
-
-    def run():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
-    return run
 
 
 def interpolate(xs, ys, x):
@@ -126,7 +113,7 @@ def overhead(name, w):
 
 def timing(name, w):
     q, k, v = w.make("cuda", 0)
-    r = {"cudnn_ms": bench(cudnn(q, k, v, w.causal)),
+    r = {"cudnn_ms": bench(cudnn_attention_fn(q, k, v, w.causal)),
          "topcdf_ms": bench(lambda: sparge_attention(q, k, v, is_causal=w.causal)),
          "s2o_ms": bench(lambda: s2o_attention(q, k, v, is_causal=w.causal))}
     out, st = sparge_attention(q, k, v, is_causal=w.causal, return_sparsity=True)

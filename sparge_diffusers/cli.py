@@ -16,27 +16,13 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, sparge_attention
-from .workloads import FULL, SMALL, sampled_relative_l1
+from .workloads import FULL, SMALL, cudnn_attention_fn, sampled_relative_l1
 
 
 def _time_ms(fn, repeats: int = 10) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=max(100, repeats), return_mode="median"))
-
-
-def _cudnn(q, k, v, causal):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    group = q.shape[1] // k.shape[1]
-    ke, ve = (t.repeat_interleave(group, 1) if group > 1 else t for t in (k, v))
-
-    def run():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
-
-    return run
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -62,7 +48,7 @@ def bench(args: argparse.Namespace) -> int:
                "relative_l1": sampled_relative_l1(out, q, k, v, w.causal)}
         if gpu:
             row["sparge_ms"] = _time_ms(lambda: sparge_attention(q, k, v, is_causal=w.causal))
-            row["cudnn_ms"] = _time_ms(_cudnn(q, k, v, w.causal))
+            row["cudnn_ms"] = _time_ms(cudnn_attention_fn(q, k, v, w.causal))
             row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["sparge_ms"]
         rows.append(row)
         del q, k, v, out
@@ -114,13 +100,20 @@ def pipeline_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
+def read_prompts(path: str) -> list[str]:
+    """The non-empty lines of a prompts file; prints why and returns [] when there are none."""
+    with open(path) as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        print(f"{path} holds no prompts (one per line)", file=sys.stderr)
+    return prompts
+
+
 def tune_command(args: argparse.Namespace) -> int:
     from .tuning.pipeline import tune
 
-    with open(args.prompts) as f:
-        prompts = [line.strip() for line in f if line.strip()]
+    prompts = read_prompts(args.prompts)
     if not prompts:
-        print(f"{args.prompts} holds no prompts (one per line)", file=sys.stderr)
         return 2
     pipe = load_pipeline(args.model, args.device, args.dtype)
     from .tuning import ThresholdGrid
@@ -141,10 +134,8 @@ def tune_command(args: argparse.Namespace) -> int:
 def eval_command(args: argparse.Namespace) -> int:
     from .eval import LPIPS, evaluate, load_clip, parse_modes
 
-    with open(args.prompts) as f:
-        prompts = [line.strip() for line in f if line.strip()]
+    prompts = read_prompts(args.prompts)
     if not prompts:
-        print(f"{args.prompts} holds no prompts (one per line)", file=sys.stderr)
         return 2
     modes = parse_modes(args.attention)
     # metric models first: a missing weights file fails before any generation

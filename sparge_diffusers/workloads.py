@@ -63,6 +63,22 @@ SMALL = {
 }
 
 
+def cudnn_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """A no-argument callable running SDPA with the cuDNN backend on HND inputs (k/v heads repeated for GQA),
+    the baseline every timing is compared with."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    ke, ve = (t.repeat_interleave(group, 1) if group > 1 else t for t in (k, v))
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
+
+    return run
+
+
 def exact_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, causal: bool,
                          heads_per_chunk: int = 4) -> torch.Tensor:
     """Float32 attention of the query rows ``rows`` (HND), computed in head chunks: O(len(rows) * N) memory."""

@@ -8,6 +8,7 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")  # the pipeline modules import it
 
 from sparge_diffusers.pipelines import SpargeSettings, apply  # noqa: E402
+from tiny_pipes import tiny_cogvideox_vae  # noqa: E402
 
 
 def image_vae():
@@ -42,10 +43,7 @@ def sd3_pipe():  # with classifier-free guidance: a batch of two
 
 
 def cogvideox_pipe():
-    vae = diffusers.AutoencoderKLCogVideoX(
-        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
-        up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
-        layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4)
+    vae = tiny_cogvideox_vae()
     tr = diffusers.CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=4,
         text_embed_dim=16, num_layers=2, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,

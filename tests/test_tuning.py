@@ -51,6 +51,16 @@ def brute_force(samples, grid, l1, l2, aggregate):
     return best([(p, evaluate(samples, sim, cdf, p)) for p in grid.pvthreshd], l2), phase1
 
 
+def run_search(search, samples):
+    """Both phases over the same calibration calls, as tune() runs them."""
+    for phase in (1, 2):
+        for q, k, v, ref in samples:
+            search.observe(q, k, v, ref)
+        if phase == 1:
+            search.finish_stage1()
+    return search.result()
+
+
 def calibration_samples(seeds, grid=(2, 16, 16), heads=4):
     samples = []
     for s in seeds:
@@ -63,12 +73,7 @@ def calibration_samples(seeds, grid=(2, 16, 16), heads=4):
 def test_search_picks_the_best_grid_point_within_budget(aggregate):
     samples = calibration_samples([0, 1, 2])
     search = ThresholdSearch(l1=0.05, l2=0.06, grid=GRID, aggregate=aggregate)
-    for phase in (1, 2):
-        for q, k, v, ref in samples:
-            search.observe(q, k, v, ref)
-        if phase == 1:
-            search.finish_stage1()
-    choice = search.result()
+    choice = run_search(search, samples)
     expected, _ = brute_force(samples, GRID, 0.05, 0.06, aggregate)
     assert choice.within_budget and choice.calls == 3
     for h, (pv, sparsity, l1) in enumerate(expected):
@@ -94,12 +99,7 @@ def layer_rows(samples, *setting):
 def test_search_per_layer_chooses_one_setting():
     samples = calibration_samples([0, 1])
     search = ThresholdSearch(l1=0.05, l2=0.06, grid=GRID, per_head=False)
-    for phase in (1, 2):
-        for q, k, v, ref in samples:
-            search.observe(q, k, v, ref)
-        if phase == 1:
-            search.finish_stage1()
-    choice = search.result()
+    choice = run_search(search, samples)
     assert len(set(choice.simthreshd1)) == len(set(choice.cdfthreshd)) == len(set(choice.pvthreshd)) == 1
 
     def best(settings, budget):
@@ -133,11 +133,7 @@ def test_search_errors():
 def test_budget_too_tight_is_reported():
     samples = calibration_samples([0], heads=2)
     search = ThresholdSearch(l1=1e-9, l2=1e-9, grid=GRID)
-    for phase in (1, 2):
-        search.observe(*samples[0])
-        if phase == 1:
-            search.finish_stage1()
-    assert not search.result().within_budget
+    assert not run_search(search, samples).within_budget
 
 
 # --- tune() on a tiny Flux transformer ------------------------------------------------------------------

@@ -7,6 +7,15 @@ import torch
 WORDS = "a an the cat dog bird red blue green on in under moon sky sea car tree walks flies runs".split()
 
 
+def tiny_cogvideox_vae():
+    import diffusers
+
+    return diffusers.AutoencoderKLCogVideoX(
+        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
+        layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4)
+
+
 def save_tiny_cogvideox_pipeline(path) -> str:
     import diffusers
     import transformers
@@ -20,10 +29,7 @@ def save_tiny_cogvideox_pipeline(path) -> str:
                                                      unk_token="<unk>", model_max_length=226)
     text_encoder = transformers.T5EncoderModel(transformers.T5Config(
         vocab_size=len(vocab), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
-    vae = diffusers.AutoencoderKLCogVideoX(
-        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
-        up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
-        layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4)
+    vae = tiny_cogvideox_vae()
     transformer = diffusers.CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=4,
         text_embed_dim=16, num_layers=2, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,

@@ -126,6 +126,12 @@ def _check_block_mask(block_mask: torch.Tensor, shape: AttentionShape, device: t
         raise ValueError(f"block_mask must be bool or integer, got {block_mask.dtype}")
 
 
+def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; got "
+                         f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -165,9 +171,7 @@ def block_sparse_attention(
         _check_block_mask(block_mask, shape, q.device)
     chosen = pick_backend(backend, q.device)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; got "
-                         f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+    _check_out(out, q)
     if chosen == "reference":
         if block_mask is None:
             block_mask = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
@@ -279,8 +283,7 @@ def s2o_attention(
     theta = per_head(simthreshd1, shape.heads, "simthreshd1", q.device, low=-1.0, high=1.0)
     tau_t = None if tau is None else per_head(tau, shape.heads, "tau", q.device, low=0.0)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}")
+    _check_out(out, q)
     if chosen == "triton":
         check_kernel_dtype(q.dtype)
     qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
