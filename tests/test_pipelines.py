@@ -12,6 +12,7 @@ from sparge_diffusers.pipelines import SpargeProcessor, SpargeSettings, apply  #
 
 KEEP_ALL = SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
 AGGRESSIVE = SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None)
+MODERATE = SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
 
 
 def flux():
@@ -94,7 +95,12 @@ def test_sparse_run_reports_stats_and_bounded_error(name):
     by_layer = processor.sparsity_by_layer()
     assert by_layer and max(by_layer.values()) > 0
     assert all(not k.startswith("<unbound") for k in by_layer)
-    assert relative_l1(out, native) < 0.5
+    # measured (seed 1): 0.013-0.17 at sparsity 0.75-0.8; a moderate setting stays close to dense
+    assert relative_l1(out, native) < 0.3
+    processor.settings = MODERATE
+    moderate = run(model, inputs)
+    assert relative_l1(moderate, native) < 0.06  # measured 0.0025-0.034 at sparsity 0.2-0.25
+    assert relative_l1(moderate, native) < relative_l1(out, native)
 
 
 def test_set_attn_processor_works_where_the_model_has_it():
