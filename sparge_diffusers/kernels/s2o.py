@@ -103,8 +103,8 @@ def _ordered_attention_kernel(
     # Ranked blocks, most important first (fully visible whole tiles: no masking), in chunks of CHECK_EVERY
     # tiles: the inner loop is an ordinary, software-pipelined for loop, and the stop test runs between
     # chunks on the last tile's gain. (A test after every tile needs a while loop around each tile, which
-    # Triton does not pipeline: +59-155% over the checkless walk on an H100; every 4 tiles still cost
-    # +19-73%, each chunk refilling the pipeline; benchmarks/s2o.py.)
+    # Triton does not pipeline: +55-87% over the checkless walk on an H100; every 4 tiles still cost
+    # +13-28%, each chunk refilling the pipeline; every 16: +2-15%; benchmarks/s2o.py.)
     visited = n_forced
     tau = 0.0
     if EARLY_STOP:
