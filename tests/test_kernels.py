@@ -153,6 +153,21 @@ def test_keeping_every_block_equals_sdpa(causal, layout, dtype):
     assert relative_l1(out, dense) < L1_TOL[dtype]
 
 
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,D,causal", [
+    (1, 2, 2, 333, 333, 128, True),  # dense mode walks 128-key tiles at D > 64
+    (2, 4, 2, 300, 461, 96, False),  # GQA, Nq != Nkv, head dim padded to 128
+    (1, 2, 1, 70, 70, 128, True),  # shorter than one tile
+])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_dense_mode_with_wide_tiles_equals_sdpa(B, H, HK, Nq, Nkv, D, causal, layout):
+    q, k, v = make_qkv(B, H, HK, Nq, Nkv, D, torch.bfloat16, layout, seed=Nq + D)
+    out, stats = block_sparse_attention(q, k, v, None, is_causal=causal, tensor_layout=layout, backend="triton",
+                                        out=poisoned_like(q), return_sparsity=True)
+    assert not torch.isnan(out).any()
+    assert relative_l1(out, dense_reference(q, k, v, causal, layout)) < L1_TOL[torch.bfloat16]
+    assert stats.sparsity == 0.0 and float(stats.pv_skipped.max()) == 0.0
+
+
 def test_pv_filter_skips_tiles_far_below_the_running_max():
     # Row maxima of the second key block are 20 (log2 units) below the first block's: with pvthreshd 10 the
     # P.V product of that tile is skipped, and the result still matches dense attention closely.

@@ -198,6 +198,8 @@ def block_sparse_attention(
     else:
         full = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
         qk_count = block_mask_to_index(full, shape, is_causal)[1]
+    if pv_count is None:  # dense mode without stage 2: every P.V product computed
+        pv_count = qk_count
     return out, sparsity_stats(qk_count, pv_count, shape, is_causal)
 
 
