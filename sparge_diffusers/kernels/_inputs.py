@@ -119,6 +119,8 @@ def per_head(value: PerHead, heads: int, name: str, device: torch.device, *,
     Checked on the CPU before the copy to ``device``, so a call costs no GPU->CPU synchronisation
     (a CUDA tensor argument is read back once).
     """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _scalar_per_head(float(value), heads, name, str(device), low, high)
     t = torch.as_tensor(value, dtype=torch.float32).detach().flatten().cpu()
     if t.numel() == 1:
         t = t.expand(heads).contiguous()
@@ -129,6 +131,17 @@ def per_head(value: PerHead, heads: int, name: str, device: torch.device, *,
     if (t < low).any() or (t > high).any():
         raise ValueError(f"{name} must lie in [{low}, {high}], got {t.tolist()}")
     return _on_device(tuple(t.tolist()), str(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_per_head(value: float, heads: int, name: str, device: str, low: float, high: float) -> torch.Tensor:
+    """The common case, one Python number for all heads, checked and cached without any tensor op: every
+    attention call of every layer passes its thresholds, and the tensor path costs ~45 us of host time."""
+    if math.isnan(value):
+        raise ValueError(f"{name} contains NaN")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {[value] * heads}")
+    return _on_device((value,) * heads, device)
 
 
 @functools.lru_cache(maxsize=256)

@@ -155,7 +155,9 @@ def block_statistics_triton(x: torch.Tensor, block_size: int) -> tuple[torch.Ten
     _block_mean_similarity_kernel[(nb, B * H)](
         x, means, sim, N, H, *x.stride(), *sm,
         HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size,
-        num_warps=4 if block_size * D <= 8192 else 8,
+        # 2 warps are fastest on an H100 for every block shape we use (Llama-32K q: 0.112 ms = 2.4 TB/s
+        # against 0.201 ms with 8 warps; 64-row k blocks at D = 128: 0.106 against 0.181 ms with 4)
+        num_warps=2,
     )
     return means, sim
 
