@@ -119,8 +119,10 @@ def per_head(value: PerHead, heads: int, name: str, device: torch.device, *,
     Checked on the CPU before the copy to ``device``, so a call costs no GPU->CPU synchronisation
     (a CUDA tensor argument is read back once).
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _scalar_per_head(float(value), heads, name, str(device), low, high)
+    if _is_number(value):
+        return _python_per_head((float(value),), heads, name, str(device), low, high)
+    if isinstance(value, (list, tuple)) and all(_is_number(x) for x in value):  # e.g. from a settings file
+        return _python_per_head(tuple(float(x) for x in value), heads, name, str(device), low, high)
     t = torch.as_tensor(value, dtype=torch.float32).detach().flatten().cpu()
     if t.numel() == 1:
         t = t.expand(heads).contiguous()
@@ -133,15 +135,24 @@ def per_head(value: PerHead, heads: int, name: str, device: torch.device, *,
     return _on_device(tuple(t.tolist()), str(device))
 
 
-@functools.lru_cache(maxsize=256)
-def _scalar_per_head(value: float, heads: int, name: str, device: str, low: float, high: float) -> torch.Tensor:
-    """The common case, one Python number for all heads, checked and cached without any tensor op: every
-    attention call of every layer passes its thresholds, and the tensor path costs ~45 us of host time."""
-    if math.isnan(value):
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@functools.lru_cache(maxsize=1024)
+def _python_per_head(values: tuple[float, ...], heads: int, name: str, device: str, low: float, high: float
+                     ) -> torch.Tensor:
+    """Python numbers (one, or one per head) checked and cached without any tensor op: every attention call
+    of every layer passes its thresholds, and the tensor path costs ~45 us of host time per argument."""
+    if len(values) == 1:
+        values = values * heads
+    if len(values) != heads:
+        raise ValueError(f"{name} needs one value or one per head ({heads}), got {len(values)}")
+    if any(math.isnan(x) for x in values):
         raise ValueError(f"{name} contains NaN")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must lie in [{low}, {high}], got {[value] * heads}")
-    return _on_device((value,) * heads, device)
+    if any(not low <= x <= high for x in values):
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {list(values)}")
+    return _on_device(values, device)
 
 
 @functools.lru_cache(maxsize=256)

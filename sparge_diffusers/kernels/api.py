@@ -25,8 +25,7 @@ from ._inputs import (
     AttentionShape,
 )
 from .attention import block_mask_to_index, sparse_attention_triton
-from .predict import predict_block_mask_triton
-from .predict import block_statistics_triton
+from .predict import block_statistics_triton, predict_block_mask_triton
 from .reference import (
     reference_block_sparse_attention,
     reference_block_statistics,

@@ -195,8 +195,9 @@ def reference_block_sparse_attention(
     return (out if tensor_layout == "HND" else out.transpose(1, 2)), stats
 
 
-def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, shape: AttentionShape, is_causal: bool, scale: float,
-                                tau: torch.Tensor | None, pvthreshd: torch.Tensor | None, check_every: int = 16
+def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, shape: AttentionShape,
+                                is_causal: bool, scale: float, tau: torch.Tensor | None,
+                                pvthreshd: torch.Tensor | None, check_every: int = 16
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 reference of the S2O ordered walk (kernels/s2o.py), one (batch, head, query block) at a time,
     (B, H, N, D) inputs, visiting order (index, n_unmasked, n_forced, count) from ``s2o_visit_order``.
