@@ -2,10 +2,13 @@
 
 For each shape (CogVideoX-2B, Mochi, Flux 1024px, Llama-3.1-8B causal 32K):
   * dense mode of our kernel vs SDPA (cuDNN backend, flash backend);
-  * block_sparse_attention vs compiled FlexAttention given the same block mask, densities 0.5/0.25/0.1;
+  * block_sparse_attention vs compiled FlexAttention given the same block mask, densities 0.5/0.25/0.1:
+    ours given the bool mask (compacted on every call) and given a prebuilt CompactBlockMask (as Flex is
+    given its prebuilt BlockMask);
   * stage-1 prediction time as a share of cuDNN dense time;
   * the whole method at default settings on structured inputs: sparsity, relative L1 against exact float32
     attention (on a sample of query rows), time against cuDNN.
+Each time is the fastest of 3 interleaved rounds of do_bench medians (see bench_rounds).
 
 Usage: python benchmarks/attention.py [--shapes mochi,flux] [--out results.json]
 Writes JSON (default benchmarks/results/attention-<gpu>.json) and prints a table.
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, sparge_attention
+from sparge_diffusers import compact_block_mask
 from sparge_diffusers.kernels.attention import block_mask_to_index
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.stats import dense_block_count
@@ -35,6 +39,21 @@ def bench(fn, warmup_ms=50, rep_ms=300) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+ROUNDS = 3
+
+
+def bench_rounds(fns: dict, rounds: int = ROUNDS) -> tuple[dict, dict]:
+    """Each fn's median per round, the rounds interleaved, then each fn's fastest round, and the spread
+    (slowest / fastest round - 1). On the lent H100 one variant's median moved by up to 15% within a run
+    (2026-11-22: the same kernel on the same mask, 24.2 vs 27.7 ms), so single medians cannot rank variants."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return ({name: min(t) for name, t in times.items()},
+            {name: max(t) / min(t) - 1 for name, t in times.items()})
 
 
 def attention_flops(B, H, N, D, causal) -> float:
@@ -108,12 +127,15 @@ def run_shape(w, densities, device, log):
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal)
     res = {"shape": {"B": B, "H": H, "H_kv": HK, "N": N, "D": D, "causal": causal, "dtype": "bf16"}}
 
-    cudnn = bench(sdpa_fn(q, k, v, causal, "cudnn"))
-    flash = bench(sdpa_fn(q, k, v, causal, "flash"))
-    ours_dense = bench(lambda: block_sparse_attention(q, k, v, None, is_causal=causal))
-    # the same dense walk with the stage-2 test compiled in (pvthreshd=50 skips nothing on random inputs)
-    ours_dense_pv = bench(lambda: block_sparse_attention(q, k, v, None, is_causal=causal, pvthreshd=50))
+    t, spread = bench_rounds({
+        "cudnn": sdpa_fn(q, k, v, causal, "cudnn"),
+        "flash": sdpa_fn(q, k, v, causal, "flash"),
+        "ours": lambda: block_sparse_attention(q, k, v, None, is_causal=causal),
+        # the same dense walk with the stage-2 test compiled in (pvthreshd=50 skips nothing on random inputs)
+        "ours_pv": lambda: block_sparse_attention(q, k, v, None, is_causal=causal, pvthreshd=50)})
+    cudnn, flash, ours_dense, ours_dense_pv = t["cudnn"], t["flash"], t["ours"], t["ours_pv"]
     res["dense"] = {"cudnn_ms": cudnn, "flash_ms": flash, "ours_ms": ours_dense, "ours_pv_test_ms": ours_dense_pv,
+                    "round_spread": spread,
                     "ours_vs_cudnn": cudnn / ours_dense, "ours_vs_flash": flash / ours_dense,
                     "ours_tflops": flops / ours_dense / 1e9, "cudnn_tflops": flops / cudnn / 1e9}
     log(f"{name}: dense ours {ours_dense:.2f} ms, cuDNN {cudnn:.2f} ms, flash {flash:.2f} ms")
@@ -122,21 +144,29 @@ def run_shape(w, densities, device, log):
     for density in densities:
         mask = random_block_mask(B, H, shape.q_blocks, shape.k_blocks, density, causal, N, device)
         dense_blocks = (mask.sum() / (B * H)).item()
-        ours = bench(lambda: block_sparse_attention(q, k, v, mask, is_causal=causal))
+        compact = compact_block_mask(mask, q, k, is_causal=causal)
+        fns = {"ours": lambda: block_sparse_attention(q, k, v, mask, is_causal=causal),
+               "prebuilt": lambda: block_sparse_attention(q, k, v, compact, is_causal=causal)}
         try:
-            flex = bench(flex_fn(q, k, v, mask, causal, shape))
+            fns["flex"] = flex_fn(q, k, v, mask, causal, shape)
+            fns["flex"]()  # compile outside the timed rounds
         except Exception as e:  # report, never hide
-            flex = float("nan")
+            fns.pop("flex", None)
             log(f"  flex failed: {type(e).__name__}: {e}")
+        t, spread = bench_rounds(fns)
+        ours, prebuilt, flex = t["ours"], t["prebuilt"], t.get("flex", float("nan"))
         actual = float(mask.sum()) / (B * H * dense_block_count(shape, causal, q.device))
         entry = {"density": density, "actual_density": actual, "kept_blocks_per_head": dense_blocks,
-                 "ours_ms": ours, "flex_ms": flex, "ours_vs_flex": flex / ours,
+                 "ours_ms": ours, "ours_prebuilt_ms": prebuilt, "flex_ms": flex, "ours_vs_flex": flex / ours,
+                 "prebuilt_vs_flex": flex / prebuilt,
                  "speedup_vs_own_dense": ours_dense / ours, "ideal_speedup": 1 / actual,
-                 "speedup_over_ideal": ours_dense / ours * actual}
+                 "speedup_over_ideal": ours_dense / ours * actual,
+                 "prebuilt_speedup_over_ideal": ours_dense / prebuilt * actual, "round_spread": spread}
         res["sparse"].append(entry)
-        log(f"  density {density}: ours {ours:.2f} ms, flex {flex:.2f} ms, vs own dense x{ours_dense / ours:.2f}")
+        log(f"  density {density}: ours {ours:.2f} ms (prebuilt {prebuilt:.2f}), flex {flex:.2f} ms, "
+            f"vs own dense x{ours_dense / ours:.2f}")
 
-    predict = bench(lambda: predict_block_mask(q, k, is_causal=causal))
+    predict = bench_rounds({"p": lambda: predict_block_mask(q, k, is_causal=causal)})[0]["p"]
     res["predict"] = {"ms": predict, "share_of_cudnn": predict / cudnn}
     del q, k, v
     torch.cuda.empty_cache()
@@ -144,15 +174,16 @@ def run_shape(w, densities, device, log):
     qs, ks, vs = w.make(device, 0)
     out, stats = sparge_attention(qs, ks, vs, is_causal=causal, return_sparsity=True)
     l1 = sampled_relative_l1(out, qs, ks, vs, causal)
-    whole = bench(lambda: sparge_attention(qs, ks, vs, is_causal=causal))
-    stage1_only = bench(lambda: sparge_attention(qs, ks, vs, is_causal=causal, pvthreshd=None))
-    cudnn_s = bench(sdpa_fn(qs, ks, vs, causal, "cudnn"))
+    t, spread = bench_rounds({"whole": lambda: sparge_attention(qs, ks, vs, is_causal=causal),
+                              "stage1_only": lambda: sparge_attention(qs, ks, vs, is_causal=causal, pvthreshd=None),
+                              "cudnn": sdpa_fn(qs, ks, vs, causal, "cudnn")})
+    whole, stage1_only, cudnn_s = t["whole"], t["stage1_only"], t["cudnn"]
     l1_cudnn = sampled_relative_l1(sdpa_fn(qs, ks, vs, causal, "cudnn")(), qs, ks, vs, causal)
     res["structured_default"] = {"sparsity": stats.sparsity, "qk_skipped": float(stats.qk_skipped.mean()),
                                  "pv_skipped_stage2": float(stats.pv_skipped_stage2.mean()),
                                  "relative_l1": l1, "relative_l1_cudnn_bf16": l1_cudnn, "ms": whole,
                                  "stage1_only_ms": stage1_only,
-                                 "cudnn_ms": cudnn_s, "speedup_vs_cudnn": cudnn_s / whole}
+                                 "cudnn_ms": cudnn_s, "speedup_vs_cudnn": cudnn_s / whole, "round_spread": spread}
     log(f"  structured: sparsity {stats.sparsity:.3f}, L1 {l1:.4f}, {whole:.2f} ms vs cuDNN {cudnn_s:.2f} ms")
     del qs, ks, vs, out
     torch.cuda.empty_cache()
@@ -166,11 +197,15 @@ def print_table(results):
         d = r["dense"]
         print(f"{name:10} {d['cudnn_ms']:8.2f} {d['flash_ms']:8.2f} {d['ours_ms']:8.2f} {d['ours_pv_test_ms']:8.2f} "
               f"{d['ours_vs_cudnn']:10.2f} {100 * r['predict']['share_of_cudnn']:7.2f}")
-    print(f"\n{'shape':10} {'density':>7} {'ours ms':>8} {'flex ms':>8} {'flex/ours':>9} {'x dense':>8} {'x/ideal':>8}")
+    print("\nours: bool mask compacted per call; pre: prebuilt CompactBlockMask (Flex: prebuilt BlockMask)")
+    print(f"{'shape':10} {'density':>7} {'ours ms':>8} {'pre ms':>8} {'flex ms':>8} {'flex/ours':>9} "
+          f"{'flex/pre':>8} {'x dense':>8} {'x/ideal':>8} {'pre x/id':>8}")
     for name, r in results["shapes"].items():
         for s in r["sparse"]:
-            print(f"{name:10} {s['actual_density']:7.3f} {s['ours_ms']:8.2f} {s['flex_ms']:8.2f} "
-                  f"{s['ours_vs_flex']:9.2f} {s['speedup_vs_own_dense']:8.2f} {s['speedup_over_ideal']:8.2f}")
+            print(f"{name:10} {s['actual_density']:7.3f} {s['ours_ms']:8.3f} {s['ours_prebuilt_ms']:8.3f} "
+                  f"{s['flex_ms']:8.3f} {s['ours_vs_flex']:9.2f} {s['prebuilt_vs_flex']:8.2f} "
+                  f"{s['speedup_vs_own_dense']:8.2f} {s['speedup_over_ideal']:8.2f} "
+                  f"{s['prebuilt_speedup_over_ideal']:8.2f}")
     print(f"\n{'shape':10} {'sparsity':>8} {'rel L1':>8} {'L1 cuDNN':>8} {'ms':>8} {'no-pv ms':>8} {'cuDNN ms':>8} "
           f"{'speedup':>8}")
     for name, r in results["shapes"].items():

@@ -4,26 +4,32 @@
    sweeps of TopCdf's cdfthreshd and of S2O's tau (simthreshd1 = 0.6, stage 2 off for both); sparsity,
    relative L1 and MSE against exact float32 attention on 2048 sampled query rows. Then S2O's error over
    TopCdf's at matched sparsity and the sparsity of each at matched L1 (linear interpolation along each sweep).
-2. Overhead decomposition with no skipping (S2O appendix B): A our dense kernel (contiguous), B the S2O
+2. Overhead decomposition with no skipping (S2O appendix B): A our dense kernel (contiguous; 128-key tiles
+   at D > 64) and A64 the same contiguous walk in the mask's 64-key tiles, which the S2O kernel uses, B the S2O
    kernel walking every block in ascending order through the index (indexed loads), C the same in ranked
    order, D with the early-stop check on (tau = 0, never stops; every 16 ranked tiles, the default, and
-   every tile, every 4 and every 64 tiles for comparison). Each as a share of the previous variant.
+   every tile, every 4 and every 64 tiles for comparison). Each as a share of the previous variant; B/A64
+   isolates the indexed loads from the tile width. Kernel times: medians of CUDA-graph replays.
 3. Time at the default tau (0.0005, tested every 16 ranked tiles) against the TopCdf path (default
    settings) and cuDNN SDPA, with sparsity and L1, at the core benchmark shapes.
 
-Usage: python benchmarks/s2o.py [--out results.json]   (needs a GPU)
+Usage: python benchmarks/s2o.py [--out results.json] [--parts overhead,timing]   (needs a GPU)
+With --parts, the other parts are kept from an existing --out file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 
 import numpy as np
 import torch
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, s2o_attention, s2o_visit_order, sparge_attention
+from sparge_diffusers.kernels import attention
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.predict import block_statistics_triton
 from sparge_diffusers.kernels.s2o import VisitOrder
@@ -37,6 +43,14 @@ def bench(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def bench_graph(fn) -> float:
+    """Kernel time without host time: median of CUDA-graph replays (the decomposition is about the kernel;
+    at Flux's size the Python path before a launch is otherwise part of the measured time)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median"))
 
 
 def interpolate(xs, ys, x):
@@ -85,6 +99,17 @@ def ranked_ascending(order: VisitOrder) -> VisitOrder:
     return VisitOrder((torch.gather(index, -1, key.argsort(-1)).contiguous(), n_unmasked, n_forced, count))
 
 
+@contextlib.contextmanager
+def dense_mode_in_mask_tiles():
+    """Our dense mode walking 64-key tiles, as the S2O kernel does (it takes 128 at D > 64)."""
+    saved = attention.dense_block_n
+    attention.dense_block_n = lambda head_dim: BLOCK_K
+    try:
+        yield
+    finally:
+        attention.dense_block_n = saved
+
+
 def overhead(name, w):
     q, k, v = w.make("cuda", 0)
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=w.causal)
@@ -94,13 +119,15 @@ def overhead(name, w):
                             simthreshd1=theta, segment=128, attention_sink=False)  # smallest dense window
     ascending = ranked_ascending(order)
     kw = dict(is_causal=w.causal, segment=128)
-    t = {"A_dense": bench(lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal)),
-         "B_indexed_ascending": bench(lambda: s2o_attention(q, k, v, tau=None, order=ascending, **kw)),
-         "C_indexed_ranked": bench(lambda: s2o_attention(q, k, v, tau=None, order=order, **kw)),
-         "D_ranked_with_check": bench(lambda: s2o_attention(q, k, v, tau=0.0, order=order, **kw)),
-         "D1_check_every_tile": bench(lambda: s2o_attention(q, k, v, tau=0.0, order=order, check_every=1, **kw)),
-         "D4_check_every_4": bench(lambda: s2o_attention(q, k, v, tau=0.0, order=order, check_every=4, **kw)),
-         "D64_check_every_64": bench(lambda: s2o_attention(q, k, v, tau=0.0, order=order, check_every=64, **kw))}
+    t = {"A_dense": bench_graph(lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal)),
+         "B_indexed_ascending": bench_graph(lambda: s2o_attention(q, k, v, tau=None, order=ascending, **kw)),
+         "C_indexed_ranked": bench_graph(lambda: s2o_attention(q, k, v, tau=None, order=order, **kw)),
+         "D_ranked_with_check": bench_graph(lambda: s2o_attention(q, k, v, tau=0.0, order=order, **kw)),
+         **{name: bench_graph(lambda every=every: s2o_attention(q, k, v, tau=0.0, order=order, check_every=every, **kw))
+            for name, every in (("D1_check_every_tile", 1), ("D4_check_every_4", 4), ("D64_check_every_64", 64))}}
+    with dense_mode_in_mask_tiles():
+        t["A64_dense_64key_tiles"] = bench_graph(lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal))
+    t["B_over_A64"] = t["B_indexed_ascending"] / t["A64_dense_64key_tiles"] - 1
     t["B_over_A"] = t["B_indexed_ascending"] / t["A_dense"] - 1
     t["C_over_B"] = t["C_indexed_ranked"] / t["B_indexed_ascending"] - 1
     t["D_over_C"] = t["D_ranked_with_check"] / t["C_indexed_ranked"] - 1
@@ -128,15 +155,24 @@ def timing(name, w):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--parts", default="tradeoff,overhead,timing")
     args = ap.parse_args(argv)
-    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-               "torch": torch.__version__, "tradeoff": {}, "overhead": {}, "timing": {}}
-    for name in ("cogvideox", "llama32k"):
-        results["tradeoff"][name] = tradeoff(name, FULL[name])
-        print(name, "tradeoff done", flush=True)
+    parts = set(args.parts.split(","))
+    results = {"tradeoff": {}, "overhead": {}, "timing": {}}
+    if parts != {"tradeoff", "overhead", "timing"} and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            results = json.load(f)
+    results.update({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                    "torch": torch.__version__})
+    if "tradeoff" in parts:
+        for name in ("cogvideox", "llama32k"):
+            results["tradeoff"][name] = tradeoff(name, FULL[name])
+            print(name, "tradeoff done", flush=True)
     for name, w in FULL.items():
-        results["overhead"][name] = overhead(name, w)
-        results["timing"][name] = timing(name, w)
+        if "overhead" in parts:
+            results["overhead"][name] = overhead(name, w)
+        if "timing" in parts:
+            results["timing"][name] = timing(name, w)
         print(name, "overhead/timing done", flush=True)
 
     lines = [f"# {results['device']}, torch {results['torch']}; structured inputs (sparge_diffusers.workloads.FULL)"]
@@ -155,12 +191,13 @@ def main(argv=None):
         for m in r["matched_l1"]:
             f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
             lines.append(f"at L1 {m['l1']}: sparsity TopCdf {f(m['topcdf_sparsity'])}, S2O {f(m['s2o_sparsity'])}")
-    lines.append("## overhead with no skipping (ms; share over the previous variant)")
-    lines.append(f"{'shape':10} {'A dense':>8} {'B idx':>8} {'C ranked':>8} {'D check':>8} {'B/A':>6} {'C/B':>6} "
-                 f"{'D/C':>6} {'D/A':>6} {'D1/C':>6} {'D4/C':>6} {'D64/C':>6}")
+    lines.append("## overhead with no skipping (kernel ms from CUDA-graph replays; share over the previous variant)")
+    lines.append(f"{'shape':10} {'A dense':>8} {'A64':>8} {'B idx':>8} {'C ranked':>8} {'D check':>8} {'B/A':>6} "
+                 f"{'B/A64':>6} {'C/B':>6} {'D/C':>6} {'D/A':>6} {'D1/C':>6} {'D4/C':>6} {'D64/C':>6}")
     for name, t in results["overhead"].items():
-        lines.append(f"{name:10} {t['A_dense']:8.2f} {t['B_indexed_ascending']:8.2f} {t['C_indexed_ranked']:8.2f} "
-                     f"{t['D_ranked_with_check']:8.2f} {t['B_over_A']:+6.1%} {t['C_over_B']:+6.1%} "
+        lines.append(f"{name:10} {t['A_dense']:8.2f} {t['A64_dense_64key_tiles']:8.2f} {t['B_indexed_ascending']:8.2f} "
+                     f"{t['C_indexed_ranked']:8.2f} {t['D_ranked_with_check']:8.2f} {t['B_over_A']:+6.1%} "
+                     f"{t['B_over_A64']:+6.1%} {t['C_over_B']:+6.1%} "
                      f"{t['D_over_C']:+6.1%} {t['D_over_A']:+6.1%} {t['D1_over_C']:+6.1%} {t['D4_over_C']:+6.1%} "
                      f"{t['D64_over_C']:+6.1%}")
     lines.append("## default settings: TopCdf (0.6, 0.98) vs S2O (tau 0.0005, check every 16) vs cuDNN")

@@ -132,7 +132,7 @@ def tune_command(args: argparse.Namespace) -> int:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from .eval import LPIPS, evaluate, load_clip, parse_modes
+    from .eval import LPIPS, DoverScorer, evaluate, load_clip, parse_modes
 
     prompts = read_prompts(args.prompts)
     if not prompts:
@@ -140,7 +140,10 @@ def eval_command(args: argparse.Namespace) -> int:
     modes = parse_modes(args.attention)
     # metric models first: a missing weights file fails before any generation
     lpips = LPIPS.from_files(args.lpips_weights) if args.lpips_weights else None
+    dover = DoverScorer(args.dover_weights) if args.dover_weights else None
     pipe = load_pipeline(args.model, args.device, args.dtype)
+    if dover is not None:
+        dover.to(pipe.device)
     clip = load_clip(args.clip, pipe.device) if args.clip else None
     real = None
     if args.fid_real:
@@ -149,9 +152,11 @@ def eval_command(args: argparse.Namespace) -> int:
         size = (args.height or 1024, args.width or 1024)
         real = load_images(args.fid_real, size)
     report = evaluate(pipe, prompts, modes, args.out, seed=args.seed, pipe_kwargs=pipeline_kwargs(args), clip=clip,
-                      lpips=lpips, inception_weights=args.fid_weights, real_images=real, progress=not args.quiet)
+                      lpips=lpips, inception_weights=args.fid_weights, real_images=real, dover=dover,
+                      progress=not args.quiet)
     keys = [k for k in ("sparsity", "seconds_per_step", "psnr", "ssim", "lpips", "clip_score", "clipsim",
-                        "clip_temp", "fid_vs_dense", "fid_vs_real") if any(k in s for s in report["summary"].values())]
+                        "clip_temp", "dover_technical", "dover_aesthetic", "dover_overall", "fid_vs_dense",
+                        "fid_vs_real") if any(k in s for s in report["summary"].values())]
     print(f"{report['model_class']} on {report['device']}, {len(prompts)} prompt(s)")
     print(f"{'mode':24}" + "".join(f" {k:>16}" for k in keys))
     for name, s in report["summary"].items():
@@ -210,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                    "transformers:PATH_OR_ID")
     e.add_argument("--lpips-weights", help="torchvision's alexnet-owt-7be5be79.pth, for LPIPS against dense")
     e.add_argument("--fid-weights", help="the FID Inception weights file (needs torch-fidelity), for FID vs dense")
+    e.add_argument("--dover-weights", help="DOVER.pth, for DOVER's technical/aesthetic video scores (needs "
+                   "DOVER's package: pip install git+https://github.com/VQAssessment/DOVER.git)")
     e.add_argument("--fid-real", help="folder of real images (e.g. the COCO images of the captions) for FID")
     e.set_defaults(func=eval_command)
     args = parser.parse_args(argv)

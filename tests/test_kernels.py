@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, relative_l1
-from sparge_diffusers import sparge_attention
+from sparge_diffusers import compact_block_mask, sparge_attention
 from sparge_diffusers.kernels.predict import block_statistics_triton
 from sparge_diffusers.kernels.reference import reference_block_statistics, reference_prediction_details
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
@@ -115,6 +115,9 @@ ATTN_CASES = [
     (1, 2, 1, 77, 333, 128, False),  # Nq != Nkv, shorter than a block
     (1, 1, 1, 129, 129, 128, True),
     (1, 2, 2, 150, 150, 96, False),  # padded head dim
+    # D > 64 without stage 2 takes kept blocks in pairs (128-key tiles gathered from two blocks)
+    (1, 2, 1, 260, 1000, 128, False),
+    (1, 2, 2, 650, 650, 128, True),
 ]
 
 
@@ -166,6 +169,51 @@ def test_dense_mode_with_wide_tiles_equals_sdpa(B, H, HK, Nq, Nkv, D, causal, la
     assert not torch.isnan(out).any()
     assert relative_l1(out, dense_reference(q, k, v, causal, layout)) < L1_TOL[torch.bfloat16]
     assert stats.sparsity == 0.0 and float(stats.pv_skipped.max()) == 0.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paired_tiles_cover_every_pairing(causal, dtype):
+    # Rows with an odd and even number of mask-free blocks, pairs of non-adjacent blocks, a row with a single
+    # block, one with none: the paired walk (D > 64, no stage 2) must equal the reference on each.
+    from sparge_diffusers.kernels.attention import pair_tiles
+
+    assert pair_tiles(128, True, False) and not pair_tiles(128, True, True) and not pair_tiles(64, True, False)
+    N = 8 * BLOCK_K + 17
+    q, k, v = make_qkv(1, 4, 2, N, N, 128, dtype, "NHD", seed=21)
+    nq, nk = math.ceil(N / BLOCK_Q), math.ceil(N / BLOCK_K)
+    mask = torch.zeros(1, 4, nq, nk, dtype=torch.bool)
+    mask[:, 0] = True  # every block
+    mask[:, 1, :, ::3] = True  # non-adjacent pairs
+    mask[:, 2, :, 1] = True  # one block (under causal masking, rows 0-63 of the first query block see none)
+    mask[:, 3, 1:, 2:7] = True  # the first query block keeps nothing: a zero output
+    out = block_sparse_attention(q, k, v, mask, is_causal=causal, tensor_layout="NHD", backend="triton",
+                                 out=poisoned_like(q))
+    ref = block_sparse_attention(q, k, v, mask, is_causal=causal, tensor_layout="NHD", backend="reference")
+    assert not torch.isnan(out).any()
+    assert relative_l1(out, ref) < L1_TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_compact_block_mask_is_reusable_and_checked(backend):
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 128, torch.float16, "NHD", seed=4)
+    mask = torch.rand(2, 1, 3, 5, generator=torch.Generator().manual_seed(2)) < 0.5
+    mask[..., 0] = True
+    compact = compact_block_mask(mask, q, k, is_causal=True, tensor_layout="NHD", backend=backend)
+    assert (compact.index is None) == (backend == "reference")
+    kw = dict(is_causal=True, tensor_layout="NHD", backend=backend, return_sparsity=True)
+    want, want_stats = block_sparse_attention(q, k, v, mask, **kw)
+    for _ in range(2):
+        got, stats = block_sparse_attention(q, k, v, compact, out=poisoned_like(q), **kw)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(stats.qk_skipped, want_stats.qk_skipped)
+    with pytest.raises(ValueError, match="is_causal"):
+        block_sparse_attention(q, k, v, compact, tensor_layout="NHD", backend=backend)
+    with pytest.raises(ValueError, match="q_len"):
+        block_sparse_attention(q[:, :200], k[:, :200], v[:, :200], compact, is_causal=True, tensor_layout="NHD",
+                               backend=backend)
+    with pytest.raises(ValueError, match="block_mask shape"):
+        compact_block_mask(mask[..., :4], q, k, tensor_layout="NHD", backend=backend)
 
 
 def test_pv_filter_skips_tiles_far_below_the_running_max():

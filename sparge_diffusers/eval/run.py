@@ -22,6 +22,7 @@ from tqdm import tqdm
 from .clip import ClipModel, clip_score, clip_temp, clipsim
 from .distribution import fid
 from .fidelity import LPIPS, psnr, ssim
+from .dover import DoverScorer
 from .video import sharpness, temporal_flicker
 
 
@@ -96,14 +97,14 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
              seed: int = 0, pipe_kwargs: dict | None = None, clip: ClipModel | None = None,
              lpips: LPIPS | None = None, fid_feature: torch.nn.Module | None = None,
              inception_weights: str | None = None, real_images: torch.Tensor | None = None,
-             progress: bool = True) -> dict:
+             dover: DoverScorer | None = None, progress: bool = True) -> dict:
     """Generate every prompt with every mode (prompt i with seed + i in every mode), score, write the report.
 
     Fidelity (PSNR/SSIM/LPIPS) is measured against the ``dense`` mode's output of the same seed, so list
     ``dense`` among the modes to get it. CLIP metrics need ``clip``; LPIPS needs ``lpips``; FID (images, at
     least two prompts) needs ``fid_feature`` or ``inception_weights`` and compares each mode's set with the
     dense set and, when ``real_images`` (N, 3, H, W) are given (the paper: COCO images of the captions used
-    as prompts), with those.
+    as prompts), with those. DOVER's technical / aesthetic / fused scores of each video need ``dover``.
     """
     from ..pipelines import apply
 
@@ -154,6 +155,8 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
                     row["clip_score"] = clip_score(x, [prompt], clip)
             if is_video:
                 row["temporal_flicker"], row["sharpness"] = temporal_flicker(x), sharpness(x)
+                if dover is not None:
+                    row.update(dover(x))
             samples.append(row)
 
     metric_names = [k for k in samples[0] if k not in ("mode", "prompt_index", "prompt", "seed")]
@@ -178,7 +181,8 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
               "kind": "video" if is_video else "image", "prompts": list(prompts), "seed": seed,
               "pipe_kwargs": {k: v for k, v in pipe_kwargs.items() if isinstance(v, (int, float, str, bool))},
               "modes": [vars(m) for m in modes], "clip_model": clip.name if clip else None,
-              "lpips": lpips is not None, "summary": summary, "samples": samples, "sparsity_by_layer": sparsity}
+              "lpips": lpips is not None, "dover": dover is not None, "summary": summary, "samples": samples,
+              "sparsity_by_layer": sparsity}
     _write(out_dir, report, outputs, modes, is_video, metric_names)
     return report
 

@@ -1,9 +1,8 @@
 """Weight-free video quality indicators.
 
-The SpargeAttn paper reports DOVER's aesthetic and technical scores (VQA-a, VQA-t). DOVER is a trained model
-with its own architecture (github.com/VQAssessment/DOVER, weights DOVER.pth) that is not on PyPI, and this
-release does not run it. The report carries these weight-free indicators instead, which compare a sparse
-video with its dense twin (a sparse video that flickers more or is blurrier shows it) but are not DOVER.
+The SpargeAttn paper reports DOVER's aesthetic and technical scores (VQA-a, VQA-t): see eval/dover.py, which
+needs DOVER's package and weights. These indicators need neither and are always reported: they compare a
+sparse video with its dense twin (a sparse video that flickers more or is blurrier shows it).
 """
 
 from __future__ import annotations

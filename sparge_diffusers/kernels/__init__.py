@@ -1,6 +1,7 @@
 """Triton sparse attention kernels (SpargeAttn) and their float32 references. Knows nothing of diffusers."""
 
 from ._inputs import BLOCK_K, BLOCK_Q
+from .compact import CompactBlockMask, compact_block_mask
 from .api import block_sparse_attention, predict_block_mask, relative_l1, s2o_attention, sparge_attention
 from .s2o import VisitOrder, s2o_visit_order
 from .stats import SparsityStats
@@ -8,6 +9,8 @@ from .stats import SparsityStats
 __all__ = [
     "BLOCK_K",
     "BLOCK_Q",
+    "CompactBlockMask",
+    "compact_block_mask",
     "SparsityStats",
     "block_sparse_attention",
     "predict_block_mask",

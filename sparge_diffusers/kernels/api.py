@@ -7,7 +7,9 @@ mask and its index list are O((N/128) * (N/64)).
 
 from __future__ import annotations
 
+import functools
 import math
+
 import torch
 
 from ._inputs import (
@@ -23,8 +25,11 @@ from ._inputs import (
     resolve_scale,
     to_hnd,
     AttentionShape,
+    _is_number,
+    _python_per_head,
 )
 from .attention import block_mask_to_index, sparse_attention_triton
+from .compact import CompactBlockMask, check_block_mask, from_kernel_walk
 from .predict import block_statistics_triton, predict_block_mask_triton
 from .reference import (
     reference_block_sparse_attention,
@@ -54,16 +59,30 @@ def _pv_thresholds(pvthreshd: PerHead | None, shape: AttentionShape, device: tor
                    ) -> torch.Tensor | None:
     if pvthreshd is None:
         return None
-    t = per_head(pvthreshd, shape.heads, "pvthreshd", "cpu", low=0.0)
-    if (t <= 0).any():
+    if _is_number(pvthreshd):
+        values = (float(pvthreshd),)
+    elif isinstance(pvthreshd, (list, tuple)) and all(_is_number(x) for x in pvthreshd):
+        values = tuple(float(x) for x in pvthreshd)
+    else:
+        values = tuple(per_head(pvthreshd, shape.heads, "pvthreshd", "cpu", low=0.0).tolist())
+    return _stage2_thresholds(values, shape.heads, str(device), backend)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage2_thresholds(values: tuple[float, ...], heads: int, device: str, backend: str) -> torch.Tensor | None:
+    """Checked once per distinct value (no tensor op per call: host time matters at Flux-size calls)."""
+    per_head_values = _python_per_head(values, heads, "pvthreshd", "cpu", 0.0, math.inf)
+    values = tuple(per_head_values.tolist())
+    if any(x <= 0 for x in values):
         raise ValueError("pvthreshd must be positive (or None / math.inf to turn stage 2 off)")
-    if torch.isinf(t).all() or (backend == "triton" and (t >= PV_TEST_LIMIT).all()):
+    if all(math.isinf(x) for x in values) or (backend == "triton" and all(x >= PV_TEST_LIMIT for x in values)):
         return None
-    return per_head(t, shape.heads, "pvthreshd", device)
+    return _python_per_head(values, heads, "pvthreshd", device, 0.0, math.inf)
 
 
-def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend):
-    """Stage 1; returns (mask, compacted index or None for the reference path)."""
+def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend
+             ) -> CompactBlockMask:
+    """Stage 1; the kernel walk is None on the reference path."""
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
     scale = resolve_scale(scale, shape.head_dim)
     theta, tau = _thresholds(shape, q.device, simthreshd1, cdfthreshd)
@@ -71,11 +90,12 @@ def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
         mask = reference_predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=theta,
                                             cdfthreshd=tau, attention_sink=attention_sink,
                                             tensor_layout=tensor_layout)
-        return mask, None
+        return from_kernel_walk(mask, None, shape, is_causal)
     check_kernel_dtype(q.dtype)
-    return predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
-                                     is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
-                                     attention_sink=attention_sink)
+    mask, walk = predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
+                                           is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
+                                           attention_sink=attention_sink)
+    return from_kernel_walk(mask, walk, shape, is_causal)
 
 
 def predict_block_mask(
@@ -107,22 +127,7 @@ def predict_block_mask(
         (B, H, ceil(Nq/128), ceil(Nkv/64)) bool mask; every query block keeps at least one key block.
     """
     return _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
-                    attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend)[0]
-
-
-def _check_block_mask(block_mask: torch.Tensor, shape: AttentionShape, device: torch.device) -> None:
-    expected = (shape.q_blocks, shape.k_blocks)
-    if not isinstance(block_mask, torch.Tensor) or block_mask.dim() != 4:
-        raise ValueError(f"block_mask must be a 4-D tensor (B|1, H|1, {expected[0]}, {expected[1]})")
-    b, h, nq, nk = block_mask.shape
-    if (nq, nk) != expected or b not in (1, shape.batch) or h not in (1, shape.heads):
-        raise ValueError(f"block_mask shape {tuple(block_mask.shape)} does not match the inputs: expected "
-                         f"({shape.batch} or 1, {shape.heads} or 1, {expected[0]}, {expected[1]}) for "
-                         f"128-query x 64-key blocks")
-    if block_mask.device != device:
-        raise ValueError(f"block_mask is on {block_mask.device}, q on {device}")
-    if block_mask.dtype.is_floating_point or block_mask.dtype.is_complex:
-        raise ValueError(f"block_mask must be bool or integer, got {block_mask.dtype}")
+                    attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend).mask
 
 
 def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -135,7 +140,7 @@ def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    block_mask: torch.Tensor | None,
+    block_mask: torch.Tensor | CompactBlockMask | None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -144,14 +149,15 @@ def block_sparse_attention(
     return_sparsity: bool = False,
     backend: Backend = "auto",
     out: torch.Tensor | None = None,
-    _index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Block-sparse attention for any block mask (stage 2 of SpargeAttn, usable alone).
 
     Args:
         q, k, v: as in :func:`predict_block_mask`; v has k's shape.
         block_mask: (B or 1, H or 1, ceil(Nq/128), ceil(Nkv/64)) bool/int; nonzero = compute that block.
-            None runs the dense mode of the same kernel (every block, contiguous loads).
+            Or a :class:`CompactBlockMask` from :func:`compact_block_mask`, which skips the per-call
+            compaction (one small kernel) when a mask is reused. None runs the dense mode of the same kernel
+            (every block, contiguous loads).
         is_causal: causal masking inside the kernel (needs Nq == Nkv); hidden blocks are skipped.
         pvthreshd: stage 2 threshold, per head or one for all; None or math.inf turns it off. The P.V product
             of a tile is skipped when, for every row, rowmax(S_tile) is at least pvthreshd below the running
@@ -166,8 +172,12 @@ def block_sparse_attention(
     """
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
     scale = resolve_scale(scale, shape.head_dim)
-    if block_mask is not None:
-        _check_block_mask(block_mask, shape, q.device)
+    compact = None
+    if isinstance(block_mask, CompactBlockMask):
+        block_mask.check_matches(shape, is_causal, q.device)
+        compact, block_mask = block_mask, block_mask.mask
+    elif block_mask is not None:
+        check_block_mask(block_mask, shape, q.device)
     chosen = pick_backend(backend, q.device)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
     _check_out(out, q)
@@ -185,7 +195,7 @@ def block_sparse_attention(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     out_h = to_hnd(out, tensor_layout)
-    index = _index
+    index = compact.kernel_walk if compact is not None else None
     if index is None and block_mask is not None:
         index = block_mask_to_index(block_mask, shape, is_causal)
     pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
@@ -197,7 +207,7 @@ def block_sparse_attention(
     else:
         full = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
         qk_count = block_mask_to_index(full, shape, is_causal)[1]
-    if pv_count is None:  # dense mode without stage 2: every P.V product computed
+    if pv_count is None:  # no stage-2 test: every visited block's P.V product computed
         pv_count = qk_count
     return out, sparsity_stats(qk_count, pv_count, shape, is_causal)
 
@@ -229,12 +239,11 @@ def sparge_attention(
         >>> out, stats = sparge_attention(q, k, v, return_sparsity=True)
         >>> stats.sparsity, stats.qk_skipped                                     # overall, per head
     """
-    mask, index = _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                           cdfthreshd=cdfthreshd, attention_sink=attention_sink, tensor_layout=tensor_layout,
-                           backend=backend)
-    return block_sparse_attention(q, k, v, mask, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd,
+    compact = _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
+                       attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend)
+    return block_sparse_attention(q, k, v, compact, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd,
                                   tensor_layout=tensor_layout, return_sparsity=return_sparsity, backend=backend,
-                                  out=out, _index=index)
+                                  out=out)
 
 
 def s2o_attention(

@@ -13,6 +13,8 @@ per-warp branches); this skips less often than the per-warp test but never more.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -52,12 +54,12 @@ def _block_mask_to_index_kernel(
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, pv_count, q, j, K_base, V_base,
+    acc, l_i, m_i, pv_count, q, cols, K_base, V_base,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, BLOCK_N: tl.constexpr,
+    offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
 ):
-    cols = j * BLOCK_N + offs_n
+    """One key tile (the keys at positions ``cols``) folded into the online-softmax state."""
     kv_mask = d_mask[None, :]
     if MASKED:
         kv_mask = kv_mask & (cols < kv_len)[:, None]
@@ -103,8 +105,13 @@ def _sparse_attention_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_INDEX: tl.constexpr, PV_SKIP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
+    PAIR_TILES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        # Query blocks late in the sequence see the most keys: launch them first, so the last wave holds
+        # short rows and the tail of the grid stays short.
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -143,22 +150,40 @@ def _sparse_attention_kernel(
     j_next = 0
     if USE_INDEX:
         j_next = tl.load(index, mask=count > 0, other=0)
-    for it in range(0, n_full):
+    first_single = 0
+    if PAIR_TILES:
+        # Kept blocks two at a time as one 2*BLOCK_N-key tile whose rows are gathered from both blocks (the
+        # loads stay row loads, contiguous along D): half the softmax rescales per key, and the tile width
+        # of the dense mode at D > 64. Only without the stage-2 test, whose skip unit is one mask block.
+        offs_pair = tl.arange(0, 2 * BLOCK_N)
+        first_half = offs_pair < BLOCK_N
+        n_pairs = n_full // 2
+        j_second = tl.load(index + 1, mask=n_pairs > 0, other=0)
+        for p in range(0, n_pairs):
+            cols = tl.where(first_half, j_next * BLOCK_N, j_second * BLOCK_N - BLOCK_N) + offs_pair
+            j_next = tl.load(index + tl.minimum(2 * p + 2, count - 1))
+            j_second = tl.load(index + tl.minimum(2 * p + 3, count - 1))
+            acc, l_i, m_i, pv_count = _attend_tile(
+                acc, l_i, m_i, pv_count, q, cols, K_base, V_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+                pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
+        first_single = 2 * n_pairs
+    for it in range(first_single, n_full):
         j = j_next if USE_INDEX else it
         if USE_INDEX:
             j_next = tl.load(index + tl.minimum(it + 1, count - 1))
         acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
-            MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+            pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
     for it in range(n_full, count):
         j = j_next if USE_INDEX else it
         if USE_INDEX:
             j_next = tl.load(index + tl.minimum(it + 1, count - 1))
         acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
-            MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+            pv_threshold, qk_scale, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
 
     seen = l_i > 0.0  # a query row that saw no key gets a zero output, never NaN
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
@@ -207,6 +232,18 @@ def dense_block_n(head_dim: int) -> int:
     return 128 if head_dim > 64 else BLOCK_K
 
 
+def pair_tiles(head_dim: int, index_given: bool, pv_skip: bool) -> bool:
+    """Whether the walk over a mask takes kept blocks two at a time as one 128-key tile: where the dense mode
+    uses 128-key tiles (D > 64) and no stage-2 test needs one decision per mask block."""
+    return index_given and not pv_skip and dense_block_n(head_dim) == 2 * BLOCK_K
+
+
+@functools.lru_cache(maxsize=16)
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Stands in for pointer arguments a kernel variant never reads (cached: no allocation per call)."""
+    return torch.zeros(1, device=device, dtype=dtype)
+
+
 def sparse_attention_triton(
     qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, *,
     is_causal: bool, scale: float, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -215,24 +252,25 @@ def sparse_attention_triton(
     """Launch the attention kernel on (B, H, N, D) views, writing ``out_h``.
 
     ``index`` None runs the dense mode (every visible key block, contiguous walk). Returns the per-(b, h,
-    query block) count of P.V products computed when ``return_counts``, else None; also None in the dense
-    mode without stage 2, whose tiles may be wider than a mask block and which computes every P.V product.
+    query block) count of P.V products computed when ``return_counts`` and stage 2 is on (``pvthreshd``
+    given), else None: without the stage-2 test every visited block's P.V product is computed.
     """
     B, H = shape.batch, shape.heads
     nq = shape.q_blocks
     block_n = dense_block_n(shape.head_dim) if index is None and pvthreshd is None else BLOCK_K
     nk = triton.cdiv(shape.kv_len, block_n)
-    return_counts = return_counts and not (index is None and pvthreshd is None)
-    unused = torch.zeros(1, device=qh.device, dtype=torch.int32)  # stands in for pointers a mode never reads
+    return_counts = return_counts and pvthreshd is not None
+    unused = _placeholder(qh.device, torch.int32)
     pv_count = torch.empty(B, H, nq, device=qh.device, dtype=torch.int32) if return_counts else unused
     idx, count, n_full = index if index is not None else (unused, unused, unused)
-    pv_thr = pvthreshd if pvthreshd is not None else unused.float()
+    pv_thr = pvthreshd if pvthreshd is not None else _placeholder(qh.device, torch.float32)
     _sparse_attention_kernel[(nq, B * H)](
         qh, kh, vh, out_h, idx, count, n_full, pv_thr, pv_count,
         scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,
-        RETURN_COUNTS=return_counts, **_launch_config(shape.head_dim),
+        RETURN_COUNTS=return_counts, PAIR_TILES=pair_tiles(shape.head_dim, index is not None, pvthreshd is not None),
+        **_launch_config(shape.head_dim),
     )
     return pv_count if return_counts else None

@@ -89,16 +89,16 @@ def _ordered_attention_kernel(
         j = j_next
         j_next = tl.load(index + tl.minimum(it + 1, count - 1))
         acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
-            MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+            pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
     for it in range(n_unmasked, n_forced):
         j = j_next
         j_next = tl.load(index + tl.minimum(it + 1, count - 1))
         acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
-            MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+            pv_threshold, qk_scale, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
 
     # Ranked blocks, most important first (fully visible whole tiles: no masking), in chunks of CHECK_EVERY
     # tiles: the inner loop is an ordinary, software-pipelined for loop, and the stop test runs between
@@ -125,9 +125,9 @@ def _ordered_attention_kernel(
                 m_old = tl.where(last, m_i, m_old)
                 l_old = tl.where(last, l_i, l_old)
             acc, l_i, m_i, pv_count = _attend_tile(
-                acc, l_i, m_i, pv_count, q, j, K_base, V_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                offs_m, offs_n, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
-                MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, BLOCK_N=BLOCK_N)
+                acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+                pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
         visited = end
         go = False
         if EARLY_STOP:
@@ -207,13 +207,14 @@ def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: Vi
     """Launch the ordered walk on (B, H, N, D) views; ``tau`` None visits every block without the check.
     Returns (visited, pv_count) per (b, h, query block) when ``return_counts``."""
     B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
-    unused = torch.zeros(1, device=qh.device, dtype=torch.int32)
+    unused = attention._placeholder(qh.device, torch.int32)
+    unused_f = attention._placeholder(qh.device, torch.float32)
     visited = torch.empty(B, H, nq, device=qh.device, dtype=torch.int32) if return_counts else unused
     pv_count = torch.empty_like(visited) if return_counts else unused
     index, n_unmasked, n_forced, count = order
     _ordered_attention_kernel[(nq, B * H)](
         qh, kh, vh, out_h, index, n_unmasked, n_forced, count,
-        tau if tau is not None else unused.float(), pvthreshd if pvthreshd is not None else unused.float(),
+        tau if tau is not None else unused_f, pvthreshd if pvthreshd is not None else unused_f,
         visited, pv_count, scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_K,
