@@ -3,7 +3,8 @@
 One program per (128-row query block, batch*head). It visits the key blocks of its row of M_g through a
 compacted index list (ascending, built by ``_block_mask_to_index_kernel``), so skipped blocks cost
 nothing, and splits that walk in two loops: tiles that need no element masking first, then the few that
-do (the key tail and, under causal masking, the diagonal), so the hot loop carries no masking.
+do (the key tail and, under causal masking, the diagonal), so the hot loop carries no masking. At D > 64
+without the stage-2 test, the mask-free blocks go two at a time as one 128-key tile (``PAIR_TILES``).
 
 The sparse online softmax (paper Sec. 3.4) skips a tile's P.V product when
 max over the tile's rows of (m_local - m_new) <= -pvthreshd in the log2-scaled score domain.
@@ -108,10 +109,6 @@ def _sparse_attention_kernel(
     PAIR_TILES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    if IS_CAUSAL:
-        # Query blocks late in the sequence see the most keys: launch them first, so the last wave holds
-        # short rows and the tail of the grid stays short.
-        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
