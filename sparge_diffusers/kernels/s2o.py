@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible
 from . import attention
-from .attention import LOG2E, _attend_tile
+from .attention import LOG2E, _attend_tile, _empty_softmax_state, _query_tile, _store_output
 
 # Default number of ranked tiles between two stop tests (see the kernel's comment).
 CHECK_EVERY = 16
@@ -54,29 +54,13 @@ def _ordered_attention_kernel(
     IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, EARLY_STOP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
     CHECK_EVERY: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, h, row, offs_m, offs_d, d_mask, row_valid, q, K_base, V_base = _query_tile(
+        Q, K, V, H, GROUP, q_len, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
+        stride_vh, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_M=BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < HEAD_DIM
-    row_valid = offs_m < q_len
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
-    K_base = K + b * stride_kb + hk * stride_kh
-    V_base = V + b * stride_vb + hk * stride_vh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    pv_count = 0
-    pv_threshold = 0.0
-    if PV_SKIP:
-        pv_threshold = tl.load(PV_THRESHOLD + h)
-    row = pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m
+    m_i, l_i, acc, pv_count, pv_threshold = _empty_softmax_state(PV_THRESHOLD, h, BLOCK_M=BLOCK_M, D_PAD=D_PAD,
+                                                                 PV_SKIP=PV_SKIP)
     index = INDEX + row * NK
     n_unmasked = tl.load(N_UNMASKED + row)
     n_forced = tl.load(N_FORCED + row)
@@ -136,10 +120,7 @@ def _ordered_attention_kernel(
             gain = tl.where(row_valid, gain, 0.0)
             go = (visited < count) & (tl.sum(gain, axis=0) / n_valid >= tau)
 
-    seen = l_i > 0.0
-    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
-             out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od)
     if RETURN_COUNTS:
         tl.store(VISITED + row, visited)
         tl.store(PV_COUNT + row, pv_count)
