@@ -11,7 +11,8 @@
    every tile, every 4 and every 64 tiles for comparison). Each as a share of the previous variant; B/A64
    isolates the indexed loads from the tile width. Kernel times: medians of CUDA-graph replays.
 3. Time at the default tau (0.0005, tested every 16 ranked tiles) against the TopCdf path (default
-   settings) and cuDNN SDPA, with sparsity and L1, at the core benchmark shapes.
+   settings) and cuDNN SDPA, with sparsity and L1, at the core benchmark shapes; and the time to build the
+   visiting order (block statistics, compressed scores, sort), per call and in CUDA-graph replays.
 
 Usage: python benchmarks/s2o.py [--out results.json] [--parts overhead,timing]   (needs a GPU)
 With --parts, the other parts are kept from an existing --out file.
@@ -140,9 +141,18 @@ def overhead(name, w):
 
 def timing(name, w):
     q, k, v = w.make("cuda", 0)
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=w.causal)
+    theta = torch.full((shape.heads,), 0.6, device="cuda")
+
+    def visit_order():  # stage-1 statistics and the visiting order, as s2o_attention builds them
+        (qm, qs), (km, ks) = block_statistics_triton(q, BLOCK_Q), block_statistics_triton(k, BLOCK_K)
+        return s2o_visit_order(qm, km, qs, ks, shape, is_causal=w.causal, scale=shape.head_dim ** -0.5,
+                               simthreshd1=theta, segment=2048, attention_sink=False)
+
     r = {"cudnn_ms": bench(cudnn_attention_fn(q, k, v, w.causal)),
          "topcdf_ms": bench(lambda: sparge_attention(q, k, v, is_causal=w.causal)),
-         "s2o_ms": bench(lambda: s2o_attention(q, k, v, is_causal=w.causal))}
+         "s2o_ms": bench(lambda: s2o_attention(q, k, v, is_causal=w.causal)),
+         "s2o_order_ms": bench(visit_order), "s2o_order_graph_ms": bench_graph(visit_order)}
     out, st = sparge_attention(q, k, v, is_causal=w.causal, return_sparsity=True)
     r["topcdf_sparsity"], r["topcdf_l1"] = st.sparsity, sampled_errors(out, q, k, v, w.causal)[0]
     out, st = s2o_attention(q, k, v, is_causal=w.causal, return_sparsity=True)
@@ -202,11 +212,12 @@ def main(argv=None):
                      f"{t['D64_over_C']:+6.1%}")
     lines.append("## default settings: TopCdf (0.6, 0.98) vs S2O (tau 0.0005, check every 16) vs cuDNN")
     lines.append(f"{'shape':10} {'cuDNN ms':>8} {'TopCdf ms':>9} {'sp':>5} {'L1':>7} {'x':>5} {'S2O ms':>7} {'sp':>5} "
-                 f"{'L1':>7} {'x':>5}")
+                 f"{'L1':>7} {'x':>5} {'order ms':>8} {'(graph)':>7}")
     for name, r in results["timing"].items():
         lines.append(f"{name:10} {r['cudnn_ms']:8.2f} {r['topcdf_ms']:9.2f} {r['topcdf_sparsity']:5.3f} "
                      f"{r['topcdf_l1']:7.4f} {r['topcdf_vs_cudnn']:5.2f} {r['s2o_ms']:7.2f} {r['s2o_sparsity']:5.3f} "
-                     f"{r['s2o_l1']:7.4f} {r['s2o_vs_cudnn']:5.2f}")
+                     f"{r['s2o_l1']:7.4f} {r['s2o_vs_cudnn']:5.2f} {r.get('s2o_order_ms', float('nan')):8.3f} "
+                     f"{r.get('s2o_order_graph_ms', float('nan')):7.3f}")
     table = "\n".join(lines)
     print(table)
     if args.out:

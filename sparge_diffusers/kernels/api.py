@@ -301,7 +301,8 @@ def s2o_attention(
         stats_of = reference_block_statistics if chosen == "reference" else block_statistics_triton
         (q_means, q_sim), (k_means, k_sim) = stats_of(qh, BLOCK_Q), stats_of(kh, BLOCK_K)
         order = s2o_visit_order(q_means, k_means, q_sim, k_sim, shape, is_causal=is_causal, scale=scale,
-                                simthreshd1=theta, segment=segment, attention_sink=attention_sink)
+                                simthreshd1=theta, segment=segment, attention_sink=attention_sink,
+                                backend=chosen)
     if chosen == "reference":
         result, visited, pv_count = reference_ordered_attention(qh, kh, vh, order, shape=shape, is_causal=is_causal,
                                                                 scale=scale, tau=tau_t, pvthreshd=thr,

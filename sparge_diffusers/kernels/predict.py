@@ -162,6 +162,19 @@ def block_statistics_triton(x: torch.Tensor, block_size: int) -> tuple[torch.Ten
     return means, sim
 
 
+def compressed_scores_triton(q_means: torch.Tensor, k_means: torch.Tensor, shape: AttentionShape,
+                             scale: float) -> torch.Tensor:
+    """(B, H, nq, nk) float32 compressed scores (mean(Q_i) . mean(K_j)) * scale * log2(e) from contiguous block
+    means (B, H, nq, D) and (B, H_kv, nk, D)."""
+    nq, nk = shape.q_blocks, shape.k_blocks
+    scores = torch.empty(shape.batch, shape.heads, nq, nk, device=q_means.device, dtype=torch.float32)
+    tile = 64
+    _compressed_scores_kernel[(triton.cdiv(nq, tile), triton.cdiv(nk, tile), shape.batch * shape.heads)](
+        q_means, k_means, scores, shape.heads, shape.heads // shape.kv_heads, nq, nk, scale * LOG2E,
+        HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), TILE=tile, num_warps=4)
+    return scores
+
+
 def predict_block_mask_triton(
     qh: torch.Tensor, kh: torch.Tensor, shape: AttentionShape, *, is_causal: bool, scale: float,
     simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
@@ -175,11 +188,7 @@ def predict_block_mask_triton(
     k_means, k_sim = block_statistics_triton(kh, BLOCK_K)
     nq, nk = shape.q_blocks, shape.k_blocks
     group = shape.heads // shape.kv_heads
-    scores = torch.empty(shape.batch, shape.heads, nq, nk, device=qh.device, dtype=torch.float32)
-    tile = 64
-    _compressed_scores_kernel[(triton.cdiv(nq, tile), triton.cdiv(nk, tile), shape.batch * shape.heads)](
-        q_means, k_means, scores, shape.heads, group, nq, nk, scale * LOG2E,
-        HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), TILE=tile, num_warps=4)
+    scores = compressed_scores_triton(q_means, k_means, shape, scale)
     mask = torch.empty(shape.batch, shape.heads, nq, nk, device=qh.device, dtype=torch.int8)
     index = torch.empty(shape.batch, shape.heads, nq, nk, device=qh.device, dtype=torch.int32)
     count = torch.empty(shape.batch, shape.heads, nq, device=qh.device, dtype=torch.int32)

@@ -5,12 +5,12 @@ builds index arrays and lets the attention kernel load tiles through them, most 
 a query tile once the last tile's gain in the softmax normaliser l falls below tau * l. Here that is a
 second selection policy beside TopCdf, for one query block (128 rows) at a time:
 
-1. Order (:func:`s2o_visit_order`, PyTorch on the stage-1 statistics, shared by the kernel and the
-   reference). Forced blocks come first, in ascending order: every key block of a query block that stage 1
-   does not trust (non-self-similar query or key block, SpargeAttn Eq. 5), the first key block with
-   ``attention_sink``, the ragged last key block, and under causal masking every visible key block of the
-   query block's own segment of ``segment`` tokens (S2O's dense intra-segment pass, Algorithm 2 / 4 lines
-   7-12). The remaining visible key blocks follow in descending compressed score q_mean . k_mean (stage 1's
+1. Order (:func:`s2o_visit_order` on the stage-1 statistics, shared by the kernel and the reference; on a
+   GPU one Triton sort per query block, on a CPU PyTorch). Forced blocks come first, in ascending order:
+   every key block of a query block that stage 1 does not trust (non-self-similar query or key block,
+   SpargeAttn Eq. 5), the first key block with ``attention_sink``, the ragged last key block, and under
+   causal masking every visible key block of the query block's own segment of ``segment`` tokens (S2O's
+   dense intra-segment pass, Algorithm 2 / 4 lines 7-12). The remaining visible key blocks follow in descending compressed score q_mean . k_mean (stage 1's
    map, the same for both masks).
 2. Walk (``_ordered_attention_kernel``): forced blocks unconditionally, then the ranked blocks while the
    last tile's relative gain, mean over the tile's valid rows of (l_new - l_old) / l_old (both at the new
@@ -37,6 +37,7 @@ import triton.language as tl
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible
 from . import attention
 from .attention import LOG2E, _attend_tile, _empty_softmax_state, _query_tile, _store_output
+from .predict import compressed_scores_triton
 
 # Default number of ranked tiles between two stop tests (see the kernel's comment).
 CHECK_EVERY = 16
@@ -132,16 +133,109 @@ class VisitOrder(tuple):
     element masking); entries past count are unused (invisible under causal masking)."""
 
 
+# Visiting orders are sorted in one Triton program per row up to this many key blocks (N = 1M tokens); longer
+# rows take the PyTorch path (a register-resident sort of more keys would spill).
+MAX_SORTED_BLOCKS = 16384
+# Sort-key layout (int64, sorted descending): group in bits 61-62, a 32-bit within-group key in bits 29-60, and
+# (2^29 - 1 - column) in bits 0-28 so that equal keys keep ascending column order, as a stable sort does.
+_COLUMN_BITS = 29
+
+
+@triton.jit
+def _visit_order_kernel(
+    SCORES, QSIM, KSIM, THETA, INDEX, N_UNMASKED, N_FORCED, COUNT, H, GROUP, NQ, NK, KV_LEN, SEGMENT,
+    NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr, COLUMN_BITS: tl.constexpr,
+):
+    """One query block's visiting order: the same groups and order as :func:`_visit_order_torch`, by one
+    descending sort of packed int64 keys (Triton sorts values, not key-value pairs)."""
+    i = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    h = pid_bh % H
+    bhk = (pid_bh // H) * (H // GROUP) + h // GROUP
+    row = pid_bh.to(tl.int64) * NQ + i
+    cols = tl.arange(0, NK_PAD)
+    cvalid = cols < NK
+    theta = tl.load(THETA + h)
+    score = tl.load(SCORES + row * NK + cols, mask=cvalid, other=0.0)
+    # non-self-similar query block or key block: (q_sim <= theta) | (k_sim <= theta)
+    forced = tl.minimum(tl.load(KSIM + bhk.to(tl.int64) * NK + cols, mask=cvalid, other=1.0),
+                        tl.load(QSIM + row)) <= theta
+    needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN  # the ragged last block
+    forced = forced | needs_masking
+    if SINK:
+        forced = forced | (cols == 0)
+    visible = cvalid
+    if IS_CAUSAL:
+        first_q = i * BLOCK_Q
+        visible = visible & (cols * BLOCK_K <= tl.minimum(first_q + BLOCK_Q - 1, KV_LEN - 1))
+        forced = forced | (cols * BLOCK_K >= (first_q // SEGMENT) * SEGMENT)  # the dense intra-segment pass
+        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1) > first_q)
+    forced = forced & visible
+    group = tl.where(visible, tl.where(forced, tl.where(needs_masking, 2, 3), 1), 0).to(tl.int64)
+    # Within a group: forced blocks by ascending column, the others by descending score, through the float's
+    # order-preserving 32-bit pattern (negative floats: bits inverted; others: sign bit set).
+    one = tl.full([NK_PAD], 1, tl.int64)  # 64-bit constants built by shifts (literals past int32 are unsigned)
+    cols64 = cols.to(tl.int64)
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0, as in a float sort
+    bits = score.to(tl.int32, bitcast=True).to(tl.int64)
+    ordered_score = tl.where(bits < 0, -1 - bits, bits + (one << 31))
+    within = tl.where(forced, (one << 32) - 1 - cols64, ordered_score)
+    low = (one << COLUMN_BITS) - 1
+    key = (group << 61) | (within << COLUMN_BITS) | (low - cols64)
+    key = tl.where(cvalid, key, -1)  # padding sorts last
+    order = low - (tl.sort(key, descending=True) & low)
+    tl.store(INDEX + row * NK + cols, order.to(tl.int32), mask=cvalid)
+    tl.store(COUNT + row, tl.sum(visible.to(tl.int32), axis=0))
+    tl.store(N_FORCED + row, tl.sum(forced.to(tl.int32), axis=0))
+    tl.store(N_UNMASKED + row, tl.sum((forced & ~needs_masking).to(tl.int32), axis=0))
+
+
 def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor,
                     shape: AttentionShape, *, is_causal: bool, scale: float, simthreshd1: torch.Tensor,
-                    segment: int, attention_sink: bool) -> VisitOrder:
-    """Build the visiting order from stage 1's block statistics (means (B, H|H_kv, n, D), similarities)."""
+                    segment: int, attention_sink: bool, backend: str = "auto") -> VisitOrder:
+    """Build the visiting order from stage 1's block statistics (means (B, H|H_kv, n, D), similarities).
+
+    ``backend`` "triton" (or "auto" on CUDA tensors) computes the compressed scores and sorts each row in
+    Triton: three launches instead of about forty PyTorch ops (the host time that dominated S2O at Flux's
+    size); "reference" (or "auto" on CPU tensors) uses PyTorch. Both give the same order from the same scores;
+    the Triton scores (tf32x3 products, scaled by log2 e) may break near-ties differently.
+    """
+    use_triton = backend == "triton" or (backend == "auto" and q_means.is_cuda)
+    if not use_triton or triton.next_power_of_2(shape.k_blocks) > MAX_SORTED_BLOCKS:
+        group = shape.heads // shape.kv_heads
+        km = k_means.repeat_interleave(group, dim=1) if group > 1 else k_means
+        scores = (q_means.float() @ km.float().transpose(-1, -2)) * scale  # (B, H, nq, nk)
+        return _visit_order_torch(scores, q_sim, k_sim, shape, is_causal=is_causal, simthreshd1=simthreshd1,
+                                  segment=segment, attention_sink=attention_sink)
+    return _visit_order_triton(compressed_scores_triton(q_means, k_means, shape, scale), q_sim, k_sim, shape,
+                               is_causal=is_causal, simthreshd1=simthreshd1, segment=segment,
+                               attention_sink=attention_sink)
+
+
+def _visit_order_triton(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor, shape: AttentionShape, *,
+                        is_causal: bool, simthreshd1: torch.Tensor, segment: int, attention_sink: bool
+                        ) -> VisitOrder:
+    B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
+    index = torch.empty(B, H, nq, nk, device=scores.device, dtype=torch.int32)
+    n_unmasked, n_forced, count = (torch.empty(B, H, nq, device=scores.device, dtype=torch.int32) for _ in range(3))
+    nk_pad = max(triton.next_power_of_2(nk), 16)
+    _visit_order_kernel[(nq, B * H)](
+        scores.contiguous(), q_sim.contiguous(), k_sim.contiguous(), simthreshd1, index, n_unmasked, n_forced,
+        count, H, H // shape.kv_heads, nq, nk, shape.kv_len, segment,
+        NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+        COLUMN_BITS=_COLUMN_BITS, num_warps=4 if nk_pad <= 2048 else 8)
+    return VisitOrder((index, n_unmasked, n_forced, count))
+
+
+def _visit_order_torch(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor, shape: AttentionShape, *,
+                       is_causal: bool, simthreshd1: torch.Tensor, segment: int, attention_sink: bool
+                       ) -> VisitOrder:
+    """The visiting order in PyTorch from (B, H, nq, nk) compressed scores (k_sim per K/V head)."""
     B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
     group = H // shape.kv_heads
-    k_means = k_means.repeat_interleave(group, dim=1) if group > 1 else k_means
     k_sim = k_sim.repeat_interleave(group, dim=1) if group > 1 else k_sim
-    device = q_means.device
-    scores = (q_means.float() @ k_means.float().transpose(-1, -2)) * scale  # (B, H, nq, nk)
+    device = scores.device
     theta = simthreshd1.view(1, H, 1)
     cols = torch.arange(nk, device=device)
     forced = (q_sim <= theta)[..., None] | (k_sim <= theta)[:, :, None, :]
