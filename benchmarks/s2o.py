@@ -36,6 +36,8 @@ from sparge_diffusers.kernels.predict import block_statistics_triton
 from sparge_diffusers.kernels.s2o import VisitOrder
 from sparge_diffusers.workloads import FULL, cudnn_attention_fn, sampled_errors
 
+from _report import save_report
+
 CDF = (0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 TAU = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02)
 
@@ -218,13 +220,7 @@ def main(argv=None):
                      f"{r['topcdf_l1']:7.4f} {r['topcdf_vs_cudnn']:5.2f} {r['s2o_ms']:7.2f} {r['s2o_sparsity']:5.3f} "
                      f"{r['s2o_l1']:7.4f} {r['s2o_vs_cudnn']:5.2f} {r.get('s2o_order_ms', float('nan')):8.3f} "
                      f"{r.get('s2o_order_graph_ms', float('nan')):7.3f}")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
-            f.write(table + "\n")
+    save_report(results, "\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

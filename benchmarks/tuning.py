@@ -20,7 +20,6 @@ Usage: python benchmarks/tuning.py [--out results.json]   (a CPU runs a small gr
 """
 
 import argparse
-import json
 import time
 
 import torch
@@ -29,6 +28,8 @@ import torch.nn.functional as F
 from sparge_diffusers import sparge_attention
 from sparge_diffusers.testing import video_like_qkv
 from sparge_diffusers.tuning import ThresholdSearch
+
+from _report import save_report
 
 LAYERS = {  # name: (locality of first and last head, mean_q, mean_k)
     "local": ((20.0, 8.0), 1.5, 1.5),
@@ -143,13 +144,7 @@ def main(argv=None):
         if "matched_budget" in row:
             lines.append(f"{'':12} matched budget (default's mean calibration L1) = {row['matched_budget']:.4f}"
                          + (f"; cuDNN {row['cudnn_ms']:.2f} ms" if gpu else ""))
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
-            f.write(table + "\n")
+    save_report(results, "\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

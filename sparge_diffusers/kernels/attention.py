@@ -97,6 +97,26 @@ def _attend_tile(
 
 
 @triton.jit
+def _walk_blocks(
+    acc, l_i, m_i, pv_count, j_next, start, end, index, count, q, offs_n, K_base, V_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
+    USE_INDEX: tl.constexpr,
+):
+    """Tiles start .. end-1 of a row's walk: key block index[it], whose index the caller loaded one step ahead
+    into ``j_next`` (returned one step further), or key block ``it`` itself without an index."""
+    for it in range(start, end):
+        j = j_next if USE_INDEX else it
+        if USE_INDEX:
+            j_next = tl.load(index + tl.minimum(it + 1, count - 1))
+        acc, l_i, m_i, pv_count = _attend_tile(
+            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+            pv_threshold, qk_scale, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
+    return acc, l_i, m_i, pv_count, j_next
+
+
+@triton.jit
 def _query_tile(
     Q, K, V, H, GROUP, q_len,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh,
@@ -196,22 +216,14 @@ def _sparse_attention_kernel(
                 stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
                 pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
         first_single = 2 * n_pairs
-    for it in range(first_single, n_full):
-        j = j_next if USE_INDEX else it
-        if USE_INDEX:
-            j_next = tl.load(index + tl.minimum(it + 1, count - 1))
-        acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
-            pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
-    for it in range(n_full, count):
-        j = j_next if USE_INDEX else it
-        if USE_INDEX:
-            j_next = tl.load(index + tl.minimum(it + 1, count - 1))
-        acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
-            pv_threshold, qk_scale, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
+    acc, l_i, m_i, pv_count, j_next = _walk_blocks(
+        acc, l_i, m_i, pv_count, j_next, first_single, n_full, index, count, q, offs_n, K_base, V_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
+        qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX)
+    acc, l_i, m_i, pv_count, j_next = _walk_blocks(
+        acc, l_i, m_i, pv_count, j_next, n_full, count, index, count, q, offs_n, K_base, V_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
+        qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX)
 
     _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od)
     if RETURN_COUNTS:

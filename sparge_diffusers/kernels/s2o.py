@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible
 from . import attention
-from .attention import LOG2E, _attend_tile, _empty_softmax_state, _query_tile, _store_output
+from .attention import LOG2E, _attend_tile, _empty_softmax_state, _query_tile, _store_output, _walk_blocks
 from .predict import compressed_scores_triton
 
 # Default number of ranked tiles between two stop tests (see the kernel's comment).
@@ -70,20 +70,14 @@ def _ordered_attention_kernel(
     # The next key block's index is loaded one iteration ahead (as in attention.py), across all three loops.
     j_next = tl.load(index, mask=count > 0, other=0)
     # forced blocks: those needing no element masking, then the diagonal / ragged ones
-    for it in range(0, n_unmasked):
-        j = j_next
-        j_next = tl.load(index + tl.minimum(it + 1, count - 1))
-        acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
-            pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
-    for it in range(n_unmasked, n_forced):
-        j = j_next
-        j_next = tl.load(index + tl.minimum(it + 1, count - 1))
-        acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
-            pv_threshold, qk_scale, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
+    acc, l_i, m_i, pv_count, j_next = _walk_blocks(
+        acc, l_i, m_i, pv_count, j_next, 0, n_unmasked, index, count, q, offs_n, K_base, V_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
+        qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True)
+    acc, l_i, m_i, pv_count, j_next = _walk_blocks(
+        acc, l_i, m_i, pv_count, j_next, n_unmasked, n_forced, index, count, q, offs_n, K_base, V_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
+        qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True)
 
     # Ranked blocks, most important first (fully visible whole tiles: no masking), in chunks of CHECK_EVERY
     # tiles: the inner loop is an ordinary, software-pipelined for loop, and the stop test runs between
