@@ -26,6 +26,20 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _key_block_flags(first_q, cols, valid, KV_LEN, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """(visible, needs_masking) of key blocks ``cols`` for the query block(s) starting at row ``first_q``
+    (shapes broadcast): visible = ``valid`` and, under causal masking, not wholly in the future; needs element
+    masking = the ragged last block and, under causal masking, the diagonal blocks."""
+    needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
+    visible = valid
+    if IS_CAUSAL:
+        visible = visible & (cols * BLOCK_K <= tl.minimum(first_q + BLOCK_Q - 1, KV_LEN - 1))
+        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1) > first_q)
+    return visible, needs_masking
+
+
+@triton.jit
 def _block_mask_to_index_kernel(
     MASK, INDEX, COUNT, NFULL, H, NQ, NK, KV_LEN,
     stride_mb, stride_mh, stride_mq, stride_mk,
@@ -39,12 +53,8 @@ def _block_mask_to_index_kernel(
     cvalid = cols < NK
     keep = tl.load(MASK + b * stride_mb + h * stride_mh + pid_q * stride_mq + cols * stride_mk,
                    mask=cvalid, other=0) != 0
-    keep = keep & cvalid
-    needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
-    if IS_CAUSAL:
-        last_q = tl.minimum(pid_q * BLOCK_Q + BLOCK_Q - 1, KV_LEN - 1)
-        keep = keep & (cols * BLOCK_K <= last_q)
-        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1) > pid_q * BLOCK_Q)
+    keep, needs_masking = _key_block_flags(pid_q * BLOCK_Q, cols, keep & cvalid, KV_LEN, IS_CAUSAL=IS_CAUSAL,
+                                           BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K)
     kept = keep.to(tl.int32)
     position = tl.cumsum(kept, axis=0) - 1
     row = pid_bh.to(tl.int64) * NQ + pid_q

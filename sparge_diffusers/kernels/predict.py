@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+from .attention import LOG2E, _key_block_flags
 
-LOG2E = 1.4426950408889634
 _BITS_ABOVE_ONE = 0x3F800001  # int32 bit pattern of the float right after 1.0
 
 
@@ -100,10 +100,8 @@ def _topcdf_block_mask_kernel(
     tau = tl.load(TAU + h)
     q_similar = tl.load(QSIM + pid_bh * NQ + rows, mask=rvalid, other=1.0) > theta
     k_similar = tl.load(KSIM + bhk * NK + cols, mask=cvalid, other=1.0) > theta
-    valid = rvalid[:, None] & cvalid[None, :]
-    if IS_CAUSAL:
-        last_q = tl.minimum(rows * BLOCK_Q + BLOCK_Q - 1, KV_LEN - 1)
-        valid = valid & ((cols * BLOCK_K)[None, :] <= last_q[:, None])
+    valid, needs_masking = _key_block_flags((rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :],
+                                            KV_LEN, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K)
     live = valid & k_similar[None, :]
     s = tl.where(live, s, float("-inf"))
     row_max = tl.max(s, axis=1)
@@ -133,10 +131,6 @@ def _topcdf_block_mask_kernel(
 
     # The attention kernel's compacted walk, built here while the row is in registers (same layout as
     # attention._block_mask_to_index_kernel): ascending kept key blocks, tiles needing no masking first.
-    needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
-    needs_masking = needs_masking[None, :]
-    if IS_CAUSAL:
-        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1)[None, :] > (rows * BLOCK_Q)[:, None])
     kept = keep.to(tl.int32)
     position = tl.cumsum(kept, axis=1) - 1
     tl.store(INDEX + row_offset[:, None] + position, cols[None, :] + 0 * position, mask=keep)

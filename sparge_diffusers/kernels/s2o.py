@@ -36,7 +36,8 @@ import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible
 from . import attention
-from .attention import LOG2E, _attend_tile, _empty_softmax_state, _query_tile, _store_output, _walk_blocks
+from .attention import (LOG2E, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile, _store_output,
+                        _walk_blocks)
 from .predict import compressed_scores_triton
 
 # Default number of ranked tiles between two stop tests (see the kernel's comment).
@@ -155,16 +156,14 @@ def _visit_order_kernel(
     # non-self-similar query block or key block: (q_sim <= theta) | (k_sim <= theta)
     forced = tl.minimum(tl.load(KSIM + bhk.to(tl.int64) * NK + cols, mask=cvalid, other=1.0),
                         tl.load(QSIM + row)) <= theta
-    needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN  # the ragged last block
-    forced = forced | needs_masking
+    first_q = i * BLOCK_Q
+    visible, needs_masking = _key_block_flags(first_q, cols, cvalid, KV_LEN, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q,
+                                              BLOCK_K=BLOCK_K)
+    forced = forced | needs_masking  # the ragged last block (a causal diagonal block lies in its own segment)
     if SINK:
         forced = forced | (cols == 0)
-    visible = cvalid
     if IS_CAUSAL:
-        first_q = i * BLOCK_Q
-        visible = visible & (cols * BLOCK_K <= tl.minimum(first_q + BLOCK_Q - 1, KV_LEN - 1))
         forced = forced | (cols * BLOCK_K >= (first_q // SEGMENT) * SEGMENT)  # the dense intra-segment pass
-        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1) > first_q)
     forced = forced & visible
     group = tl.where(visible, tl.where(forced, tl.where(needs_masking, 2, 3), 1), 0).to(tl.int64)
     # Within a group: forced blocks by ascending column, the others by descending score, through the float's
