@@ -122,19 +122,26 @@ def overhead(name, w):
                             simthreshd1=theta, segment=128, attention_sink=False)  # smallest dense window
     ascending = ranked_ascending(order)
     kw = dict(is_causal=w.causal, segment=128)
-    t = {"A_dense": bench_graph(lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal)),
-         "B_indexed_ascending": bench_graph(lambda: s2o_attention(q, k, v, tau=None, order=ascending, **kw)),
-         "C_indexed_ranked": bench_graph(lambda: s2o_attention(q, k, v, tau=None, order=order, **kw)),
-         "D_ranked_with_check": bench_graph(lambda: s2o_attention(q, k, v, tau=0.0, order=order, **kw)),
-         **{name: bench_graph(lambda every=every: s2o_attention(q, k, v, tau=0.0, order=order, check_every=every, **kw))
-            for name, every in (("D1_check_every_tile", 1), ("D4_check_every_4", 4), ("D64_check_every_64", 64))}}
-    with dense_mode_in_mask_tiles():
-        t["A64_dense_64key_tiles"] = bench_graph(lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal))
+    fns = {"A_dense": lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal),
+           "B_indexed_ascending": lambda: s2o_attention(q, k, v, tau=None, order=ascending, **kw),
+           "C_indexed_ranked": lambda: s2o_attention(q, k, v, tau=None, order=order, **kw),
+           "D_ranked_with_check": lambda: s2o_attention(q, k, v, tau=0.0, order=order, **kw),
+           **{name: (lambda every=every: s2o_attention(q, k, v, tau=0.0, order=order, check_every=every, **kw))
+              for name, every in (("D1_check_every_tile", 1), ("D4_check_every_4", 4), ("D64_check_every_64", 64))}}
+    t = {}
+    for _ in range(3):  # interleaved rounds, fastest kept: single medians drift by 2-3% between variants
+        for key, fn in fns.items():
+            t[key] = min(t.get(key, float("inf")), bench_graph(fn))
+        with dense_mode_in_mask_tiles():
+            t["A64_dense_64key_tiles"] = min(t.get("A64_dense_64key_tiles", float("inf")), bench_graph(
+                lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal)))
     t["B_over_A64"] = t["B_indexed_ascending"] / t["A64_dense_64key_tiles"] - 1
     t["B_over_A"] = t["B_indexed_ascending"] / t["A_dense"] - 1
     t["C_over_B"] = t["C_indexed_ranked"] / t["B_indexed_ascending"] - 1
     t["D_over_C"] = t["D_ranked_with_check"] / t["C_indexed_ranked"] - 1
     t["D_over_A"] = t["D_ranked_with_check"] / t["A_dense"] - 1
+    # the measure: what the check adds, as a share of the kernel's dense time
+    t["D_minus_C_over_A"] = (t["D_ranked_with_check"] - t["C_indexed_ranked"]) / t["A_dense"]
     t["D1_over_C"] = t["D1_check_every_tile"] / t["C_indexed_ranked"] - 1
     t["D4_over_C"] = t["D4_check_every_4"] / t["C_indexed_ranked"] - 1
     t["D64_over_C"] = t["D64_check_every_64"] / t["C_indexed_ranked"] - 1
@@ -168,10 +175,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="tradeoff,overhead,timing")
+    ap.add_argument("--shapes", default=",".join(FULL), help="overhead/timing shapes, e.g. mochi,flux")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     results = {"tradeoff": {}, "overhead": {}, "timing": {}}
-    if parts != {"tradeoff", "overhead", "timing"} and args.out and os.path.exists(args.out):
+    partial = parts != {"tradeoff", "overhead", "timing"} or set(args.shapes.split(",")) != set(FULL)
+    if partial and args.out and os.path.exists(args.out):
         with open(args.out) as f:
             results = json.load(f)
     results.update({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
@@ -180,7 +189,8 @@ def main(argv=None):
         for name in ("cogvideox", "llama32k"):
             results["tradeoff"][name] = tradeoff(name, FULL[name])
             print(name, "tradeoff done", flush=True)
-    for name, w in FULL.items():
+    for name in args.shapes.split(","):
+        w = FULL[name]
         if "overhead" in parts:
             results["overhead"][name] = overhead(name, w)
         if "timing" in parts:
@@ -205,12 +215,12 @@ def main(argv=None):
             lines.append(f"at L1 {m['l1']}: sparsity TopCdf {f(m['topcdf_sparsity'])}, S2O {f(m['s2o_sparsity'])}")
     lines.append("## overhead with no skipping (kernel ms from CUDA-graph replays; share over the previous variant)")
     lines.append(f"{'shape':10} {'A dense':>8} {'A64':>8} {'B idx':>8} {'C ranked':>8} {'D check':>8} {'B/A':>6} "
-                 f"{'B/A64':>6} {'C/B':>6} {'D/C':>6} {'D/A':>6} {'D1/C':>6} {'D4/C':>6} {'D64/C':>6}")
+                 f"{'B/A64':>6} {'C/B':>6} {'D/C':>6} {'D-C/A':>6} {'D/A':>6} {'D1/C':>6} {'D4/C':>6} {'D64/C':>6}")
     for name, t in results["overhead"].items():
         lines.append(f"{name:10} {t['A_dense']:8.2f} {t['A64_dense_64key_tiles']:8.2f} {t['B_indexed_ascending']:8.2f} "
                      f"{t['C_indexed_ranked']:8.2f} {t['D_ranked_with_check']:8.2f} {t['B_over_A']:+6.1%} "
                      f"{t['B_over_A64']:+6.1%} {t['C_over_B']:+6.1%} "
-                     f"{t['D_over_C']:+6.1%} {t['D_over_A']:+6.1%} {t['D1_over_C']:+6.1%} {t['D4_over_C']:+6.1%} "
+                     f"{t['D_over_C']:+6.1%} {t.get('D_minus_C_over_A', float('nan')):+6.1%} {t['D_over_A']:+6.1%} {t['D1_over_C']:+6.1%} {t['D4_over_C']:+6.1%} "
                      f"{t['D64_over_C']:+6.1%}")
     lines.append("## default settings: TopCdf (0.6, 0.98) vs S2O (tau 0.0005, check every 16) vs cuDNN")
     lines.append(f"{'shape':10} {'cuDNN ms':>8} {'TopCdf ms':>9} {'sp':>5} {'L1':>7} {'x':>5} {'S2O ms':>7} {'sp':>5} "

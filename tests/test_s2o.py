@@ -186,3 +186,17 @@ def test_visit_order_kernel_on_gpu_equals_torch(causal, nk):
     for a, b in zip(_visit_order_triton(scores, q_sim, k_sim, shape, **kw),
                     _visit_order_torch(scores, q_sim, k_sim, shape, **kw)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,D", [(False, 128), (False, 64), (True, 128)])
+def test_s2o_on_gpu_stops_alike_with_and_without_counts(causal, D):
+    """The compiled walk without the statistics outputs must stop where the one with them does: Triton 3.6
+    once compiled the stop flag away when the visited counts were not stored (see the kernel's comment)."""
+    q, k, v = structured(1, 4, 2 if causal else 4, 4000, D, causal, torch.bfloat16, "HND", seed=5)
+    q, k, v = (t.cuda() for t in (q, k, v))
+    kw = dict(is_causal=causal, tau=0.01, segment=512, check_every=4)
+    out, stats = s2o_attention(q, k, v, return_sparsity=True, **kw)
+    assert stats.sparsity > 0.1  # the walk does stop early, over several chunks
+    assert torch.equal(s2o_attention(q, k, v, **kw), out)
+    assert not torch.equal(s2o_attention(q, k, v, **{**kw, "tau": 0.0}), out)

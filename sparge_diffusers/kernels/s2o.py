@@ -82,22 +82,24 @@ def _ordered_attention_kernel(
 
     # Ranked blocks, most important first (fully visible whole tiles: no masking), in chunks of CHECK_EVERY
     # tiles: the inner loop is an ordinary, software-pipelined for loop, and the stop test runs between
-    # chunks on the last tile's gain. (A test after every tile needs a while loop around each tile, which
-    # Triton does not pipeline: +55-87% over the checkless walk on an H100; every 4 tiles still cost
-    # +13-28%, each chunk refilling the pipeline; every 16: +2-15%; benchmarks/s2o.py.)
+    # chunks on the last tile's gain. The chunks are a for loop too: once the walk stops, the remaining
+    # chunks are empty (a Triton while loop around the chunks, or an ``if`` around a chunk's loop, cost
+    # Mochi / Llama-32K +13-15% over the walk without the test on an H100; this form +9-10%). A test after
+    # every tile needs a while loop around each tile, which Triton does not pipeline (+55-87%).
     visited = n_forced
     tau = 0.0
+    chunk = tl.maximum(count - n_forced, 1)  # without the test: the whole ranked walk is one chunk
     if EARLY_STOP:
         tau = tl.load(TAU + h)
+        chunk = CHECK_EVERY
     n_valid = tl.sum(row_valid.to(tl.float32), axis=0)
     m_old = m_i
     l_old = l_i
-    go = visited < count
-    while go:
-        end = count
-        if EARLY_STOP:
-            end = tl.minimum(visited + CHECK_EVERY, count)
-        for it in range(visited, end):
+    go = n_forced < count
+    for c in range(0, tl.cdiv(count - n_forced, chunk)):
+        start = n_forced + c * chunk
+        end = tl.where(go, tl.minimum(start + chunk, count), start)
+        for it in range(start, end):
             j = j_next
             j_next = tl.load(index + tl.minimum(it + 1, count - 1))
             if EARLY_STOP:
@@ -108,18 +110,22 @@ def _ordered_attention_kernel(
                 acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
                 pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
-        visited = end
-        go = False
+        visited = tl.where(go, end, visited)
         if EARLY_STOP:
             before = l_old * tl.exp2(m_old - m_i)  # the normaliser before the last tile, at the new max
             gain = tl.where(before > 0.0, (l_i - before) / tl.where(before > 0.0, before, 1.0), float("inf"))
             gain = tl.where(row_valid, gain, 0.0)
-            go = (visited < count) & (tl.sum(gain, axis=0) / n_valid >= tau)
+            go = go & (visited < count) & (tl.sum(gain, axis=0) / n_valid >= tau)
 
     _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od)
     if RETURN_COUNTS:
         tl.store(VISITED + row, visited)
         tl.store(PV_COUNT + row, pv_count)
+    elif EARLY_STOP:
+        # Never stores (visited >= 0), but keeps ``visited``, and through it the stop flag, alive: Triton 3.6's
+        # layout pass prunes loop-carried values that only a nested loop's bounds read (triton-lang/triton
+        # PR 9036), which replaced ``go`` by its initial value and silently disabled the stop.
+        tl.store(VISITED + row, visited, mask=visited < 0)
 
 
 class VisitOrder(tuple):
