@@ -84,8 +84,9 @@ def _ordered_attention_kernel(
     # tiles: the inner loop is an ordinary, software-pipelined for loop, and the stop test runs between
     # chunks on the last tile's gain. The chunks are a for loop too: once the walk stops, the remaining
     # chunks are empty (a Triton while loop around the chunks, or an ``if`` around a chunk's loop, cost
-    # Mochi / Llama-32K +13-15% over the walk without the test on an H100; this form +9-10%). A test after
-    # every tile needs a while loop around each tile, which Triton does not pipeline (+55-87%).
+    # Mochi / Llama-32K +11-15% over the walk without the test on an H100; this form +9-10%, and +6% at
+    # CogVideoX / Flux). A test after every tile needs a while loop around each tile, which Triton does not
+    # pipeline (+50-80%).
     visited = n_forced
     tau = 0.0
     chunk = tl.maximum(count - n_forced, 1)  # without the test: the whole ranked walk is one chunk
