@@ -126,8 +126,8 @@ def overhead(name, w):
            "B_indexed_ascending": lambda: s2o_attention(q, k, v, tau=None, order=ascending, **kw),
            "C_indexed_ranked": lambda: s2o_attention(q, k, v, tau=None, order=order, **kw),
            "D_ranked_with_check": lambda: s2o_attention(q, k, v, tau=0.0, order=order, **kw),
-           **{name: (lambda every=every: s2o_attention(q, k, v, tau=0.0, order=order, check_every=every, **kw))
-              for name, every in (("D1_check_every_tile", 1), ("D4_check_every_4", 4), ("D64_check_every_64", 64))}}
+           **{key: (lambda every=every: s2o_attention(q, k, v, tau=0.0, order=order, check_every=every, **kw))
+              for key, every in (("D1_check_every_tile", 1), ("D4_check_every_4", 4), ("D64_check_every_64", 64))}}
     t = {}
     for _ in range(3):  # interleaved rounds, fastest kept: single medians drift by 2-3% between variants
         for key, fn in fns.items():
@@ -220,8 +220,8 @@ def main(argv=None):
         lines.append(f"{name:10} {t['A_dense']:8.2f} {t['A64_dense_64key_tiles']:8.2f} {t['B_indexed_ascending']:8.2f} "
                      f"{t['C_indexed_ranked']:8.2f} {t['D_ranked_with_check']:8.2f} {t['B_over_A']:+6.1%} "
                      f"{t['B_over_A64']:+6.1%} {t['C_over_B']:+6.1%} "
-                     f"{t['D_over_C']:+6.1%} {t.get('D_minus_C_over_A', float('nan')):+6.1%} {t['D_over_A']:+6.1%} {t['D1_over_C']:+6.1%} {t['D4_over_C']:+6.1%} "
-                     f"{t['D64_over_C']:+6.1%}")
+                     f"{t['D_over_C']:+6.1%} {t.get('D_minus_C_over_A', float('nan')):+6.1%} "
+                     f"{t['D_over_A']:+6.1%} {t['D1_over_C']:+6.1%} {t['D4_over_C']:+6.1%} {t['D64_over_C']:+6.1%}")
     lines.append("## default settings: TopCdf (0.6, 0.98) vs S2O (tau 0.0005, check every 16) vs cuDNN")
     lines.append(f"{'shape':10} {'cuDNN ms':>8} {'TopCdf ms':>9} {'sp':>5} {'L1':>7} {'x':>5} {'S2O ms':>7} {'sp':>5} "
                  f"{'L1':>7} {'x':>5} {'order ms':>8} {'(graph)':>7}")

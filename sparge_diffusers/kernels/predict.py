@@ -5,7 +5,8 @@ Three launches (SpargeAttn Sec. 3.2, Algorithm 1 lines 4-6):
    the mean pairwise cosine similarity. The similarity uses sum_{a,b} cos(x_a, x_b) = |sum_a x_a/|x_a||^2,
    which is O(b*D) instead of the Gram matrix's O(b^2*D).
 2. ``_compressed_scores_kernel``: the compressed scores q_i.k_j * scale as tiled float32 products.
-3. ``_topcdf_block_mask_kernel``: for a group of query blocks, softmax over the key blocks (non-self-similar key blocks excluded), TopCdf, and the forced rows/columns.
+3. ``_topcdf_block_mask_kernel``: for a group of query blocks, softmax over the key blocks (non-self-similar
+   key blocks excluded), TopCdf, and the forced rows/columns.
    TopCdf is computed without a sort: entry j is kept iff the probability mass of all entries >= p_j is at
    most tau; the smallest such p is found by bisection over the bit patterns of positive floats (which
    order like the floats), 30 steps, exactly, so the result equals the sort-based rule up to ties.

@@ -10,8 +10,8 @@ second selection policy beside TopCdf, for one query block (128 rows) at a time:
    every key block of a query block that stage 1 does not trust (non-self-similar query or key block,
    SpargeAttn Eq. 5), the first key block with ``attention_sink``, the ragged last key block, and under
    causal masking every visible key block of the query block's own segment of ``segment`` tokens (S2O's
-   dense intra-segment pass, Algorithm 2 / 4 lines 7-12). The remaining visible key blocks follow in descending compressed score q_mean . k_mean (stage 1's
-   map, the same for both masks).
+   dense intra-segment pass, Algorithm 2 / 4 lines 7-12). The remaining visible key blocks follow in
+   descending compressed score q_mean . k_mean (stage 1's map, the same for both masks).
 2. Walk (``_ordered_attention_kernel``): forced blocks unconditionally, then the ranked blocks while the
    last tile's relative gain, mean over the tile's valid rows of (l_new - l_old) / l_old (both at the new
    running max), is at least ``tau`` (the paper's deferred check, Algorithm 4 lines 14-20), tested every

@@ -17,7 +17,8 @@ class SparsityStats:
     pair, or under causal masking only the pairs with at least one visible key.
 
     Attributes:
-        qk_skipped: [H] fraction (a tensor on the input's device; so are the next two) of Q.K^T block products skipped by the block mask (stage 1).
+        qk_skipped: [H] fraction (a tensor on the input's device; so are the next two) of Q.K^T block products
+            skipped by the block mask (stage 1).
         pv_skipped: [H] fraction of P.V block products skipped, by the block mask or by stage 2.
         pv_skipped_stage2: [H] fraction of the computed Q.K^T blocks whose P.V stage 2 skipped.
         dense_blocks: number of block products dense attention computes per (batch, head).
