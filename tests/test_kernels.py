@@ -139,6 +139,52 @@ def test_block_sparse_attention_matches_reference(B, H, HK, Nq, Nkv, D, causal, 
     torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped)
 
 
+@pytest.fixture
+def tma_io_forced(monkeypatch):
+    """Run the Q-load / output-store path through TMA tensor descriptors (GPUs choose it by a rule)."""
+    from sparge_diffusers.kernels import attention
+
+    monkeypatch.setattr(attention, "TMA_IO_OVERRIDE", True)
+
+
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,D,causal", [c for c in ATTN_CASES if c[5] != 96])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tma_io_path_matches_reference_and_writes_only_its_rows(B, H, HK, Nq, Nkv, D, causal, layout, dtype,
+                                                                  tma_io_forced):
+    q, k, v = make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed=Nq + Nkv + D)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(B, H, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K), generator=g) < 0.6
+    mask[..., 0] = True
+    # the output is a view into a larger poisoned buffer: a tile past Nq must not spill into the next head
+    seq_dim = 2 if layout == "HND" else 1
+    big = poisoned_like(torch.cat([q, q[:, :5] if seq_dim == 1 else q[:, :, :5]], dim=seq_dim))
+    out = big.narrow(seq_dim, 0, Nq)
+    for block_mask in (mask, None):
+        block_sparse_attention(q, k, v, block_mask, is_causal=causal, tensor_layout=layout, backend="triton",
+                               out=out)
+        ref = block_sparse_attention(q, k, v, block_mask, is_causal=causal, tensor_layout=layout,
+                                     backend="reference")
+        assert not torch.isnan(out).any()
+        assert relative_l1(out, ref) < L1_TOL[dtype]
+        assert torch.isnan(big.narrow(seq_dim, Nq, 5)).all(), "rows past Nq were written"
+
+
+def test_tma_io_rule_needs_a_hopper_gpu_and_no_causal_mask():
+    from sparge_diffusers.kernels._inputs import check_attention_inputs
+    from sparge_diffusers.kernels.attention import use_tma_io
+
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    assert not use_tma_io(q, q, shape, is_causal=False)  # CPU tensors: the pointer path
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        qc = q.cuda()
+        assert use_tma_io(qc, qc, shape, is_causal=False)
+        assert not use_tma_io(qc, qc, shape, is_causal=True)
+        misaligned = torch.zeros(2 * 256 * 128 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(1, 2, 256, 128)
+        assert not use_tma_io(misaligned, qc, shape, is_causal=False)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -332,6 +378,30 @@ def test_gpu_kernels_match_reference(causal, dtype):
     assert not torch.isnan(out).any()
     assert relative_l1(out.cpu(), ref) < L1_TOL[dtype]
     torch.testing.assert_close(stats.qk_skipped.cpu(), ref_stats.qk_skipped)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_gpu_tma_io_path_equals_pointer_path(D, layout, monkeypatch):
+    from sparge_diffusers.kernels import attention
+
+    B, H, N = 2, 6, 3000  # N not a multiple of the 128-row tile
+    q, k, v = (t.cuda() for t in make_qkv(B, H, H, N, N, D, torch.bfloat16, layout, seed=D))
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm90")
+    mask = torch.rand(B, H, math.ceil(N / BLOCK_Q), math.ceil(N / BLOCK_K), device="cuda") < 0.3
+    seq_dim = 2 if layout == "HND" else 1
+    outs = []
+    for forced in (True, False):
+        monkeypatch.setattr(attention, "TMA_IO_OVERRIDE", forced)
+        big = poisoned_like(torch.cat([q, q.narrow(seq_dim, 0, 7)], dim=seq_dim))
+        for block_mask in (mask, None):
+            out = block_sparse_attention(q, k, v, block_mask, tensor_layout=layout, out=big.narrow(seq_dim, 0, N))
+            assert torch.isnan(big.narrow(seq_dim, N, 7)).all(), "rows past N were written"
+            assert not torch.isnan(out).any()
+            outs.append(out.clone())
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
 
 
 @pytest.mark.parametrize("causal", [False, True])
