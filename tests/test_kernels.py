@@ -386,10 +386,10 @@ def test_gpu_kernels_match_reference(causal, dtype):
 def test_gpu_tma_io_path_equals_pointer_path(D, layout, monkeypatch):
     from sparge_diffusers.kernels import attention
 
-    B, H, N = 2, 6, 3000  # N not a multiple of the 128-row tile
-    q, k, v = (t.cuda() for t in make_qkv(B, H, H, N, N, D, torch.bfloat16, layout, seed=D))
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs sm90")
+    B, H, N = 2, 6, 3000  # N not a multiple of the 128-row tile
+    q, k, v = (t.cuda() for t in make_qkv(B, H, H, N, N, D, torch.bfloat16, layout, seed=D))
     mask = torch.rand(B, H, math.ceil(N / BLOCK_Q), math.ceil(N / BLOCK_K), device="cuda") < 0.3
     seq_dim = 2 if layout == "HND" else 1
     outs = []

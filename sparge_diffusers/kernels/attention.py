@@ -169,7 +169,8 @@ def _empty_softmax_state(PV_THRESHOLD, h, BLOCK_M: tl.constexpr, D_PAD: tl.const
 
 @triton.jit
 def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
-                  stride_ob, stride_oh, stride_on, stride_od, TMA_IO: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None):
+                  stride_ob, stride_oh, stride_on, stride_od,
+                  TMA_IO: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None):
     """Normalise and store one query tile; with ``TMA_IO``, ``O`` is a (B, H, N, D) tensor descriptor of
     element type ``OUT_DTYPE`` (rows past N are not written)."""
     seen = l_i > 0.0  # a query row that saw no key gets a zero output, never NaN
@@ -307,9 +308,9 @@ def use_tma_io(qh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, is_
     instead of per-thread loads and stores.
 
     Measured on an H100 (benchmarks/results/kernel-variants-H100.txt (j)): the per-tile Q read and output
-    write are a fixed cost that weighs most at low density; TMA takes 5% off Flux at density 0.1 (x/ideal
-    0.626 -> 0.657) and 1-2% off Mochi, but costs Llama-32K causal 1-4%, so it is used without causal
-    masking only. Needs Hopper or newer (sm90), a power-of-two head dim, and 16-byte aligned Q/O bases
+    write are a fixed cost that weighs most at low density; with TMA, Flux dense 0.554 -> 0.533 ms and at
+    density 0.1 0.100 -> 0.097 ms, Mochi at 0.1 5.45 -> 5.31 ms, CogVideoX unchanged, outputs bitwise
+    equal; Llama-32K causal got 1-4% slower, so it is used without causal masking only. Needs Hopper or newer (sm90), a power-of-two head dim, and 16-byte aligned Q/O bases
     and strides (true of contiguous tensors and of NHD views of them); otherwise the pointer path runs.
     """
     if TMA_IO_OVERRIDE is not None:
