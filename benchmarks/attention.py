@@ -8,9 +8,11 @@ For each shape (CogVideoX-2B, Mochi, Flux 1024px, Llama-3.1-8B causal 32K):
   * stage-1 prediction time as a share of cuDNN dense time;
   * the whole method at default settings on structured inputs: sparsity, relative L1 against exact float32
     attention (on a sample of query rows), time against cuDNN.
-Each time is the fastest of 3 interleaved rounds of do_bench medians (see bench_rounds).
+Each time is the fastest of 3 interleaved rounds of medians (see bench_rounds), each median over calls
+replayed from a CUDA graph (--timer graph, the default: kernel time without Python and launch overhead,
+for every method alike) or over plain calls (--timer eager).
 
-Usage: python benchmarks/attention.py [--shapes mochi,flux] [--out results.json]
+Usage: python benchmarks/attention.py [--shapes mochi,flux] [--out results.json] [--timer graph|eager]
 Writes JSON (default benchmarks/results/attention-<gpu>.json) and prints a table.
 """
 
@@ -35,9 +37,22 @@ from sparge_diffusers.workloads import FULL, sampled_relative_l1
 DENSITIES = (0.5, 0.25, 0.1)
 
 
-def bench(fn, warmup_ms=50, rep_ms=300) -> float:
+# "graph": each call replayed from a CUDA graph (kernel time, no Python or launch overhead, which at the Flux
+# shape was large and noisy enough to move one median by 40% within a run); "eager": plain calls (do_bench).
+TIMER = "graph"
+GRAPH_FALLBACKS: list[str] = []  # calls that could not be captured and were timed eagerly instead
+
+
+def bench(fn, warmup_ms=50, rep_ms=300, name="") -> float:
     import triton.testing
 
+    if TIMER == "graph":
+        try:
+            # the median of 10 replays of a graph of ~100 ms of calls: enough, and 3x shorter than rep_ms
+            return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+        except Exception as e:  # report, never hide: the JSON lists every eager fallback
+            GRAPH_FALLBACKS.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            torch.cuda.synchronize()
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
@@ -51,7 +66,7 @@ def bench_rounds(fns: dict, rounds: int = ROUNDS) -> tuple[dict, dict]:
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(bench(fn))
+            times[name].append(bench(fn, name=name))
     return ({name: min(t) for name, t in times.items()},
             {name: max(t) / min(t) - 1 for name, t in times.items()})
 
@@ -191,7 +206,10 @@ def run_shape(w, densities, device, log):
 
 
 def print_table(results):
-    print(f"\nGPU: {results['gpu']}  (torch {results['torch']}, triton {results['triton']}); bf16; ms are medians")
+    print(f"\nGPU: {results['gpu']}  (torch {results['torch']}, triton {results['triton']}); bf16; ms are medians, "
+          f"timer {results.get('timer', 'eager')}")
+    for fallback in results.get("graph_fallbacks", []):
+        print(f"  timed eagerly (no CUDA graph): {fallback}")
     print(f"{'shape':10} {'cuDNN':>8} {'flash':>8} {'ours':>8} {'ours+pv':>8} {'cuDNN/ours':>10} {'pred %':>7}")
     for name, r in results["shapes"].items():
         d = r["dense"]
@@ -219,7 +237,11 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(FULL))
     ap.add_argument("--densities", default=",".join(map(str, DENSITIES)))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--timer", choices=("graph", "eager"), default="graph",
+                    help="graph: kernel time from CUDA-graph replays (default); eager: plain calls")
     args = ap.parse_args(argv)
+    global TIMER
+    TIMER = args.timer
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     import triton
@@ -227,7 +249,8 @@ def main(argv=None):
     device = "cuda"
     gpu = torch.cuda.get_device_name()
     results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-               "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+               "date": time.strftime("%Y-%m-%d"), "timer": TIMER, "graph_fallbacks": GRAPH_FALLBACKS,
+               "shapes": {}}
     densities = [float(x) for x in args.densities.split(",")]
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"attention-{gpu.replace(' ', '_')}.json")
