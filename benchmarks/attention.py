@@ -43,13 +43,14 @@ TIMER = "graph"
 GRAPH_FALLBACKS: list[str] = []  # calls that could not be captured and were timed eagerly instead
 
 
-def bench(fn, warmup_ms=50, rep_ms=300, name="") -> float:
+def bench(fn, warmup_ms=50, rep_ms=300, graph_rep_ms=100, name="") -> float:
+    """Median ms of ``fn``: eager calls over ``rep_ms``, or (TIMER "graph") 10 replays of a CUDA graph of
+    about ``graph_rep_ms`` of calls (at 300 ms the four shapes took over 10 minutes on an H100, at 100 ms 4)."""
     import triton.testing
 
     if TIMER == "graph":
         try:
-            # the median of 10 replays of a graph of ~100 ms of calls: enough, and 3x shorter than rep_ms
-            return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+            return float(triton.testing.do_bench_cudagraph(fn, rep=graph_rep_ms, return_mode="median"))
         except Exception as e:  # report, never hide: the JSON lists every eager fallback
             GRAPH_FALLBACKS.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
             torch.cuda.synchronize()

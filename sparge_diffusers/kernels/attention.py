@@ -310,8 +310,9 @@ def use_tma_io(qh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, is_
     Measured on an H100 (benchmarks/results/kernel-variants-H100.txt (j)): the per-tile Q read and output
     write are a fixed cost that weighs most at low density; with TMA, Flux dense 0.554 -> 0.533 ms and at
     density 0.1 0.100 -> 0.097 ms, Mochi at 0.1 5.45 -> 5.31 ms, CogVideoX unchanged, outputs bitwise
-    equal; Llama-32K causal got 1-4% slower, so it is used without causal masking only. Needs Hopper or newer (sm90), a power-of-two head dim, and 16-byte aligned Q/O bases
-    and strides (true of contiguous tensors and of NHD views of them); otherwise the pointer path runs.
+    equal; Llama-32K causal got 1-4% slower, so it is used without causal masking only. Needs Hopper or
+    newer (sm90), a power-of-two head dim, and 16-byte aligned Q/O bases and strides (true of contiguous
+    tensors and of NHD views of them); otherwise the pointer path runs.
     """
     if TMA_IO_OVERRIDE is not None:
         return TMA_IO_OVERRIDE
