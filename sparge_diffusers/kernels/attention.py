@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_hopper
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
 
 LOG2E = 1.4426950408889634
@@ -348,7 +349,14 @@ def sparse_attention_triton(
     ``index`` None runs the dense mode (every visible key block, contiguous walk). Returns the per-(b, h,
     query block) count of P.V products computed when ``return_counts`` and stage 2 is on (``pvthreshd``
     given), else None: without the stage-2 test every visited block's P.V product is computed.
+
+    On an H100-class GPU (sm90) at head dim 128 without the stage-2 test, the call goes to the warp-
+    specialised Gluon kernel of ``attention_hopper`` (see its ``why_not_usable`` for the exact rule).
     """
+    if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None):
+        attention_hopper.hopper_block_sparse_attention(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale,
+                                                       index=index)
+        return None
     B, H = shape.batch, shape.heads
     nq = shape.q_blocks
     block_n = dense_block_n(shape.head_dim) if index is None and pvthreshd is None else BLOCK_K

@@ -1,0 +1,355 @@
+"""Stage 2's mask walk as a persistent, warp-specialised Gluon kernel for Hopper (sm90), head dim 128.
+
+The same computation as ``attention.py``'s Triton kernel without the stage-2 test (every kept block's P.V
+product is computed), arranged the way FlashAttention-3 arranges dense attention:
+
+* one program per SM; tiles (128 query rows of one head) are handed out by an atomic ticket counter, so a
+  program that drew short rows of the mask takes more tiles (a static round-robin split measured 5-10%
+  slower at density 0.1: with ~7 random-length rows per program the longest program sets the time);
+* a one-warp loader partition issues TMA loads: the Q tile of the next tile into one of two Q buffers and
+  the kept K/V blocks, two 64-key mask blocks per 128-key stage, into a ring of stages, each guarded by
+  ready/empty mbarriers, so the loads of the next tile run during this tile's last products and output;
+* the default partition (8 warps, two warpgroups of 64 rows) runs QK^T and P.V on wgmma with the online
+  softmax in registers, and writes each output tile with an asynchronous TMA store.
+
+Measured against the Triton kernel on an H100 (benchmarks/results/kernel-variants-H100.txt (m)): faster
+dense and at every density at D = 128; at D = 64 (CogVideoX) slower in both, so D = 64 stays on Triton.
+Departures tried and not kept: FA3's intra-warpgroup overlap (the next stage's QK^T issued before this
+stage's P.V) was slower here in dense mode (Flux 0.573 vs 0.527 ms).
+
+Gluon kernels do not run under TRITON_INTERPRET; the tests check this path on a GPU against the float32
+reference, and on CPU only that it compiles for sm90 (where the installed Triton can compile offline).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+
+try:  # Gluon is experimental: its module layout and names move between Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON_IMPORT_ERROR: str | None = None
+except Exception as e:  # pragma: no cover - depends on the installed Triton
+    GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (128,)
+# Columns per TMA copy: with the 128-byte swizzle a (rows, 128) bf16 tile is stored as two 64-column panels,
+# so a row range of the tile is contiguous only within one panel.
+PANEL = 64
+
+if GLUON_IMPORT_ERROR is None:
+    # Triton 3.6 names these async_copy_global_to_shared / async_copy_shared_to_global / _reinterpret;
+    # later releases async_load / async_store / reinterpret.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _REINTERPRET_IS_PUBLIC = hasattr(gl.shared_memory_descriptor, "reinterpret")
+
+    @gluon.jit
+    def _tile_of(t, NQ, H, GROUP):
+        """Tile t -> (row of the per-tile arrays, batch, head, K/V head, query block). Heads one after
+        another, so a wave of tiles shares one head's K/V in L2; within a head the late query blocks first
+        (the long rows under causal masking)."""
+        bh = t // NQ
+        m = NQ - 1 - t % NQ
+        h = bh % H
+        return bh * NQ + m, bh // H, h, h // GROUP, m
+
+    @gluon.jit
+    def _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+        """(kept key blocks, of which the first n_full need no element masking) of one tile."""
+        if USE_INDEX:
+            count = gl.load(COUNT + row)
+            n_full = gl.load(NFULL + row)
+        else:
+            count = NK
+            n_full = kv_len // BLOCK_K
+            if IS_CAUSAL:
+                first_q = m * BLOCK_M
+                count = gl.minimum(first_q + BLOCK_M - 1, kv_len - 1) // BLOCK_K + 1
+                n_full = gl.minimum(n_full, (first_q + 1) // BLOCK_K)
+        return count, n_full
+
+    @gluon.jit
+    def _stage_blocks(INDEX, row, NK, p, count, USE_INDEX: gl.constexpr):
+        """Key blocks of stage p: kept blocks 2p and 2p+1, the last one twice when the count is odd (its
+        second copy is masked off; loading it keeps stale or uninitialised shared memory out of P.V)."""
+        first = gl.minimum(2 * p, NK - 1)
+        second = gl.maximum(gl.minimum(2 * p + 1, count - 1), 0)
+        if USE_INDEX:
+            base = INDEX + row.to(gl.int64) * NK
+            j0 = gl.load(base + first)
+            j1 = gl.load(base + gl.minimum(second, NK - 1))
+        else:
+            j0 = first
+            j1 = second
+        return j0, j1
+
+    if _REINTERPRET_IS_PUBLIC:
+        @gluon.jit
+        def _as_box(buf, desc):
+            return buf.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    else:
+        @gluon.jit
+        def _as_box(buf, desc):
+            return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _load_rows(desc, b, h, first_row, bar, buf, row0: gl.constexpr):
+        """TMA-load rows first_row.. of head (b, h) into rows row0.. of ``buf`` (rows, D), one panel per copy."""
+        ROWS: gl.constexpr = desc.block_type.shape[2]
+        COLS: gl.constexpr = desc.block_type.shape[3]
+        D: gl.constexpr = buf.type.shape[1]
+        for c in gl.static_range(D // COLS):
+            _tma_load(desc, [b, h, first_row, c * COLS], bar,
+                      _as_box(buf.slice(row0, ROWS, dim=0).slice(c * COLS, COLS, dim=1), desc))
+
+    @gluon.jit
+    def _publish_tile(tile_ids, qb, t):
+        """Write tile number t into slot qb; the consumer reads it once the slot's q_ready phase completes
+        (the loader's arrive on q_ready releases this store)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        tile_ids.index(qb).store(gl.full([1], t, gl.int32, layout))
+
+    @gluon.jit
+    def _read_tile(tile_ids, q_ready, i, NUM_WARPS: gl.constexpr):
+        qb = i % 2
+        mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        return gl.max(tile_ids.index(qb).load(layout), axis=0)
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
+                INDEX, COUNT, NFULL, TICKET, H, GROUP, NQ, NK, kv_len, n_tiles,
+                STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
+        Q_BYTES: gl.constexpr = q_bufs.type.shape[1] * q_bufs.type.shape[2] * q_desc.dtype.primitive_bitwidth // 8
+        KV_BYTES: gl.constexpr = 2 * k_bufs.type.shape[1] * k_bufs.type.shape[2] * k_desc.dtype.primitive_bitwidth // 8
+        n_prog = gl.num_programs(0)
+        kv_c = 0
+        i = 0
+        t = gl.program_id(0)
+        while t < n_tiles:
+            t_next = n_prog + gl.atomic_add(TICKET, 1)  # claimed now: the round trip overlaps this tile's loads
+            row, b, h, hk, m = _tile_of(t, NQ, H, GROUP)
+            count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
+            qb = i % 2
+            mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
+            _publish_tile(tile_ids, qb, t)
+            mbarrier.expect(q_ready.index(qb), Q_BYTES)
+            _load_rows(q_desc, b, h, m * BLOCK_M, q_ready.index(qb), q_bufs.index(qb), 0)
+            j0, j1 = _stage_blocks(INDEX, row, NK, 0, count, USE_INDEX)
+            for p in range((count + 1) // 2):
+                n0, n1 = _stage_blocks(INDEX, row, NK, p + 1, count, USE_INDEX)  # read before the wait below
+                s = kv_c % STAGES
+                mbarrier.wait(kv_empty.index(s), ((kv_c // STAGES) & 1) ^ 1)
+                bar = kv_ready.index(s)
+                mbarrier.expect(bar, KV_BYTES)
+                _load_rows(k_desc, b, hk, j0 * BLOCK_K, bar, k_bufs.index(s), 0)
+                _load_rows(k_desc, b, hk, j1 * BLOCK_K, bar, k_bufs.index(s), BLOCK_K)
+                _load_rows(v_desc, b, hk, j0 * BLOCK_K, bar, v_bufs.index(s), 0)
+                _load_rows(v_desc, b, hk, j1 * BLOCK_K, bar, v_bufs.index(s), BLOCK_K)
+                kv_c += 1
+                j0 = n0
+                j1 = n1
+            i += 1
+            t = t_next
+        # no tile left: hand the consumer an out-of-range tile number through the next Q slot
+        qb = i % 2
+        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
+        _publish_tile(tile_ids, qb, t)
+        mbarrier.arrive(q_ready.index(qb))
+
+    @gluon.jit
+    def _consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
+                  INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
+                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  NUM_WARPS: gl.constexpr):
+        BLOCK_M: gl.constexpr = o_desc.block_type.shape[2]
+        O_COLS: gl.constexpr = o_desc.block_type.shape[3]
+        D: gl.constexpr = o_smem.type.shape[1]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        BLOCK_K: gl.constexpr = BLOCK_N // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        first_half = offs_n < BLOCK_K
+        offs_r = gl.arange(0, BLOCK_M, layout=rows_s)
+        kv_c = 0
+        i = 0
+        t = _read_tile(tile_ids, q_ready, 0, NUM_WARPS)
+        while t < n_tiles:
+            row, b, h, hk, m = _tile_of(t, NQ, H, GROUP)
+            count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
+            q_s = q_bufs.index(i % 2)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
+            l_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s)
+            acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+            for p in range((count + 1) // 2):
+                s = kv_c % STAGES
+                mbarrier.wait(kv_ready.index(s), (kv_c // STAGES) & 1)
+                qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)),
+                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+                if 2 * p + 2 > n_full:
+                    # a stage holding the ragged last block, a causal diagonal block or a repeated odd block
+                    j0, j1 = _stage_blocks(INDEX, row, NK, p, count, USE_INDEX)
+                    cols = gl.where(first_half, j0 * BLOCK_K, j1 * BLOCK_K - BLOCK_K) + offs_n
+                    visible = gl.expand_dims((cols < kv_len) & (first_half | (2 * p + 1 < count)), 0)
+                    if IS_CAUSAL:
+                        visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(m * BLOCK_M + offs_r, 1))
+                    qk = gl.where(visible, qk, float("-inf"))
+                # scores stay unscaled; the scale (with log2 e) enters the row max and the exponent's FMA
+                m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+                alpha = gl.exp2(m_i - m_use)
+                probs = gl.exp2(qk * qk_scale - gl.expand_dims(m_use, 1))
+                l_i = l_i * alpha + gl.sum(probs, axis=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+                acc = warpgroup_mma(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs.index(s), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(kv_empty.index(s))
+                m_i = m_new
+                kv_c += 1
+            mbarrier.arrive(q_empty.index(i % 2))
+            l_o = gl.convert_layout(l_i, rows_o)
+            seen = l_o > 0.0  # a query row that saw no key gets a zero output, never NaN
+            out = gl.where(gl.expand_dims(seen, 1), acc / gl.expand_dims(gl.where(seen, l_o, 1.0), 1), 0.0)
+            tma.store_wait(pendings=0)  # the previous tile's store has left o_smem
+            o_smem.store(out.to(o_desc.dtype))
+            fence_async_shared()
+            for c in gl.static_range(D // O_COLS):
+                _tma_store(o_desc, [b, h, m * BLOCK_M, c * O_COLS],
+                           _as_box(o_smem.slice(c * O_COLS, O_COLS, dim=1), o_desc))
+            i += 1
+            t = _read_tile(tile_ids, q_ready, i, NUM_WARPS)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, qk_scale, H, GROUP,
+                                 NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                 USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
+        dtype: gl.constexpr = q_desc.dtype
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], tile_layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_K, HEAD_DIM], tile_layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_K, HEAD_DIM], tile_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(2):
+            mbarrier.init(q_ready.index(j), count=1)
+            mbarrier.init(q_empty.index(j), count=1)
+        for j in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(j), count=1)
+            mbarrier.init(kv_empty.index(j), count=1)
+        gl.warp_specialize([
+            (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
+                         INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
+                         STAGES, USE_INDEX, IS_CAUSAL, NUM_WARPS)),
+            (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
+                       kv_empty, INDEX, COUNT, NFULL, TICKET, H, GROUP, NQ, NK, kv_len, n_tiles, STAGES, USE_INDEX,
+                       IS_CAUSAL)),
+        ], [1], [24])
+
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+# Launch settings, measured on an H100: 8 consumer warps + 1 loader warp (a 4-warp group); 168 registers per
+# thread overall leave the consumers 240 after the loader gives its group 24; two K/V stages (Q 2 x 32 KB,
+# K/V 2 x 64 KB, output 32 KB: 224 KB of shared memory).
+NUM_WARPS = 8
+MAXNREG = 168
+STAGES = 2
+
+# Tests and benchmarks set this to force (True) or forbid (False) this path; None decides by ``usable``.
+OVERRIDE: bool | None = None
+
+
+def why_not_usable(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
+                   shape: AttentionShape, pv_test: bool) -> str | None:
+    """None if this kernel can run the call, else the reason it cannot (the Triton kernel then runs).
+
+    Needs: Gluon importable, an sm90 GPU (wgmma and this TMA use are Hopper's), head dim 128, no stage-2
+    test, bf16/fp16, and TMA-compatible (B, H, N, D) views: unit stride along D, 16-byte aligned base and
+    other strides (true of contiguous tensors in either layout).
+    """
+    if GLUON_IMPORT_ERROR is not None:
+        return f"Gluon unavailable ({GLUON_IMPORT_ERROR})"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set (Gluon kernels do not run in the interpreter)"
+    if not qh.is_cuda or torch.cuda.get_device_capability(qh.device) != (9, 0):
+        return "needs an sm90 (Hopper) GPU"
+    if pv_test:
+        return "the stage-2 test runs in the Triton kernel"
+    if shape.head_dim not in HEAD_DIMS:
+        return f"head dim {shape.head_dim} (this kernel: {HEAD_DIMS})"
+    if qh.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {qh.dtype}"
+    size = qh.element_size()
+    for t in (qh, kh, vh, out_h):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):
+            return "a view that TMA cannot address (unit D stride and 16-byte alignment needed)"
+    return None
+
+
+def usable(qh, kh, vh, out_h, shape: AttentionShape, pv_test: bool) -> bool:
+    """Whether ``sparse_attention_triton`` hands the call to this kernel (see ``why_not_usable``)."""
+    if OVERRIDE is False:
+        return False
+    reason = why_not_usable(qh, kh, vh, out_h, shape, pv_test)
+    if OVERRIDE is True and reason is not None:
+        raise RuntimeError(f"the Hopper kernel was forced but cannot run: {reason}")
+    return reason is None
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    block = [1, 1, rows, PANEL]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
+                                  shape: AttentionShape, *, is_causal: bool, scale: float,
+                                  index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """Write ``out_h`` (B, H, N, D views) = attention over the kept blocks of ``index`` (index, count, n_full
+    from ``block_mask_to_index``), or over every visible block when ``index`` is None (the dense mode)."""
+    n_tiles = shape.batch * shape.heads * shape.q_blocks
+    ticket = torch.zeros(1, device=qh.device, dtype=torch.int32)
+    idx, count, n_full = index if index is not None else (ticket, ticket, ticket)
+    grid = (min(_sm_count(qh.device.index if qh.device.index is not None else torch.cuda.current_device()),
+                n_tiles),)
+    _hopper_attention_kernel[grid](
+        _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q),
+        idx, count, n_full, ticket, scale * LOG2E, shape.heads, shape.heads // shape.kv_heads, shape.q_blocks,
+        shape.k_blocks, shape.kv_len, n_tiles,
+        HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
+        NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -1,0 +1,141 @@
+"""The warp-specialised Gluon kernel for Hopper: when it is chosen, that it compiles for sm90 (CPU, offline
+compile), and on an sm90 GPU that it matches the float32 reference and the Triton kernel."""
+
+import math
+
+import pytest
+import torch
+
+from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, relative_l1
+from sparge_diffusers.kernels import attention_hopper
+from sparge_diffusers.kernels._inputs import check_attention_inputs
+
+from test_kernels import L1_TOL, make_qkv, poisoned_like
+
+
+def test_rule_names_why_the_hopper_kernel_cannot_run():
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    reason = attention_hopper.why_not_usable(q, q, q, q, shape, pv_test=False)
+    assert reason is not None  # CPU tensors (and, under the test suite, TRITON_INTERPRET)
+    assert not attention_hopper.usable(q, q, q, q, shape, pv_test=False)
+
+
+def test_forcing_the_hopper_kernel_where_it_cannot_run_raises(monkeypatch):
+    monkeypatch.setattr(attention_hopper, "OVERRIDE", True)
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    with pytest.raises(RuntimeError, match="forced but cannot run"):
+        attention_hopper.usable(q, q, q, q, shape, pv_test=False)
+
+
+def compile_offline(causal: bool, use_index: bool, dtype: str) -> None:
+    """Compile the kernel for sm90 without a GPU; run in a process without TRITON_INTERPRET (under the
+    interpreter, gluon.jit makes functions that cannot be compiled)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = attention_hopper._hopper_attention_kernel
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, attention_hopper.PANEL], gl_dtype)
+        return f"tensordesc<{dtype}[1,1,{rows},{attention_hopper.PANEL}],{layout!r}>"
+
+    sig = {"q_desc": desc(BLOCK_Q), "k_desc": desc(BLOCK_K), "v_desc": desc(BLOCK_K), "o_desc": desc(BLOCK_Q),
+           "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "qk_scale": "fp32"}
+    sig.update({name: "i32" for name in ("H", "GROUP", "NQ", "NK", "kv_len", "n_tiles")})
+    consts = {"HEAD_DIM": 128, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index, "IS_CAUSAL": causal,
+              "NUM_WARPS": attention_hopper.NUM_WARPS}
+    sig.update({name: "constexpr" for name in consts})
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": attention_hopper.NUM_WARPS, "maxnreg": attention_hopper.MAXNREG})
+    assert "warp_specialize" in kernel.asm["ttgir"]
+    assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # an H100's shared memory per block
+    print("compiled", kernel.metadata.shared)
+
+
+@pytest.mark.parametrize("causal,use_index,dtype", [(False, True, "bf16"), (True, False, "fp16")])
+def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype):
+    """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
+    import os
+    import subprocess
+    import sys
+
+    if attention_hopper.GLUON_IMPORT_ERROR is not None:
+        pytest.skip(attention_hopper.GLUON_IMPORT_ERROR)
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"this Triton has no offline Gluon compile: {e}")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_attention_hopper as t; "
+            f"t.compile_offline({causal}, {use_index}, {dtype!r})")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+# B, H, HK, Nq, Nkv, causal: odd lengths, GQA, Nq != Nkv, shorter than one key block, several tiles per SM
+GPU_CASES = [
+    (1, 2, 2, 1000, 1000, False),
+    (2, 4, 2, 777, 777, True),
+    (1, 3, 1, 130, 2100, False),
+    (1, 2, 2, 50, 50, True),
+    (2, 8, 8, 4608, 4608, False),
+    (1, 8, 2, 3000, 3000, True),
+]
+
+
+def _on_hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm90 GPU")
+    q = torch.zeros(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    reason = attention_hopper.why_not_usable(q, q, q, q, shape, pv_test=False)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,causal", GPU_CASES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_hopper_kernel_matches_reference_and_writes_only_its_rows(B, H, HK, Nq, Nkv, causal, layout, dtype,
+                                                                      monkeypatch):
+    _on_hopper()
+    q, k, v = (t.cuda() for t in make_qkv(B, H, HK, Nq, Nkv, 128, dtype, layout, seed=Nq + Nkv + H))
+    g = torch.Generator(device="cuda").manual_seed(Nq)
+    mask = torch.rand(B, H, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K), generator=g, device="cuda") < 0.3
+    if mask.shape[2] > 1:
+        mask[..., 1, :] = False  # a query block with no kept key block: zeros, never NaN
+    seq_dim = 2 if layout == "HND" else 1
+    for block_mask in (mask, None):
+        ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), None if block_mask is None else block_mask.cpu(),
+                                     is_causal=causal, tensor_layout=layout, backend="reference")
+        outs = []
+        for forced in (True, False):  # the Gluon kernel, then the Triton kernel on the same call
+            monkeypatch.setattr(attention_hopper, "OVERRIDE", forced)
+            big = poisoned_like(torch.cat([q, q.narrow(seq_dim, 0, 7)], dim=seq_dim))
+            out = block_sparse_attention(q, k, v, block_mask, is_causal=causal, tensor_layout=layout,
+                                         out=big.narrow(seq_dim, 0, Nq))
+            assert torch.isnan(big.narrow(seq_dim, Nq, 7)).all(), "rows past Nq were written"
+            assert not torch.isnan(out).any()
+            outs.append(out.cpu())
+        assert relative_l1(outs[0], ref) < L1_TOL[dtype]
+        assert relative_l1(outs[0], outs[1]) < L1_TOL[dtype] / 2
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_kernel_is_the_default_at_head_dim_128_only():
+    _on_hopper()
+    q = torch.zeros(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=True)
+    assert attention_hopper.usable(q, q, q, q, shape, pv_test=False)
+    assert not attention_hopper.usable(q, q, q, q, shape, pv_test=True)  # the stage-2 test stays in Triton
+    q64 = torch.zeros(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    shape64 = check_attention_inputs(q64, q64, q64, tensor_layout="HND", is_causal=False)
+    assert not attention_hopper.usable(q64, q64, q64, q64, shape64, pv_test=False)
