@@ -12,10 +12,11 @@ product is computed), arranged the way FlashAttention-3 arranges dense attention
 * the default partition (8 warps, two warpgroups of 64 rows) runs QK^T and P.V on wgmma with the online
   softmax in registers, and writes each output tile with an asynchronous TMA store.
 
-Measured against the Triton kernel on an H100 (benchmarks/results/kernel-variants-H100.txt (m)): faster
-dense and at every density at D = 128; at D = 64 (CogVideoX) slower in both, so D = 64 stays on Triton.
-Departures tried and not kept: FA3's intra-warpgroup overlap (the next stage's QK^T issued before this
-stage's P.V) was slower here in dense mode (Flux 0.573 vs 0.527 ms).
+Measured against the Triton kernel on an H100 (benchmarks/results/kernel-variants-H100.txt (m)): at
+D = 128 dense within -1.5%..+1.1% and 3-11% faster at every density (Flux at 0.1: 0.097 -> 0.086 ms); at
+D = 64 (CogVideoX) slower in both, so D = 64 stays on Triton. Tried and not kept: FA3's intra-warpgroup
+overlap (the next stage's QK^T issued before this stage's P.V; slower here in dense mode, Flux 0.573 vs
+0.527 ms) and a one-block stage for an odd last block (every dense mode 4-7% slower).
 
 Gluon kernels do not run under TRITON_INTERPRET; the tests check this path on a GPU against the float32
 reference, and on CPU only that it compiles for sm90 (where the installed Triton can compile offline).
