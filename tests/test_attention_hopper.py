@@ -29,7 +29,7 @@ def test_forcing_the_hopper_kernel_where_it_cannot_run_raises(monkeypatch):
         attention_hopper.usable(q, q, q, q, shape, pv_test=False)
 
 
-def compile_offline(causal: bool, use_index: bool, dtype: str) -> None:
+def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int) -> None:
     """Compile the kernel for sm90 without a GPU; run in a process without TRITON_INTERPRET (under the
     interpreter, gluon.jit makes functions that cannot be compiled)."""
     import triton
@@ -44,11 +44,12 @@ def compile_offline(causal: bool, use_index: bool, dtype: str) -> None:
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, attention_hopper.PANEL], gl_dtype)
         return f"tensordesc<{dtype}[1,1,{rows},{attention_hopper.PANEL}],{layout!r}>"
 
-    sig = {"q_desc": desc(BLOCK_Q), "k_desc": desc(BLOCK_K), "v_desc": desc(BLOCK_K), "o_desc": desc(BLOCK_Q),
+    sig = {"q_desc": desc(BLOCK_Q), "k_desc": desc(BLOCK_K), "v_desc": desc(BLOCK_K), "o_desc": desc(BLOCK_Q // 2),
            "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "qk_scale": "fp32"}
     sig.update({name: "i32" for name in ("H", "GROUP", "NQ", "NK", "kv_len", "n_tiles")})
-    consts = {"HEAD_DIM": 128, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index, "IS_CAUSAL": causal,
-              "NUM_WARPS": attention_hopper.NUM_WARPS}
+    consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
+              "IS_CAUSAL": causal, "NUM_WARPS": attention_hopper.NUM_WARPS,
+              "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
     sig.update({name: "constexpr" for name in consts})
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -58,8 +59,8 @@ def compile_offline(causal: bool, use_index: bool, dtype: str) -> None:
     print("compiled", kernel.metadata.shared)
 
 
-@pytest.mark.parametrize("causal,use_index,dtype", [(False, True, "bf16"), (True, False, "fp16")])
-def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype):
+@pytest.mark.parametrize("causal,use_index,dtype,head_dim", [(False, True, "bf16", 128), (True, False, "fp16", 64)])
+def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim):
     """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
     import os
     import subprocess
@@ -73,7 +74,7 @@ def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype):
         pytest.skip(f"this Triton has no offline Gluon compile: {e}")
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_attention_hopper as t; "
-            f"t.compile_offline({causal}, {use_index}, {dtype!r})")
+            f"t.compile_offline({causal}, {use_index}, {dtype!r}, {head_dim})")
     env = dict(os.environ, TRITON_INTERPRET="0")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
@@ -102,12 +103,13 @@ def _on_hopper():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,H,HK,Nq,Nkv,causal", GPU_CASES)
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_hopper_kernel_matches_reference_and_writes_only_its_rows(B, H, HK, Nq, Nkv, causal, layout, dtype,
+def test_gpu_hopper_kernel_matches_reference_and_writes_only_its_rows(B, H, HK, Nq, Nkv, causal, D, layout, dtype,
                                                                       monkeypatch):
     _on_hopper()
-    q, k, v = (t.cuda() for t in make_qkv(B, H, HK, Nq, Nkv, 128, dtype, layout, seed=Nq + Nkv + H))
+    q, k, v = (t.cuda() for t in make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed=Nq + Nkv + H + D))
     g = torch.Generator(device="cuda").manual_seed(Nq)
     mask = torch.rand(B, H, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K), generator=g, device="cuda") < 0.3
     if mask.shape[2] > 1:
@@ -130,12 +132,13 @@ def test_gpu_hopper_kernel_matches_reference_and_writes_only_its_rows(B, H, HK, 
 
 
 @pytest.mark.gpu
-def test_gpu_hopper_kernel_is_the_default_at_head_dim_128_only():
+def test_gpu_hopper_kernel_is_chosen_where_it_measured_faster():
     _on_hopper()
-    q = torch.zeros(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
-    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=True)
-    assert attention_hopper.usable(q, q, q, q, shape, pv_test=False)
-    assert not attention_hopper.usable(q, q, q, q, shape, pv_test=True)  # the stage-2 test stays in Triton
-    q64 = torch.zeros(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
-    shape64 = check_attention_inputs(q64, q64, q64, tensor_layout="HND", is_causal=False)
-    assert not attention_hopper.usable(q64, q64, q64, q64, shape64, pv_test=False)
+    for D, dense, expected in ((128, True, True), (128, False, True), (64, False, True), (64, True, False)):
+        q = torch.zeros(1, 2, 256, D, device="cuda", dtype=torch.bfloat16)
+        shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=True)
+        assert attention_hopper.usable(q, q, q, q, shape, pv_test=False, dense=dense) == expected, (D, dense)
+        assert not attention_hopper.usable(q, q, q, q, shape, pv_test=True, dense=dense)  # stage 2: Triton
+    q = torch.zeros(1, 2, 256, 96, device="cuda", dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    assert not attention_hopper.usable(q, q, q, q, shape, pv_test=False)

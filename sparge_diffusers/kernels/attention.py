@@ -350,10 +350,10 @@ def sparse_attention_triton(
     query block) count of P.V products computed when ``return_counts`` and stage 2 is on (``pvthreshd``
     given), else None: without the stage-2 test every visited block's P.V product is computed.
 
-    On an H100-class GPU (sm90) at head dim 128 without the stage-2 test, the call goes to the warp-
-    specialised Gluon kernel of ``attention_hopper`` (see its ``why_not_usable`` for the exact rule).
+    On an H100-class GPU (sm90) at head dim 64 or 128 without the stage-2 test, the call goes to the warp-
+    specialised Gluon kernel of ``attention_hopper`` (see its ``usable`` for the exact rule).
     """
-    if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None):
+    if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None, dense=index is None):
         attention_hopper.hopper_block_sparse_attention(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale,
                                                        index=index)
         return None

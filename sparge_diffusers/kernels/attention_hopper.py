@@ -1,4 +1,4 @@
-"""Stage 2's mask walk as a persistent, warp-specialised Gluon kernel for Hopper (sm90), head dim 128.
+"""Stage 2's mask walk as a persistent, warp-specialised Gluon kernel for Hopper (sm90).
 
 The same computation as ``attention.py``'s Triton kernel without the stage-2 test (every kept block's P.V
 product is computed), arranged the way FlashAttention-3 arranges dense attention:
@@ -9,17 +9,22 @@ product is computed), arranged the way FlashAttention-3 arranges dense attention
 * a one-warp loader partition issues TMA loads: the Q tile of the next tile into one of two Q buffers and
   the kept K/V blocks, two 64-key mask blocks per 128-key stage, into a ring of stages, each guarded by
   ready/empty mbarriers, so the loads of the next tile run during this tile's last products and output;
-* the default partition (8 warps, two warpgroups of 64 rows) runs QK^T and P.V on wgmma with the online
-  softmax in registers, and writes each output tile with an asynchronous TMA store.
+* two consumer partitions of one warpgroup (4 warps) each take 64 rows of the tile: QK^T and P.V on wgmma,
+  the online softmax in registers, the output written through shared memory by an asynchronous TMA
+  store. As separate partitions they synchronise only through the stage barriers, so one warpgroup's
+  softmax runs while the other's products hold the tensor cores (FA3's "ping-pong", here left to the warp
+  scheduler instead of enforced by named barriers). Against one 8-warp consumer partition, whose two
+  warpgroups ran in lockstep: Mochi dense 47.3 -> 40.0 ms, Flux 0.534 -> 0.475 ms, CogVideoX 12.7 -> 11.2.
 
-Measured against the Triton kernel on an H100 (benchmarks/results/kernel-variants-H100.txt (m)): at
-D = 128 dense within -1.5%..+1.1% and 3-11% faster at every density (Flux at 0.1: 0.097 -> 0.086 ms); at
-D = 64 (CogVideoX) slower in both, so D = 64 stays on Triton. Tried and not kept: FA3's intra-warpgroup
-overlap (the next stage's QK^T issued before this stage's P.V; slower here in dense mode, Flux 0.573 vs
-0.527 ms) and a one-block stage for an odd last block (every dense mode 4-7% slower).
+Measured against the Triton kernel on an H100 (benchmarks/results/kernel-variants-H100.txt (m), (n)):
+faster dense and at every density at D = 128, faster on masks at D = 64, where the Triton kernel's dense
+mode stays 4% faster (``prefer_triton`` keeps it there). Tried and not kept: FA3's intra-warpgroup overlap
+(the next stage's QK^T issued before this stage's P.V: slower in dense mode, Flux 0.573 vs 0.527 ms with
+one consumer partition) and a one-block stage for an odd last block (every dense mode 4-7% slower).
 
 Gluon kernels do not run under TRITON_INTERPRET; the tests check this path on a GPU against the float32
-reference, and on CPU only that it compiles for sm90 (where the installed Triton can compile offline).
+reference and the Triton kernel, and on CPU only that it compiles for sm90 (where the installed Triton can
+compile offline).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ except Exception as e:  # pragma: no cover - depends on the installed Triton
     GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (128,)
+HEAD_DIMS = (64, 128)
 # Columns per TMA copy: with the 128-byte swizzle a (rows, 128) bf16 tile is stored as two 64-column panels,
 # so a row range of the tile is contiguous only within one panel.
 PANEL = 64
@@ -69,7 +74,9 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
-        """(kept key blocks, of which the first n_full need no element masking) of one tile."""
+        """(kept key blocks, of which the first n_full need no element masking) of one tile. Without an index,
+        the dense walk's extent by the Triton kernel's rule in ``attention.py`` (restated here: a gluon.jit
+        function cannot call a triton.jit one; change both together)."""
         if USE_INDEX:
             count = gl.load(COUNT + row)
             n_full = gl.load(NFULL + row)
@@ -177,8 +184,10 @@ if GLUON_IMPORT_ERROR is None:
     def _consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
                   INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
                   STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  NUM_WARPS: gl.constexpr):
-        BLOCK_M: gl.constexpr = o_desc.block_type.shape[2]
+                  NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
+        """Rows HALF * 64 .. HALF * 64 + 63 of each tile: both consumers wait on the same stage barriers and
+        each releases every stage and Q buffer once (the empty barriers count two arrivals)."""
+        BLOCK_M: gl.constexpr = o_desc.block_type.shape[2]  # this consumer's rows: half ``HALF`` of the tile
         O_COLS: gl.constexpr = o_desc.block_type.shape[3]
         D: gl.constexpr = o_smem.type.shape[1]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -199,8 +208,8 @@ if GLUON_IMPORT_ERROR is None:
         t = _read_tile(tile_ids, q_ready, 0, NUM_WARPS)
         while t < n_tiles:
             row, b, h, hk, m = _tile_of(t, NQ, H, GROUP)
-            count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
-            q_s = q_bufs.index(i % 2)
+            count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX, IS_CAUSAL, 2 * BLOCK_M, BLOCK_K)
+            q_s = q_bufs.index(i % 2).slice(HALF * BLOCK_M, BLOCK_M)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -216,7 +225,8 @@ if GLUON_IMPORT_ERROR is None:
                     cols = gl.where(first_half, j0 * BLOCK_K, j1 * BLOCK_K - BLOCK_K) + offs_n
                     visible = gl.expand_dims((cols < kv_len) & (first_half | (2 * p + 1 < count)), 0)
                     if IS_CAUSAL:
-                        visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(m * BLOCK_M + offs_r, 1))
+                        q_rows = (2 * m + HALF) * BLOCK_M + offs_r
+                        visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(q_rows, 1))
                     qk = gl.where(visible, qk, float("-inf"))
                 # scores stay unscaled; the scale (with log2 e) enters the row max and the exponent's FMA
                 m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
@@ -239,7 +249,7 @@ if GLUON_IMPORT_ERROR is None:
             o_smem.store(out.to(o_desc.dtype))
             fence_async_shared()
             for c in gl.static_range(D // O_COLS):
-                _tma_store(o_desc, [b, h, m * BLOCK_M, c * O_COLS],
+                _tma_store(o_desc, [b, h, (2 * m + HALF) * BLOCK_M, c * O_COLS],
                            _as_box(o_smem.slice(c * O_COLS, O_COLS, dim=1), o_desc))
             i += 1
             t = _read_tile(tile_ids, q_ready, i, NUM_WARPS)
@@ -248,7 +258,8 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, qk_scale, H, GROUP,
                                  NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                                 USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+                                 USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr,
+                                 CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
@@ -256,33 +267,38 @@ if GLUON_IMPORT_ERROR is None:
         q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], tile_layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_K, HEAD_DIM], tile_layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_K, HEAD_DIM], tile_layout)
-        o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+        o_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], tile_layout)
         tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(2):
+        for j in gl.static_range(2):  # ready: the loader's expect + TMA bytes; empty: one arrive per consumer
             mbarrier.init(q_ready.index(j), count=1)
-            mbarrier.init(q_empty.index(j), count=1)
+            mbarrier.init(q_empty.index(j), count=2)
         for j in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(j), count=1)
-            mbarrier.init(kv_empty.index(j), count=1)
+            mbarrier.init(kv_empty.index(j), count=2)
         gl.warp_specialize([
-            (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                         INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
-                         STAGES, USE_INDEX, IS_CAUSAL, NUM_WARPS)),
+            (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
+                         kv_empty, INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
+                         STAGES, USE_INDEX, IS_CAUSAL, NUM_WARPS, 0)),
+            (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(1), tile_ids, q_ready, q_empty, kv_ready,
+                         kv_empty, INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
+                         STAGES, USE_INDEX, IS_CAUSAL, NUM_WARPS, 1)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
                        kv_empty, INDEX, COUNT, NFULL, TICKET, H, GROUP, NQ, NK, kv_len, n_tiles, STAGES, USE_INDEX,
                        IS_CAUSAL)),
-        ], [1], [24])
+        ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
 
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
-# Launch settings, measured on an H100: 8 consumer warps + 1 loader warp (a 4-warp group); 168 registers per
-# thread overall leave the consumers 240 after the loader gives its group 24; two K/V stages (Q 2 x 32 KB,
-# K/V 2 x 64 KB, output 32 KB: 224 KB of shared memory).
-NUM_WARPS = 8
+# Launch settings, measured on an H100: two 4-warp consumer partitions + 1 loader warp (padded to a 4-warp
+# group); 168 registers per thread overall leave each consumer 240 after the loader takes 24; two K/V stages
+# (at D = 128: Q 2 x 32 KB, K/V 2 x 64 KB, output 2 x 16 KB = 224 KB of shared memory; 4 stages at D = 64
+# measured the same as 2).
+NUM_WARPS = 4
+CONSUMER_REGS = 240
 MAXNREG = 168
 STAGES = 2
 
@@ -292,11 +308,11 @@ OVERRIDE: bool | None = None
 
 def why_not_usable(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                    shape: AttentionShape, pv_test: bool) -> str | None:
-    """None if this kernel can run the call, else the reason it cannot (the Triton kernel then runs).
+    """None if this kernel can run the call, else the reason it cannot.
 
-    Needs: Gluon importable, an sm90 GPU (wgmma and this TMA use are Hopper's), head dim 128, no stage-2
-    test, bf16/fp16, and TMA-compatible (B, H, N, D) views: unit stride along D, 16-byte aligned base and
-    other strides (true of contiguous tensors in either layout).
+    Needs: Gluon importable, an sm90 GPU (wgmma and this use of TMA are Hopper's), head dim 64 or 128, no
+    stage-2 test, bf16/fp16, and TMA-compatible (B, H, N, D) views: unit stride along D, 16-byte aligned
+    base and other strides (true of contiguous tensors in either layout).
     """
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon unavailable ({GLUON_IMPORT_ERROR})"
@@ -317,14 +333,24 @@ def why_not_usable(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: 
     return None
 
 
-def usable(qh, kh, vh, out_h, shape: AttentionShape, pv_test: bool) -> bool:
-    """Whether ``sparse_attention_triton`` hands the call to this kernel (see ``why_not_usable``)."""
+def prefer_triton(shape: AttentionShape, dense: bool) -> bool:
+    """Where both kernels can run and the Triton kernel measured faster: the dense mode at D = 64 (H100,
+    CogVideoX shape: 10.8 vs 11.2 ms; on masks this kernel is faster, 1.28 vs 1.37 ms at density 0.1)."""
+    return dense and shape.head_dim == 64
+
+
+def usable(qh, kh, vh, out_h, shape: AttentionShape, pv_test: bool, dense: bool = False) -> bool:
+    """Whether ``sparse_attention_triton`` hands the call to this kernel: it can run it (``why_not_usable``)
+    and the Triton kernel is not the faster one there (``prefer_triton``). ``OVERRIDE`` True forces it
+    (raising if it cannot run), False forbids it."""
     if OVERRIDE is False:
         return False
     reason = why_not_usable(qh, kh, vh, out_h, shape, pv_test)
-    if OVERRIDE is True and reason is not None:
-        raise RuntimeError(f"the Hopper kernel was forced but cannot run: {reason}")
-    return reason is None
+    if OVERRIDE is True:
+        if reason is not None:
+            raise RuntimeError(f"the Hopper kernel was forced but cannot run: {reason}")
+        return True
+    return reason is None and not prefer_triton(shape, dense)
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -349,8 +375,8 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     grid = (min(_sm_count(qh.device.index if qh.device.index is not None else torch.cuda.current_device()),
                 n_tiles),)
     _hopper_attention_kernel[grid](
-        _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q),
+        _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
         idx, count, n_full, ticket, scale * LOG2E, shape.heads, shape.heads // shape.kv_heads, shape.q_blocks,
         shape.k_blocks, shape.kv_len, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
-        NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        NUM_WARPS=NUM_WARPS, CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
