@@ -33,7 +33,6 @@ import functools
 import os
 
 import torch
-import triton
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
 
@@ -370,8 +369,10 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     """Write ``out_h`` (B, H, N, D views) = attention over the kept blocks of ``index`` (index, count, n_full
     from ``block_mask_to_index``), or over every visible block when ``index`` is None (the dense mode)."""
     n_tiles = shape.batch * shape.heads * shape.q_blocks
+    # A fresh zeroed counter per call (one small memset) rather than a cached one the kernel resets: safe under
+    # CUDA-graph replay and for calls on concurrent streams.
     ticket = torch.zeros(1, device=qh.device, dtype=torch.int32)
-    idx, count, n_full = index if index is not None else (ticket, ticket, ticket)
+    idx, count, n_full = index if index is not None else (ticket, ticket, ticket)  # the dense mode reads none
     grid = (min(_sm_count(qh.device.index if qh.device.index is not None else torch.cuda.current_device()),
                 n_tiles),)
     _hopper_attention_kernel[grid](
