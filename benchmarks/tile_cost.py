@@ -1,0 +1,141 @@
+"""Where the time goes at low density: kernel time against the number of kept key blocks per query block.
+
+Every query block keeps exactly ``c`` key blocks at random positions (c = 1, 2, 4, ..., all). For our kernel
+(given a prebuilt CompactBlockMask) and compiled FlexAttention (given the same mask as a prebuilt BlockMask)
+it reports the time per c, a least-squares line ``ms = fixed + per_block * c`` over the even c (an odd c
+costs our kernel a half-masked 128-key stage), and the speedup over the same method's dense run as a
+fraction of the ideal 1/density. Beside them, from the same run: cuDNN SDPA and our dense mode, and the HBM
+floor: the bytes of Q, K, V and O each moved once, over the bandwidth of a device-to-device copy measured
+here. A kernel whose ``fixed`` is large next to ``per_block * c`` cannot reach 1/density at small c however
+fast its inner loop is.
+
+Usage: python benchmarks/tile_cost.py [--shapes flux,mochi] [--out benchmarks/results/tile-cost-H100.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import save_report  # noqa: E402
+from attention import bench_rounds, flex_fn, sdpa_fn  # noqa: E402
+
+from sparge_diffusers import block_sparse_attention, compact_block_mask  # noqa: E402
+from sparge_diffusers.kernels._inputs import check_attention_inputs  # noqa: E402
+from sparge_diffusers.workloads import FULL  # noqa: E402
+
+
+def exact_block_mask(B, H, nq, nk, c, device, seed=0):
+    """(B, H, nq, nk) bool mask keeping exactly c random key blocks in every query block."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    score = torch.rand(B, H, nq, nk, generator=g, device=device)
+    return score >= score.topk(c, dim=-1).values[..., -1:]
+
+
+def copy_bandwidth(nbytes: int, device) -> float:
+    """Bytes per second of a device-to-device copy of ``nbytes`` (read + write counted)."""
+    src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench_rounds({"copy": lambda: dst.copy_(src)})[0]["copy"]
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def fit_line(cs, ms):
+    """Least squares ms = fixed + per_block * c."""
+    n = len(cs)
+    mc, mm = sum(cs) / n, sum(ms) / n
+    slope = sum((c - mc) * (m - mm) for c, m in zip(cs, ms)) / sum((c - mc) ** 2 for c in cs)
+    return mm - slope * mc, slope
+
+
+def run_shape(w, device, log):
+    B, H, HK, N, D = w.batch, w.heads, w.kv_heads, w.seq_len, w.head_dim
+    if w.causal:
+        raise SystemExit(f"{w.name}: tile_cost.py takes non-causal shapes (exact c per query block)")
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, h, N, D, device=device, dtype=torch.bfloat16, generator=g) for h in (H, HK, HK))
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=False)
+    nq, nk = shape.q_blocks, shape.k_blocks
+    t, _ = bench_rounds({"cudnn": sdpa_fn(q, k, v, False, "cudnn"),
+                         "ours_dense": lambda: block_sparse_attention(q, k, v, None)})
+    tensor_bytes = q.numel() * q.element_size()
+    bandwidth = copy_bandwidth(tensor_bytes, device)
+    floor_ms = (2 * tensor_bytes + 2 * k.numel() * k.element_size()) / bandwidth * 1e3  # Q, O, K, V once
+    res = {"shape": {"B": B, "H": H, "H_kv": HK, "N": N, "D": D, "q_blocks": nq, "k_blocks": nk},
+           "cudnn_ms": t["cudnn"], "ours_dense_ms": t["ours_dense"], "copy_TBps": bandwidth / 1e12,
+           "hbm_floor_ms": floor_ms, "rows": []}
+    cs = sorted({1, 2, 4, 8, 16, nk // 2 // 2 * 2, nk})
+    for c in cs:
+        mask = exact_block_mask(B, H, nq, nk, c, device)
+        compact = compact_block_mask(mask, q, k)
+        fns = {"ours": lambda: block_sparse_attention(q, k, v, compact)}
+        try:
+            fns["flex"] = flex_fn(q, k, v, mask, False, shape)
+            fns["flex"]()  # compile outside the timed rounds
+        except Exception as e:  # report, never hide
+            log(f"  flex failed at c={c}: {type(e).__name__}: {e}")
+        tc, spread = bench_rounds(fns)
+        res["rows"].append({"c": c, "density": c / nk, "ours_ms": tc["ours"], "flex_ms": tc.get("flex", float("nan")),
+                            "round_spread": spread})
+        log(f"{w.name} c={c}: ours {tc['ours'] * 1e3:.1f} us, flex {tc.get('flex', float('nan')) * 1e3:.1f} us")
+    even = [r for r in res["rows"] if r["c"] % 2 == 0]
+    for method in ("ours", "flex"):
+        fixed, per_block = fit_line([r["c"] for r in even], [r[f"{method}_ms"] for r in even])
+        res[f"{method}_fit"] = {"fixed_ms": fixed, "per_block_ms": per_block}
+    dense = {"ours": t["ours_dense"], "flex": res["rows"][-1]["flex_ms"]}  # Flex keeping every block
+    for r in res["rows"]:
+        for method in ("ours", "flex"):
+            r[f"{method}_x_ideal"] = dense[method] / r[f"{method}_ms"] * r["density"]
+    del q, k, v
+    torch.cuda.empty_cache()
+    return res
+
+
+def format_table(results) -> str:
+    lines = [f"GPU: {results['gpu']}  (torch {results['torch']}, triton {results['triton']}); bf16; {results['date']};",
+             "each time the fastest of 3 interleaved rounds of medians over CUDA-graph replays (benchmarks/attention.py's",
+             "timer); c = kept key blocks (64 keys) per query block (128 rows), at random positions; ours given a prebuilt",
+             "CompactBlockMask, Flex a prebuilt BlockMask of the same mask; x/ideal = (that method's dense ms / ms) x density,",
+             "Flex's dense = Flex keeping every block."]
+    for name, r in results["shapes"].items():
+        s = r["shape"]
+        lines += ["", f"{name} (B={s['B']}, H={s['H']}, N={s['N']}, D={s['D']}; {s['q_blocks']} x {s['k_blocks']} blocks): "
+                  f"cuDNN {r['cudnn_ms']:.3f} ms, ours dense {r['ours_dense_ms']:.3f} ms; HBM floor {r['hbm_floor_ms']:.3f} ms "
+                  f"(Q, K, V, O once at {r['copy_TBps']:.2f} TB/s copy bandwidth)",
+                  f"{'c':>4} {'density':>8} {'ours us':>8} {'flex us':>8} {'flex/ours':>9} {'ours x/id':>9} {'flex x/id':>9}"]
+        for row in r["rows"]:
+            lines.append(f"{row['c']:4d} {row['density']:8.3f} {row['ours_ms'] * 1e3:8.1f} {row['flex_ms'] * 1e3:8.1f} "
+                         f"{row['flex_ms'] / row['ours_ms']:9.2f} {row['ours_x_ideal']:9.2f} {row['flex_x_ideal']:9.2f}")
+        for method in ("ours", "flex"):
+            f = r[f"{method}_fit"]
+            lines.append(f"{method:5} fit over even c: fixed {f['fixed_ms'] * 1e3:.1f} us + {f['per_block_ms'] * 1e3:.2f} us "
+                         f"per kept block per query block")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="flux")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/tile_cost.py needs a CUDA GPU")
+    import triton
+
+    gpu = torch.cuda.get_device_name()
+    results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+               "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+    for name in args.shapes.split(","):
+        results["shapes"][name] = run_shape(FULL[name], "cuda", lambda m: print(m, flush=True))
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"tile-cost-{gpu.replace(' ', '_')}.json")
+    save_report(results, format_table(results), out)
+
+
+if __name__ == "__main__":
+    main()
