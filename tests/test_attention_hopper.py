@@ -29,7 +29,7 @@ def test_forcing_the_hopper_kernel_where_it_cannot_run_raises(monkeypatch):
         attention_hopper.usable(q, q, q, q, shape, pv_test=False)
 
 
-def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int) -> None:
+def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False) -> None:
     """Compile the kernel for sm90 without a GPU; run in a process without TRITON_INTERPRET (under the
     interpreter, gluon.jit makes functions that cannot be compiled)."""
     import triton
@@ -45,12 +45,14 @@ def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int) ->
         return f"tensordesc<{dtype}[1,1,{rows},{attention_hopper.PANEL}],{layout!r}>"
 
     sig = {"q_desc": desc(BLOCK_Q), "k_desc": desc(BLOCK_K), "v_desc": desc(BLOCK_K), "o_desc": desc(BLOCK_Q // 2),
-           "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "qk_scale": "fp32"}
-    sig.update({name: "i32" for name in ("H", "GROUP", "NQ", "NK", "kv_len", "n_tiles")})
+           "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "TAIL": "*i32",
+           "qk_scale": "fp32"}
+    sig.update({name: "i32" for name in ("tail_start", "H", "GROUP", "NQ", "NK", "kv_len", "n_tiles")})
     consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
-              "IS_CAUSAL": causal, "NUM_WARPS": attention_hopper.NUM_WARPS,
+              "IS_CAUSAL": causal, "USE_TAIL": use_tail, "NUM_WARPS": attention_hopper.NUM_WARPS,
               "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
     sig.update({name: "constexpr" for name in consts})
+    sig = {name: sig[name] for name in fn.arg_names}
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": attention_hopper.NUM_WARPS, "maxnreg": attention_hopper.MAXNREG})
@@ -59,8 +61,9 @@ def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int) ->
     print("compiled", kernel.metadata.shared)
 
 
-@pytest.mark.parametrize("causal,use_index,dtype,head_dim", [(False, True, "bf16", 128), (True, False, "fp16", 64)])
-def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim):
+@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail",
+                         [(False, True, "bf16", 128, True), (True, False, "fp16", 64, False)])
+def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail):
     """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
     import os
     import subprocess
@@ -74,10 +77,27 @@ def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim):
         pytest.skip(f"this Triton has no offline Gluon compile: {e}")
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_attention_hopper as t; "
-            f"t.compile_offline({causal}, {use_index}, {dtype!r}, {head_dim})")
+            f"t.compile_offline({causal}, {use_index}, {dtype!r}, {head_dim}, {use_tail})")
     env = dict(os.environ, TRITON_INTERPRET="0")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("B,H,nq,width", [(1, 24, 36, 264), (2, 3, 5, 7), (1, 2, 3, 264), (2, 4, 50, 1)])
+def test_tail_order_is_the_last_tickets_longest_first(B, H, nq, width):
+    g = torch.Generator().manual_seed(B * 100 + nq)
+    count = torch.randint(0, 9, (B, H, nq), generator=g, dtype=torch.int32)  # few values: many ties
+    shape = check_attention_inputs(torch.zeros(B, H, nq * BLOCK_Q - 5, 64), torch.zeros(B, H, 300, 64), None,
+                                   tensor_layout="HND", is_causal=False)
+    tiles, start = attention_hopper.tail_order(count, shape, width)
+    n_tiles = B * H * nq
+    assert start == n_tiles - min(width, n_tiles) and tiles.dtype == torch.int32
+    assert sorted(tiles.tolist()) == list(range(start, n_tiles))  # a permutation of the tail's tickets
+    # tile t is (b*H + h, query block nq-1-t%nq): the kernel's _tile_of
+    kept = [count.reshape(-1)[(t // nq) * nq + nq - 1 - t % nq].item() for t in tiles.tolist()]
+    assert kept == sorted(kept, reverse=True)
+    for a, b, ka, kb in zip(tiles.tolist(), tiles.tolist()[1:], kept, kept[1:]):
+        assert ka > kb or a < b  # equal counts keep ticket order
 
 
 # B, H, HK, Nq, Nkv, causal: odd lengths, GQA, Nq != Nkv, shorter than one key block, several tiles per SM
@@ -129,6 +149,29 @@ def test_gpu_hopper_kernel_matches_reference_and_writes_only_its_rows(B, H, HK, 
             outs.append(out.cpu())
         assert relative_l1(outs[0], ref) < L1_TOL[dtype]
         assert relative_l1(outs[0], outs[1]) < L1_TOL[dtype] / 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,causal", GPU_CASES)
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_hopper_kernel_with_a_reordered_tail_gives_the_same_output(B, H, HK, Nq, Nkv, causal, D):
+    """Each tile is computed the same way whichever program takes it: the tail order changes no bit. A
+    narrow tail width also exercises tickets on both sides of its start."""
+    _on_hopper()
+    q, k, v = (t.cuda() for t in make_qkv(B, H, HK, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + D))
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal)
+    g = torch.Generator(device="cuda").manual_seed(Nq)
+    mask = torch.rand(B, H, shape.q_blocks, shape.k_blocks, generator=g, device="cuda") < 0.4
+    from sparge_diffusers.kernels.attention import block_mask_to_index
+    index = block_mask_to_index(mask, shape, causal)
+    outs = []
+    for tail in (None, attention_hopper.tail_order(index[1], shape), attention_hopper.tail_order(index[1], shape, 5)):
+        out = poisoned_like(q)
+        attention_hopper.hopper_block_sparse_attention(q, k, v, out, shape, is_causal=causal, scale=D ** -0.5,
+                                                       index=index, tail=tail)
+        assert not torch.isnan(out).any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.gpu

@@ -199,7 +199,8 @@ def block_sparse_attention(
     if index is None and block_mask is not None:
         index = block_mask_to_index(block_mask, shape, is_causal)
     pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
-                                       pvthreshd=thr, return_counts=return_sparsity)
+                                       pvthreshd=thr, return_counts=return_sparsity,
+                                       tail=compact.tail if compact is not None else None)
     if not return_sparsity:
         return out
     if index is not None:

@@ -342,7 +342,7 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def sparse_attention_triton(
     qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, *,
     is_causal: bool, scale: float, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    pvthreshd: torch.Tensor | None, return_counts: bool,
+    pvthreshd: torch.Tensor | None, return_counts: bool, tail: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | None:
     """Launch the attention kernel on (B, H, N, D) views, writing ``out_h``.
 
@@ -351,11 +351,12 @@ def sparse_attention_triton(
     given), else None: without the stage-2 test every visited block's P.V product is computed.
 
     On an H100-class GPU (sm90) at head dim 64 or 128 without the stage-2 test, the call goes to the warp-
-    specialised Gluon kernel of ``attention_hopper`` (see its ``usable`` for the exact rule).
+    specialised Gluon kernel of ``attention_hopper`` (see its ``usable`` for the exact rule); ``tail``
+    (``attention_hopper.tail_order`` of this index's count) then reorders the end of its schedule.
     """
     if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None, dense=index is None):
         attention_hopper.hopper_block_sparse_attention(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale,
-                                                       index=index)
+                                                       index=index, tail=tail)
         return None
     B, H = shape.batch, shape.heads
     nq = shape.q_blocks

@@ -5,7 +5,8 @@ product is computed), arranged the way FlashAttention-3 arranges dense attention
 
 * one program per SM; tiles (128 query rows of one head) are handed out by an atomic ticket counter, so a
   program that drew short rows of the mask takes more tiles (a static round-robin split measured 5-10%
-  slower at density 0.1: with ~7 random-length rows per program the longest program sets the time);
+  slower at density 0.1: with ~7 random-length rows per program the longest program sets the time); with
+  a prebuilt mask the last two waves of tickets take their tiles longest first (``tail_order``);
 * a one-warp loader partition issues TMA loads: the Q tile of the next tile into one of two Q buffers and
   the kept K/V blocks, two 64-key mask blocks per 128-key stage, into a ring of stages, each guarded by
   ready/empty mbarriers, so the loads of the next tile run during this tile's last products and output;
@@ -69,6 +70,18 @@ if GLUON_IMPORT_ERROR is None:
         m = NQ - 1 - t % NQ
         h = bh % H
         return bh * NQ + m, bh // H, h, h // GROUP, m
+
+    @gluon.jit
+    def _ticket_tile(TAIL, ticket, tail_start, n_tiles, USE_TAIL: gl.constexpr):
+        """Ticket -> tile. With ``USE_TAIL`` the tickets from tail_start on take the tiles of ``TAIL``, the same
+        tiles ordered by kept blocks, most first: the schedule ends on its shortest tiles (longest-processing-
+        time first over the last waves), so the programs finish closer together."""
+        if USE_TAIL:
+            j = gl.minimum(gl.maximum(ticket - tail_start, 0), n_tiles - 1 - tail_start)
+            tile = gl.load(TAIL + j)
+            return gl.where((ticket >= tail_start) & (ticket < n_tiles), tile, ticket)
+        else:
+            return ticket
 
     @gluon.jit
     def _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -138,8 +151,8 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                INDEX, COUNT, NFULL, TICKET, H, GROUP, NQ, NK, kv_len, n_tiles,
-                STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                INDEX, COUNT, NFULL, TICKET, TAIL, tail_start, H, GROUP, NQ, NK, kv_len, n_tiles,
+                STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, USE_TAIL: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
         Q_BYTES: gl.constexpr = q_bufs.type.shape[1] * q_bufs.type.shape[2] * q_desc.dtype.primitive_bitwidth // 8
@@ -147,7 +160,7 @@ if GLUON_IMPORT_ERROR is None:
         n_prog = gl.num_programs(0)
         kv_c = 0
         i = 0
-        t = gl.program_id(0)
+        t = _ticket_tile(TAIL, gl.program_id(0), tail_start, n_tiles, USE_TAIL)
         while t < n_tiles:
             t_next = n_prog + gl.atomic_add(TICKET, 1)  # claimed now: the round trip overlaps this tile's loads
             row, b, h, hk, m = _tile_of(t, NQ, H, GROUP)
@@ -172,7 +185,7 @@ if GLUON_IMPORT_ERROR is None:
                 j0 = n0
                 j1 = n1
             i += 1
-            t = t_next
+            t = _ticket_tile(TAIL, t_next, tail_start, n_tiles, USE_TAIL)
         # no tile left: hand the consumer an out-of-range tile number through the next Q slot
         qb = i % 2
         mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
@@ -255,10 +268,10 @@ if GLUON_IMPORT_ERROR is None:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, qk_scale, H, GROUP,
-                                 NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                                 USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr,
-                                 CONSUMER_REGS: gl.constexpr):
+    def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL, tail_start,
+                                 qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr,
+                                 STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                 USE_TAIL: gl.constexpr, NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
@@ -286,8 +299,8 @@ if GLUON_IMPORT_ERROR is None:
                          kv_empty, INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
                          STAGES, USE_INDEX, IS_CAUSAL, NUM_WARPS, 1)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
-                       kv_empty, INDEX, COUNT, NFULL, TICKET, H, GROUP, NQ, NK, kv_len, n_tiles, STAGES, USE_INDEX,
-                       IS_CAUSAL)),
+                       kv_empty, INDEX, COUNT, NFULL, TICKET, TAIL, tail_start, H, GROUP, NQ, NK, kv_len, n_tiles,
+                       STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL)),
         ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
 
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -363,21 +376,49 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def tail_order(count: torch.Tensor, shape: AttentionShape, width: int | None = None) -> tuple[torch.Tensor, int]:
+    """The last ``width`` tiles of this kernel's ticket order sorted by kept blocks, most first (ties keep ticket
+    order), and the first ticket they replace: the ``tail`` argument of :func:`hopper_block_sparse_attention`.
+
+    The atomic tickets hand tiles out head by head; with random row lengths the programs then finish up to a
+    tile's time apart. Ending the schedule on its shortest tiles (longest-processing-time first over the last
+    waves) evens that out: measured on an H100 at the Flux shape, 3-5% at densities 0.5 and 0.25, 4-9% at 0.1
+    (benchmarks/results/kernel-variants-H100.txt (q)). Built once with a prebuilt mask (``compact_block_mask``);
+    ``width`` defaults to two waves (twice the SM count).
+    """
+    n_tiles = shape.batch * shape.heads * shape.q_blocks
+    if width is None:
+        width = 2 * (_sm_count(count.device.index if count.device.index is not None else torch.cuda.current_device())
+                     if count.is_cuda else 132)
+    width = max(1, min(width, n_tiles))
+    start = n_tiles - width
+    ticket = torch.arange(start, n_tiles, device=count.device)
+    nq = shape.q_blocks
+    rows = (ticket // nq) * nq + (nq - 1 - ticket % nq)  # _tile_of's row of each tile
+    kept = count.reshape(-1)[rows].to(torch.int64)
+    order = torch.sort(-kept * width + (ticket - start), stable=True).indices  # most kept first, then ticket order
+    return ticket[order].to(torch.int32).contiguous(), start
+
+
 def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                                   shape: AttentionShape, *, is_causal: bool, scale: float,
-                                  index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+                                  index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                                  tail: tuple[torch.Tensor, int] | None = None) -> None:
     """Write ``out_h`` (B, H, N, D views) = attention over the kept blocks of ``index`` (index, count, n_full
-    from ``block_mask_to_index``), or over every visible block when ``index`` is None (the dense mode)."""
+    from ``block_mask_to_index``), or over every visible block when ``index`` is None (the dense mode).
+    ``tail`` (from :func:`tail_order` on the same count) reorders the last tickets; the result is the same."""
     n_tiles = shape.batch * shape.heads * shape.q_blocks
     # A fresh zeroed counter per call (one small memset) rather than a cached one the kernel resets: safe under
     # CUDA-graph replay and for calls on concurrent streams.
     ticket = torch.zeros(1, device=qh.device, dtype=torch.int32)
     idx, count, n_full = index if index is not None else (ticket, ticket, ticket)  # the dense mode reads none
+    tail_tiles, tail_start = tail if (tail is not None and index is not None) else (ticket, n_tiles)
     grid = (min(_sm_count(qh.device.index if qh.device.index is not None else torch.cuda.current_device()),
                 n_tiles),)
     _hopper_attention_kernel[grid](
         _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
-        idx, count, n_full, ticket, scale * LOG2E, shape.heads, shape.heads // shape.kv_heads, shape.q_blocks,
-        shape.k_blocks, shape.kv_len, n_tiles,
+        idx, count, n_full, ticket, tail_tiles, tail_start, scale * LOG2E, shape.heads,
+        shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
-        NUM_WARPS=NUM_WARPS, CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        USE_TAIL=tail is not None and index is not None, NUM_WARPS=NUM_WARPS, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -9,12 +9,13 @@ FlexAttention's prebuilt ``BlockMask``) pay for it once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ._inputs import AttentionShape, Backend, TensorLayout, check_attention_inputs, pick_backend
 from .attention import block_mask_to_index
+from .attention_hopper import tail_order
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,6 +29,8 @@ class CompactBlockMask:
         count: (B, H, nq) int32, kept blocks per row (blocks hidden by causal masking excluded).
         n_full: (B, H, nq) int32.
         batch, heads, q_len, kv_len, is_causal: the calls it is valid for.
+        tail: the Hopper kernel's schedule end, longest tiles first (``attention_hopper.tail_order``), built
+            once here for a CUDA mask; None elsewhere and for masks that stage 1 builds per call.
     """
 
     mask: torch.Tensor
@@ -39,6 +42,7 @@ class CompactBlockMask:
     q_len: int
     kv_len: int
     is_causal: bool
+    tail: tuple[torch.Tensor, int] | None = None
 
     @property
     def kernel_walk(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -97,7 +101,11 @@ def compact_block_mask(
     walk = None
     if pick_backend(backend, q.device) == "triton":
         walk = block_mask_to_index(block_mask, shape, is_causal)
-    return from_kernel_walk(block_mask, walk, shape, is_causal)
+    compact = from_kernel_walk(block_mask, walk, shape, is_causal)
+    if walk is not None and q.is_cuda:
+        # worth its few small kernels only when built once: a per-call mask goes without it
+        compact = replace(compact, tail=tail_order(walk[1], shape))
+    return compact
 
 
 def from_kernel_walk(mask: torch.Tensor, walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
