@@ -396,7 +396,7 @@ def tail_order(count: torch.Tensor, shape: AttentionShape, width: int | None = N
     nq = shape.q_blocks
     rows = (ticket // nq) * nq + (nq - 1 - ticket % nq)  # _tile_of's row of each tile
     kept = count.reshape(-1)[rows].to(torch.int64)
-    order = torch.sort(-kept * width + (ticket - start), stable=True).indices  # most kept first, then ticket order
+    order = torch.sort(-kept, stable=True).indices  # most kept first; stable: equal counts keep ticket order
     return ticket[order].to(torch.int32).contiguous(), start
 
 
