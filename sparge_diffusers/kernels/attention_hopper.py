@@ -372,8 +372,13 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 
 @functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
+def _sm_count_of_index(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (``cuda`` without an index: the current one)."""
+    return _sm_count_of_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tail_order(count: torch.Tensor, shape: AttentionShape, width: int | None = None) -> tuple[torch.Tensor, int]:
@@ -388,8 +393,7 @@ def tail_order(count: torch.Tensor, shape: AttentionShape, width: int | None = N
     """
     n_tiles = shape.batch * shape.heads * shape.q_blocks
     if width is None:
-        width = 2 * (_sm_count(count.device.index if count.device.index is not None else torch.cuda.current_device())
-                     if count.is_cuda else 132)
+        width = 2 * (_sm_count(count.device) if count.is_cuda else 132)
     width = max(1, min(width, n_tiles))
     start = n_tiles - width
     ticket = torch.arange(start, n_tiles, device=count.device)
@@ -413,8 +417,7 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     ticket = torch.zeros(1, device=qh.device, dtype=torch.int32)
     idx, count, n_full = index if index is not None else (ticket, ticket, ticket)  # the dense mode reads none
     tail_tiles, tail_start = tail if (tail is not None and index is not None) else (ticket, n_tiles)
-    grid = (min(_sm_count(qh.device.index if qh.device.index is not None else torch.cuda.current_device()),
-                n_tiles),)
+    grid = (min(_sm_count(qh.device), n_tiles),)
     _hopper_attention_kernel[grid](
         _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
         idx, count, n_full, ticket, tail_tiles, tail_start, scale * LOG2E, shape.heads,
