@@ -174,6 +174,44 @@ def test_gpu_hopper_kernel_with_a_reordered_tail_gives_the_same_output(B, H, HK,
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def _exactly_kept(shape, kept: int, causal: bool, g) -> torch.Tensor:
+    """A mask keeping ``kept`` distinct key blocks per query block (fewer where fewer are visible), at random
+    causally visible positions."""
+    nq, nk = shape.q_blocks, shape.k_blocks
+    last = torch.tensor([min((i * BLOCK_Q + BLOCK_Q - 1) // BLOCK_K, nk - 1) if causal else nk - 1 for i in range(nq)],
+                        device="cuda")
+    score = torch.rand(shape.batch, shape.heads, nq, nk, generator=g, device="cuda")
+    score = score.masked_fill(torch.arange(nk, device="cuda") > last[:, None], 2.0)  # invisible blocks sort last
+    order = score.argsort(dim=-1)[..., :kept]
+    mask = torch.zeros(shape.batch, shape.heads, nq, nk, dtype=torch.bool, device="cuda").scatter_(-1, order, True)
+    return mask & (torch.arange(nk, device="cuda") <= last[:, None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,causal", [(1, 4, 2, 1000, 1000, False), (2, 4, 2, 777, 777, True),
+                                                  (1, 8, 2, 3000, 3000, True)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kept", [1, 2, 3, 5])
+def test_gpu_hopper_kernel_on_each_count_parity(B, H, HK, Nq, Nkv, causal, D, kept, monkeypatch):
+    """Odd counts of 3 or more end on a 64-key stage, a count of 1 on a masked pair stage, even counts on pairs:
+    each path against the reference and the Triton kernel, every tile of the call on the same path."""
+    _on_hopper()
+    q, k, v = (t.cuda() for t in make_qkv(B, H, HK, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + D + kept))
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal)
+    mask = _exactly_kept(shape, kept, causal, torch.Generator(device="cuda").manual_seed(Nq + kept))
+    from sparge_diffusers.kernels.attention import block_mask_to_index
+    index = block_mask_to_index(mask, shape, causal)
+    assert (index[1] == kept).float().mean() > 0.5  # most tiles take the path under test
+    out = poisoned_like(q)
+    attention_hopper.hopper_block_sparse_attention(q, k, v, out, shape, is_causal=causal, scale=D ** -0.5, index=index)
+    assert not torch.isnan(out).any()
+    ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), is_causal=causal, backend="reference")
+    monkeypatch.setattr(attention_hopper, "OVERRIDE", False)
+    triton_out = block_sparse_attention(q, k, v, mask, is_causal=causal)
+    assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
+    assert relative_l1(out, triton_out) < L1_TOL[torch.bfloat16] / 2
+
+
 @pytest.mark.gpu
 def test_gpu_hopper_kernel_is_chosen_where_it_measured_faster():
     _on_hopper()
