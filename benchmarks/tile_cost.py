@@ -4,10 +4,10 @@ Every query block keeps exactly ``c`` key blocks at random positions (c = 1, 2, 
 (given a prebuilt CompactBlockMask) and compiled FlexAttention (given the same mask as a prebuilt BlockMask)
 it reports the time per c, a least-squares line ``ms = fixed + per_block * c`` over the even c (an odd c
 ends our kernel's rows on a partly used stage: c = 1 on a half-masked 128-key stage, larger odd c on a 64-key
-stage), and the speedup over the same method's dense run as a fraction of the ideal 1/density. Beside them, from the same run: cuDNN SDPA and our dense mode, and the HBM
-floor: the bytes of Q, K, V and O each moved once, over the bandwidth of a device-to-device copy measured
-here. A kernel whose ``fixed`` is large next to ``per_block * c`` cannot reach 1/density at small c however
-fast its inner loop is.
+stage), and the speedup over the same method's dense run as a fraction of the ideal 1/density. Beside them,
+from the same run: cuDNN SDPA and our dense mode, and the HBM floor: the bytes of Q, K, V and O each moved
+once, over the bandwidth of a device-to-device copy measured here. A kernel whose ``fixed`` is large next to
+``per_block * c`` cannot reach 1/density at small c however fast its inner loop is.
 
 Usage: python benchmarks/tile_cost.py [--shapes flux,mochi] [--out benchmarks/results/tile-cost-H100.json]
 """
