@@ -170,42 +170,79 @@ if GLUON_IMPORT_ERROR is None:
         return gl.max(tile_ids.index(qb).load(layout), axis=0)
 
     @gluon.jit
+    def _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, n_tiles, USE_INDEX: gl.constexpr,
+                        IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+        """(count, first two kept block numbers) of tile t, for the loader to hold a tile ahead. t is clamped
+        into range: for the out-of-range tile that ends the schedule the loads read valid memory, unused."""
+        row, b, h, hk, m = _tile_of(gl.minimum(t, n_tiles - 1), NQ, H, GROUP)
+        count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
+        if USE_INDEX:
+            base = INDEX + row.to(gl.int64) * NK
+            first = gl.load(base)
+            second = gl.load(base + gl.minimum(1, NK - 1))
+        else:
+            first = 0
+            second = 1
+        return count, first, second
+
+    @gluon.jit
+    def _issue_stage(k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, kv_c, b, hk, j0, j1, STAGES: gl.constexpr):
+        """TMA-load key blocks j0 and j1 of K and V into stage kv_c of the ring once the consumers free it."""
+        BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
+        KV_BYTES: gl.constexpr = 2 * k_bufs.type.shape[1] * k_bufs.type.shape[2] * k_desc.dtype.primitive_bitwidth // 8
+        s = kv_c % STAGES
+        mbarrier.wait(kv_empty.index(s), ((kv_c // STAGES) & 1) ^ 1)
+        bar = kv_ready.index(s)
+        mbarrier.expect(bar, KV_BYTES)
+        _load_rows(k_desc, b, hk, j0 * BLOCK_K, bar, k_bufs.index(s), 0)
+        _load_rows(k_desc, b, hk, j1 * BLOCK_K, bar, k_bufs.index(s), BLOCK_K)
+        _load_rows(v_desc, b, hk, j0 * BLOCK_K, bar, v_bufs.index(s), 0)
+        _load_rows(v_desc, b, hk, j1 * BLOCK_K, bar, v_bufs.index(s), BLOCK_K)
+
+    @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
                 INDEX, COUNT, NFULL, TICKET, TAIL, tail_start, H, GROUP, NQ, NK, kv_len, n_tiles,
                 STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, USE_TAIL: gl.constexpr):
+        """Issues each tile's Q and K/V stages. A tile's count and first two block numbers are loaded during
+        the tile before it, so at a tile's start its Q and first stage go out with no global round trip ahead
+        of them (a ticket, the tail order, the count and the index were up to four dependent loads). Measured
+        on an H100 (kernel-variants (u)): the consumers' first-stage wait per program 2.83 -> 2.25 us at Flux
+        density 0.1, the kernel 2-2.6% faster at Flux densities 0.5-0.1, Llama-32K within +-1%."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
         Q_BYTES: gl.constexpr = q_bufs.type.shape[1] * q_bufs.type.shape[2] * q_desc.dtype.primitive_bitwidth // 8
-        KV_BYTES: gl.constexpr = 2 * k_bufs.type.shape[1] * k_bufs.type.shape[2] * k_desc.dtype.primitive_bitwidth // 8
         n_prog = gl.num_programs(0)
         kv_c = 0
         i = 0
         t = _ticket_tile(TAIL, gl.program_id(0), tail_start, n_tiles, USE_TAIL)
+        count, first, second = _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, n_tiles, USE_INDEX,
+                                               IS_CAUSAL, BLOCK_M, BLOCK_K)
         while t < n_tiles:
-            t_next = n_prog + gl.atomic_add(TICKET, 1)  # claimed now: the round trip overlaps this tile's loads
             row, b, h, hk, m = _tile_of(t, NQ, H, GROUP)
-            count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
             qb = i % 2
             mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
             _publish_tile(tile_ids, qb, t)
             mbarrier.expect(q_ready.index(qb), Q_BYTES)
             _load_rows(q_desc, b, h, m * BLOCK_M, q_ready.index(qb), q_bufs.index(qb), 0)
-            j0, j1 = _stage_blocks(INDEX, row, NK, 0, count, USE_INDEX)
-            for p in range((count + 1) // 2):
+            t_next = n_prog + gl.atomic_add(TICKET, 1)  # its round trip overlaps stage 0's wait below
+            n_stages = (count + 1) // 2
+            j0, j1 = _stage_blocks(INDEX, row, NK, 1, count, USE_INDEX)  # stage 1's, read before stage 0's wait
+            if n_stages > 0:
+                # stage 0: block `first`, then `second` or, for a count of 1, `first` again (as _stage_blocks)
+                _issue_stage(k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, kv_c, b, hk, first,
+                             gl.where(count >= 2, second, first), STAGES)
+                kv_c += 1
+            t = _ticket_tile(TAIL, t_next, tail_start, n_tiles, USE_TAIL)
+            count_next, first, second = _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, n_tiles,
+                                                        USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
+            for p in range(1, n_stages):
                 n0, n1 = _stage_blocks(INDEX, row, NK, p + 1, count, USE_INDEX)  # read before the wait below
-                s = kv_c % STAGES
-                mbarrier.wait(kv_empty.index(s), ((kv_c // STAGES) & 1) ^ 1)
-                bar = kv_ready.index(s)
-                mbarrier.expect(bar, KV_BYTES)
-                _load_rows(k_desc, b, hk, j0 * BLOCK_K, bar, k_bufs.index(s), 0)
-                _load_rows(k_desc, b, hk, j1 * BLOCK_K, bar, k_bufs.index(s), BLOCK_K)
-                _load_rows(v_desc, b, hk, j0 * BLOCK_K, bar, v_bufs.index(s), 0)
-                _load_rows(v_desc, b, hk, j1 * BLOCK_K, bar, v_bufs.index(s), BLOCK_K)
+                _issue_stage(k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, kv_c, b, hk, j0, j1, STAGES)
                 kv_c += 1
                 j0 = n0
                 j1 = n1
+            count = count_next
             i += 1
-            t = _ticket_tile(TAIL, t_next, tail_start, n_tiles, USE_TAIL)
         # no tile left: hand the consumer an out-of-range tile number through the next Q slot
         qb = i % 2
         mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
