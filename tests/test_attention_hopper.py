@@ -45,11 +45,13 @@ def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, us
         return f"tensordesc<{dtype}[1,1,{rows},{attention_hopper.PANEL}],{layout!r}>"
 
     sig = {"q_desc": desc(BLOCK_Q), "k_desc": desc(BLOCK_K), "v_desc": desc(BLOCK_K), "o_desc": desc(BLOCK_Q // 2),
-           "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "TAIL": "*i32",
+           "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "TAIL_SIZES": "*i32",
+           "TAIL_TILES": "*i32",
            "qk_scale": "fp32"}
     sig.update({name: "i32" for name in ("tail_start", "H", "GROUP", "NQ", "NK", "kv_len", "n_tiles")})
     consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
-              "IS_CAUSAL": causal, "USE_TAIL": use_tail, "NUM_WARPS": attention_hopper.NUM_WARPS,
+              "IS_CAUSAL": causal, "USE_TAIL": use_tail, "BUCKETS": attention_hopper.TAIL_BUCKETS,
+              "NUM_WARPS": attention_hopper.NUM_WARPS,
               "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
     sig.update({name: "constexpr" for name in consts})
     sig = {name: sig[name] for name in fn.arg_names}
@@ -83,21 +85,37 @@ def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, us
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("B,H,nq,width", [(1, 24, 36, 264), (2, 3, 5, 7), (1, 2, 3, 264), (2, 4, 50, 1)])
-def test_tail_order_is_the_last_tickets_longest_first(B, H, nq, width):
+@pytest.mark.parametrize("B,H,nq,nkv,width,causal", [(1, 24, 36, 4608, 264, False), (2, 3, 5, 300, 7, False),
+                                                   (1, 2, 3, 100, 264, True), (2, 4, 50, 6400, 1, True),
+                                                   (1, 3, 9, 40000, 20, False)])
+def test_compaction_fills_the_tail_schedule_longest_first(B, H, nq, nkv, width, causal):
+    """The compaction kernel (interpreter) puts each of the last ``width`` tickets' tiles in one count bucket,
+    most kept blocks first; the kernel's ticket -> tile mapping (restated by tail_tickets) is then a
+    permutation of the tail's tickets ordered by kept blocks up to a bucket's width."""
+    from sparge_diffusers.kernels.attention import block_mask_to_index
+
+    nq_len = nq * BLOCK_Q - 5
+    if causal:
+        nkv = nq_len
+    shape = check_attention_inputs(torch.zeros(B, H, nq_len, 64), torch.zeros(B, H, nkv, 64), None,
+                                   tensor_layout="HND", is_causal=causal)
     g = torch.Generator().manual_seed(B * 100 + nq)
-    count = torch.randint(0, 9, (B, H, nq), generator=g, dtype=torch.int32)  # few values: many ties
-    shape = check_attention_inputs(torch.zeros(B, H, nq * BLOCK_Q - 5, 64), torch.zeros(B, H, 300, 64), None,
-                                   tensor_layout="HND", is_causal=False)
-    tiles, start = attention_hopper.tail_order(count, shape, width)
-    n_tiles = B * H * nq
-    assert start == n_tiles - min(width, n_tiles) and tiles.dtype == torch.int32
-    assert sorted(tiles.tolist()) == list(range(start, n_tiles))  # a permutation of the tail's tickets
-    # tile t is (b*H + h, query block nq-1-t%nq): the kernel's _tile_of
-    kept = [count.reshape(-1)[(t // nq) * nq + nq - 1 - t % nq].item() for t in tiles.tolist()]
-    assert kept == sorted(kept, reverse=True)
-    for a, b, ka, kb in zip(tiles.tolist(), tiles.tolist()[1:], kept, kept[1:]):
-        assert ka > kb or a < b  # equal counts keep ticket order
+    density = torch.rand(B, H, shape.q_blocks, 1, generator=g)  # rows of every length
+    mask = torch.rand(B, H, shape.q_blocks, shape.k_blocks, generator=g) < density
+    tail, counter = attention_hopper.new_tail_schedule(shape, torch.device("cpu"), width, with_counter=True)
+    _, count, _ = block_mask_to_index(mask, shape, causal, tail=tail)
+    n_tiles = B * H * shape.q_blocks
+    assert tail.start == n_tiles - min(width, n_tiles) and counter.tolist() == [0]
+    tiles = attention_hopper.tail_tickets(tail)
+    assert sorted(tiles) == list(range(tail.start, n_tiles))  # a permutation of the tail's tickets
+    nb, nk = attention_hopper.TAIL_BUCKETS, shape.k_blocks
+    # ticket t is (b*H + h, query block nq-1-t%nq): the kernel's _tile_of
+    kept = [count.reshape(-1)[(t // shape.q_blocks) * shape.q_blocks + shape.q_blocks - 1 - t % shape.q_blocks].item()
+            for t in tiles]
+    buckets = [nb - 1 - min(c * nb // (nk + 1), nb - 1) for c in kept]
+    assert buckets == sorted(buckets)  # bucket by bucket, most kept first
+    assert all(ka > kb for ka, kb, ba, bb in zip(kept, kept[1:], buckets, buckets[1:]) if ba != bb)
+    assert max(c - min(c2 for c2, b2 in zip(kept, buckets) if b2 == bk) for c, bk in zip(kept, buckets)) <= nk // nb + 1
 
 
 # B, H, HK, Nq, Nkv, causal: odd lengths, GQA, Nq != Nkv, shorter than one key block, several tiles per SM
@@ -163,9 +181,10 @@ def test_gpu_hopper_kernel_with_a_reordered_tail_gives_the_same_output(B, H, HK,
     g = torch.Generator(device="cuda").manual_seed(Nq)
     mask = torch.rand(B, H, shape.q_blocks, shape.k_blocks, generator=g, device="cuda") < 0.4
     from sparge_diffusers.kernels.attention import block_mask_to_index
-    index = block_mask_to_index(mask, shape, causal)
     outs = []
-    for tail in (None, attention_hopper.tail_order(index[1], shape), attention_hopper.tail_order(index[1], shape, 5)):
+    for width in (0, None, 5):  # no tail order, two waves, 5 tickets
+        tail = None if width == 0 else attention_hopper.new_tail_schedule(shape, q.device, width)[0]
+        index = block_mask_to_index(mask, shape, causal, tail=tail)
         out = poisoned_like(q)
         attention_hopper.hopper_block_sparse_attention(q, k, v, out, shape, is_causal=causal, scale=D ** -0.5,
                                                        index=index, tail=tail)

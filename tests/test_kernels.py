@@ -409,16 +409,21 @@ def test_gpu_tma_io_path_equals_pointer_path(D, layout, monkeypatch):
 def test_fused_index_equals_mask_to_index(causal):
     from sparge_diffusers.kernels._inputs import check_attention_inputs
     from sparge_diffusers.kernels.attention import block_mask_to_index
+    from sparge_diffusers.kernels.attention_hopper import new_tail_schedule
     from sparge_diffusers.kernels.predict import predict_block_mask_triton
 
     q, k, _ = make_qkv(1, 2, 1, 450, 450, 64, torch.float16, "HND", seed=11)
     q, k = q + 1.0, k + 1.5
     shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=causal)
     theta, tau = torch.full((2,), 0.3), torch.full((2,), 0.8)
+    tail, ref_tail = (new_tail_schedule(shape, q.device, 3)[0] for _ in range(2))
     mask, (index, count, n_full) = predict_block_mask_triton(q, k, shape, is_causal=causal, scale=0.125,
                                                              simthreshd1=theta, cdfthreshd=tau,
-                                                             attention_sink=False)
-    ref_index, ref_count, ref_full = block_mask_to_index(mask, shape, causal)
+                                                             attention_sink=False, tail=tail)
+    ref_index, ref_count, ref_full = block_mask_to_index(mask, shape, causal, tail=ref_tail)
+    assert torch.equal(tail.sizes, ref_tail.sizes) and sum(tail.sizes.tolist()) == 3
+    for bucket, size in enumerate(tail.sizes.tolist()):  # the same tiles in each bucket (any order)
+        assert sorted(tail.tiles[bucket, :size].tolist()) == sorted(ref_tail.tiles[bucket, :size].tolist())
     assert torch.equal(count, ref_count) and torch.equal(n_full, ref_full)
     assert torch.equal(count, mask.sum(-1).int())
     for b, h, i in zip(*torch.nonzero(count >= 0, as_tuple=True)):

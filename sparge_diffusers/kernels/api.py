@@ -28,7 +28,9 @@ from ._inputs import (
     _is_number,
     _python_per_head,
 )
+from . import attention_hopper
 from .attention import block_mask_to_index, sparse_attention_triton
+from .attention_hopper import new_tail_schedule
 from .compact import CompactBlockMask, check_block_mask, from_kernel_walk
 from .predict import block_statistics_triton, predict_block_mask_triton
 from .reference import (
@@ -92,10 +94,11 @@ def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
                                             tensor_layout=tensor_layout)
         return from_kernel_walk(mask, None, shape, is_causal)
     check_kernel_dtype(q.dtype)
+    tail = new_tail_schedule(shape, q.device)[0] if q.is_cuda else None  # the Hopper kernel's tail order
     mask, walk = predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
                                            is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
-                                           attention_sink=attention_sink)
-    return from_kernel_walk(mask, walk, shape, is_causal)
+                                           attention_sink=attention_sink, tail=tail)
+    return from_kernel_walk(mask, walk, shape, is_causal, tail)
 
 
 def predict_block_mask(
@@ -196,11 +199,15 @@ def block_sparse_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     out_h = to_hnd(out, tensor_layout)
     index = compact.kernel_walk if compact is not None else None
+    tail, ticket = (compact.tail if compact is not None else None), None
     if index is None and block_mask is not None:
-        index = block_mask_to_index(block_mask, shape, is_causal)
+        if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=thr is not None):
+            # the same compaction kernel fills the Hopper kernel's tail order; one zeroed allocation serves
+            # its buckets and the kernel's ticket counter
+            tail, ticket = new_tail_schedule(shape, q.device, with_counter=True)
+        index = block_mask_to_index(block_mask, shape, is_causal, tail=tail)
     pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
-                                       pvthreshd=thr, return_counts=return_sparsity,
-                                       tail=compact.tail if compact is not None else None)
+                                       pvthreshd=thr, return_counts=return_sparsity, tail=tail, ticket=ticket)
     if not return_sparsity:
         return out
     if index is not None:

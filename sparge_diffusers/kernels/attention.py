@@ -40,11 +40,29 @@ def _key_block_flags(first_q, cols, valid, KV_LEN, IS_CAUSAL: tl.constexpr, BLOC
     return visible, needs_masking
 
 
+def tail_kernel_args(tail: attention_hopper.TailSchedule | None, placeholder: torch.Tensor) -> tuple:
+    """(sizes, tiles, start, width) arguments of a compaction kernel that fills ``tail``; placeholders without."""
+    return (tail.sizes, tail.tiles, tail.start, tail.width) if tail is not None else (placeholder, placeholder, 0, 0)
+
+
+@triton.jit
+def _record_tail_tiles(TAIL_SIZES, TAIL_TILES, tail_start, tail_width, pid_bh, q_block, count, NQ, NK, record,
+                       BUCKETS: tl.constexpr):
+    """Drop each row (one or a vector of them) that the Hopper kernel takes in its tail into the bucket of its
+    kept-block count, most first: one atomic per row (``attention_hopper.TailSchedule``)."""
+    ticket = pid_bh * NQ + (NQ - 1 - q_block)  # the inverse of attention_hopper._tile_of
+    bucket = BUCKETS - 1 - tl.minimum(count * BUCKETS // (NK + 1), BUCKETS - 1)
+    record = record & (ticket >= tail_start)
+    slot = tl.atomic_add(TAIL_SIZES + bucket, 1, mask=record)
+    tl.store(TAIL_TILES + bucket * tail_width + slot, ticket, mask=record)
+
+
 @triton.jit
 def _block_mask_to_index_kernel(
-    MASK, INDEX, COUNT, NFULL, H, NQ, NK, KV_LEN,
+    MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width, H, NQ, NK, KV_LEN,
     stride_mb, stride_mh, stride_mq, stride_mk,
     NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -59,9 +77,13 @@ def _block_mask_to_index_kernel(
     kept = keep.to(tl.int32)
     position = tl.cumsum(kept, axis=0) - 1
     row = pid_bh.to(tl.int64) * NQ + pid_q
+    count = tl.sum(kept, axis=0)
     tl.store(INDEX + row * NK + position, cols, mask=keep)
-    tl.store(COUNT + row, tl.sum(kept, axis=0))
+    tl.store(COUNT + row, count)
     tl.store(NFULL + row, tl.sum((keep & ~needs_masking).to(tl.int32), axis=0))
+    if RECORD_TAIL:
+        _record_tail_tiles(TAIL_SIZES, TAIL_TILES, tail_start, tail_width, pid_bh, pid_q, count, NQ, NK, True,
+                           BUCKETS=BUCKETS)
 
 
 @triton.jit
@@ -255,12 +277,15 @@ def _sparse_attention_kernel(
         tl.store(PV_COUNT + row, pv_count)
 
 
-def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_causal: bool
+def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_causal: bool,
+                        tail: attention_hopper.TailSchedule | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compact each row of a (B|1, H|1, nq, nk) mask into ascending key-block indices.
 
     Returns (index (B, H, nq, nk) int32, count (B, H, nq) int32, n_full (B, H, nq) int32), where the first
-    n_full indices of a row need no element masking. Blocks that causal masking hides are dropped.
+    n_full indices of a row need no element masking. Blocks that causal masking hides are dropped. With
+    ``tail`` (an empty ``attention_hopper.new_tail_schedule``) the same kernel also fills the Hopper
+    kernel's tail order.
     """
     B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
     m = block_mask if block_mask.dtype != torch.bool else block_mask.view(torch.uint8)
@@ -269,9 +294,9 @@ def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_caus
     count = torch.empty(B, H, nq, device=m.device, dtype=torch.int32)
     n_full = torch.empty_like(count)
     _block_mask_to_index_kernel[(nq, B * H)](
-        m, index, count, n_full, H, nq, nk, shape.kv_len, *m.stride(),
+        m, index, count, n_full, *tail_kernel_args(tail, count), H, nq, nk, shape.kv_len, *m.stride(),
         NK_PAD=max(triton.next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
-        num_warps=4,
+        RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
     )
     return index, count, n_full
 
@@ -342,7 +367,8 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def sparse_attention_triton(
     qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, *,
     is_causal: bool, scale: float, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    pvthreshd: torch.Tensor | None, return_counts: bool, tail: tuple[torch.Tensor, int] | None = None,
+    pvthreshd: torch.Tensor | None, return_counts: bool, tail: attention_hopper.TailSchedule | None = None,
+    ticket: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Launch the attention kernel on (B, H, N, D) views, writing ``out_h``.
 
@@ -351,12 +377,13 @@ def sparse_attention_triton(
     given), else None: without the stage-2 test every visited block's P.V product is computed.
 
     On an H100-class GPU (sm90) at head dim 64 or 128 without the stage-2 test, the call goes to the warp-
-    specialised Gluon kernel of ``attention_hopper`` (see its ``usable`` for the exact rule); ``tail``
-    (``attention_hopper.tail_order`` of this index's count) then reorders the end of its schedule.
+    specialised Gluon kernel of ``attention_hopper`` (see its ``usable`` for the exact rule); ``tail`` (filled
+    with this index) then reorders the end of its schedule, and ``ticket`` (zeroed, from the same allocation)
+    saves it a memset. The Triton kernel reads neither.
     """
     if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None, dense=index is None):
         attention_hopper.hopper_block_sparse_attention(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale,
-                                                       index=index, tail=tail)
+                                                       index=index, tail=tail, ticket=ticket)
         return None
     B, H = shape.batch, shape.heads
     nq = shape.q_blocks

@@ -6,7 +6,7 @@ product is computed), arranged the way FlashAttention-3 arranges dense attention
 * one program per SM; tiles (128 query rows of one head) are handed out by an atomic ticket counter, so a
   program that drew short rows of the mask takes more tiles (a static round-robin split measured 5-10%
   slower at density 0.1: with ~7 random-length rows per program the longest program sets the time); with
-  a prebuilt mask the last two waves of tickets take their tiles longest first (``tail_order``);
+  a mask the last two waves of tickets take their tiles longest first (``TailSchedule``);
 * a one-warp loader partition issues TMA loads: the Q tile of the next tile into one of two Q buffers and
   the kept K/V blocks, two 64-key mask blocks per 128-key stage, into a ring of stages, each guarded by
   ready/empty mbarriers, so the loads of the next tile run during this tile's last products and output;
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -79,13 +80,26 @@ if GLUON_IMPORT_ERROR is None:
         return bh * NQ + m, bh // H, h, h // GROUP, m
 
     @gluon.jit
-    def _ticket_tile(TAIL, ticket, tail_start, n_tiles, USE_TAIL: gl.constexpr):
-        """Ticket -> tile. With ``USE_TAIL`` the tickets from tail_start on take the tiles of ``TAIL``, the same
-        tiles ordered by kept blocks, most first: the schedule ends on its shortest tiles (longest-processing-
-        time first over the last waves), so the programs finish closer together."""
+    def _add_i32(a, b):
+        return a + b
+
+    @gluon.jit
+    def _ticket_tile(TAIL_SIZES, TAIL_TILES, ticket, tail_start, n_tiles, USE_TAIL: gl.constexpr,
+                     BUCKETS: gl.constexpr):
+        """Ticket -> tile. With ``USE_TAIL`` the tickets from tail_start on take the tiles of a ``TailSchedule``
+        (its buckets of tiles, most kept blocks first): j-th tail ticket -> the bucket where the running total
+        of bucket sizes first exceeds j, at position j - (sizes of the buckets before it). The schedule then ends
+        on its shortest tiles (longest-processing-time first over the last waves), so the programs finish
+        closer together. The loader calls it a tile ahead of use, between a tile's first and second stage."""
         if USE_TAIL:
-            j = gl.minimum(gl.maximum(ticket - tail_start, 0), n_tiles - 1 - tail_start)
-            tile = gl.load(TAIL + j)
+            W = n_tiles - tail_start
+            j = gl.minimum(gl.maximum(ticket - tail_start, 0), W - 1)
+            layout: gl.constexpr = gl.BlockedLayout([BUCKETS // 32], [32], [1], [0])
+            ends = gl.associative_scan(gl.load(TAIL_SIZES + gl.arange(0, BUCKETS, layout=layout)), 0, _add_i32)
+            before = ends <= j
+            bucket = gl.minimum(gl.sum(before.to(gl.int32), axis=0), BUCKETS - 1)
+            start = gl.max(gl.where(before, ends, 0), axis=0)
+            tile = gl.load(TAIL_TILES + bucket * W + (j - start))
             return gl.where((ticket >= tail_start) & (ticket < n_tiles), tile, ticket)
         else:
             return ticket
@@ -201,8 +215,9 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                INDEX, COUNT, NFULL, TICKET, TAIL, tail_start, H, GROUP, NQ, NK, kv_len, n_tiles,
-                STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, USE_TAIL: gl.constexpr):
+                INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK, kv_len, n_tiles,
+                STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, USE_TAIL: gl.constexpr,
+                BUCKETS: gl.constexpr):
         """Issues each tile's Q and K/V stages. A tile's count and first two block numbers are loaded during
         the tile before it, so at a tile's start its Q and first stage go out with no global round trip ahead
         of them (a ticket, the tail order, the count and the index were up to four dependent loads). Measured
@@ -214,7 +229,7 @@ if GLUON_IMPORT_ERROR is None:
         n_prog = gl.num_programs(0)
         kv_c = 0
         i = 0
-        t = _ticket_tile(TAIL, gl.program_id(0), tail_start, n_tiles, USE_TAIL)
+        t = _ticket_tile(TAIL_SIZES, TAIL_TILES, gl.program_id(0), tail_start, n_tiles, USE_TAIL, BUCKETS)
         count, first, second = _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, n_tiles, USE_INDEX,
                                                IS_CAUSAL, BLOCK_M, BLOCK_K)
         while t < n_tiles:
@@ -232,7 +247,7 @@ if GLUON_IMPORT_ERROR is None:
                 _issue_stage(k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, kv_c, b, hk, first,
                              gl.where(count >= 2, second, first), STAGES)
                 kv_c += 1
-            t = _ticket_tile(TAIL, t_next, tail_start, n_tiles, USE_TAIL)
+            t = _ticket_tile(TAIL_SIZES, TAIL_TILES, t_next, tail_start, n_tiles, USE_TAIL, BUCKETS)
             count_next, first, second = _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, n_tiles,
                                                         USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
             for p in range(1, n_stages):
@@ -358,10 +373,11 @@ if GLUON_IMPORT_ERROR is None:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL, tail_start,
-                                 qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr,
+    def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES,
+                                 tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr,
                                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                                 USE_TAIL: gl.constexpr, NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                                 USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr, NUM_WARPS: gl.constexpr,
+                                 CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
@@ -389,8 +405,8 @@ if GLUON_IMPORT_ERROR is None:
                          kv_empty, INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
                          STAGES, USE_INDEX, IS_CAUSAL, NUM_WARPS, 1)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
-                       kv_empty, INDEX, COUNT, NFULL, TICKET, TAIL, tail_start, H, GROUP, NQ, NK, kv_len, n_tiles,
-                       STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL)),
+                       kv_empty, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK,
+                       kv_len, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL, BUCKETS)),
         ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
 
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -471,47 +487,86 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_of_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def tail_order(count: torch.Tensor, shape: AttentionShape, width: int | None = None) -> tuple[torch.Tensor, int]:
-    """The last ``width`` tiles of this kernel's ticket order sorted by kept blocks, most first (ties keep ticket
-    order), and the first ticket they replace: the ``tail`` argument of :func:`hopper_block_sparse_attention`.
+TAIL_BUCKETS = 64  # count buckets of the tail order; at Flux's 72 key blocks a row, about one count each
 
-    The atomic tickets hand tiles out head by head; with random row lengths the programs then finish up to a
-    tile's time apart. Ending the schedule on its shortest tiles (longest-processing-time first over the last
-    waves) evens that out: measured on an H100 at the Flux shape, 3-5% at densities 0.5 and 0.25, 4-9% at 0.1
-    (benchmarks/results/kernel-variants-H100.txt (q)). Built once with a prebuilt mask (``compact_block_mask``);
-    ``width`` defaults to two waves (twice the SM count).
+
+@dataclass(frozen=True, eq=False)
+class TailSchedule:
+    """The end of this kernel's ticket order for one mask: the tiles of the last ``width`` tickets in
+    ``TAIL_BUCKETS`` buckets by kept blocks, most first, filled by the kernel that compacts the mask as it counts
+    each row (``attention.block_mask_to_index``, stage 1's mask kernel): no sort and no extra launch, so a
+    mask built per call gets it too.
+
+    Why: the atomic tickets hand tiles out head by head; with random row lengths the programs then finish up
+    to a tile's time apart. Ending the schedule on its shortest tiles (longest-processing-time first over the
+    last waves) evens that out. Measured on an H100 (kernel-variants-H100.txt): at the Flux shape the exact order
+    (a sort, prebuilt masks only) 3-5% faster at densities 0.5 and 0.25, 4-9% at 0.1 ((q)); these buckets on a
+    mask compacted per call 0.7-1.5% faster at 0.5, 1.7-2.8% at 0.25 and 0.1 ((v)). Against the sorted order on
+    prebuilt masks they are 0-0.3% slower at 0.1 but 1.5% (Flux) and 2.9% (Mochi) slower at 0.5 ((v)).
+
+    Attributes:
+        sizes: (TAIL_BUCKETS,) int32 tiles per bucket, zero until the compaction kernel runs.
+        tiles: (TAIL_BUCKETS, width) int32; bucket b holds its tiles in its first sizes[b] slots, as tickets
+            (``_tile_of``'s numbering), in no set order within a bucket (atomics; each tile's output is the
+            same whichever program computes it).
+        start: the first ticket of the tail, n_tiles - width.
     """
+
+    sizes: torch.Tensor
+    tiles: torch.Tensor
+    start: int
+
+    @property
+    def width(self) -> int:
+        return self.tiles.shape[1]
+
+
+def new_tail_schedule(shape: AttentionShape, device: torch.device, width: int | None = None,
+                      with_counter: bool = False) -> tuple[TailSchedule, torch.Tensor | None]:
+    """An empty :class:`TailSchedule` for a compaction kernel to fill. ``width`` defaults to two waves (twice
+    the SM count). With ``with_counter`` the same zeroed allocation also holds a ticket counter for one call
+    of :func:`hopper_block_sparse_attention` (one memset per call instead of two)."""
     n_tiles = shape.batch * shape.heads * shape.q_blocks
     if width is None:
-        width = 2 * (_sm_count(count.device) if count.is_cuda else 132)
+        width = 2 * (_sm_count(device) if device.type == "cuda" else 132)
     width = max(1, min(width, n_tiles))
-    start = n_tiles - width
-    ticket = torch.arange(start, n_tiles, device=count.device)
-    nq = shape.q_blocks
-    rows = (ticket // nq) * nq + (nq - 1 - ticket % nq)  # _tile_of's row of each tile
-    kept = count.reshape(-1)[rows].to(torch.int64)
-    order = torch.sort(-kept, stable=True).indices  # most kept first; stable: equal counts keep ticket order
-    return ticket[order].to(torch.int32).contiguous(), start
+    zeroed = torch.zeros(1 + TAIL_BUCKETS, device=device, dtype=torch.int32)
+    tiles = torch.empty(TAIL_BUCKETS, width, device=device, dtype=torch.int32)
+    return TailSchedule(zeroed[1:], tiles, n_tiles - width), (zeroed[:1] if with_counter else None)
+
+
+def tail_tickets(schedule: TailSchedule) -> list[int]:
+    """The tiles the tail's tickets take, in ticket order: the kernel's ``_ticket_tile`` restated on the host
+    (for tests)."""
+    sizes = schedule.sizes.cpu().tolist()
+    tiles = schedule.tiles.cpu()
+    return [t for bucket, size in enumerate(sizes) for t in tiles[bucket, :size].tolist()]
 
 
 def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                                   shape: AttentionShape, *, is_causal: bool, scale: float,
                                   index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                                  tail: tuple[torch.Tensor, int] | None = None) -> None:
+                                  tail: TailSchedule | None = None, ticket: torch.Tensor | None = None) -> None:
     """Write ``out_h`` (B, H, N, D views) = attention over the kept blocks of ``index`` (index, count, n_full
     from ``block_mask_to_index``), or over every visible block when ``index`` is None (the dense mode).
-    ``tail`` (from :func:`tail_order` on the same count) reorders the last tickets; the result is the same."""
+    ``tail`` (filled with the same index) reorders the last tickets; the result is the same. ``ticket``: a
+    zeroed int32 counter for this call (``new_tail_schedule(with_counter=True)``); by default one is made."""
     n_tiles = shape.batch * shape.heads * shape.q_blocks
+    if tail is not None and tail.start + tail.width != n_tiles:
+        raise ValueError(f"the tail schedule covers tickets {tail.start}..{tail.start + tail.width - 1}, this call "
+                         f"has {n_tiles} tiles: it was built for another shape")
     # A fresh zeroed counter per call (one small memset) rather than a cached one the kernel resets: safe under
     # CUDA-graph replay and for calls on concurrent streams.
-    ticket = torch.zeros(1, device=qh.device, dtype=torch.int32)
+    if ticket is None:
+        ticket = torch.zeros(1, device=qh.device, dtype=torch.int32)
     idx, count, n_full = index if index is not None else (ticket, ticket, ticket)  # the dense mode reads none
-    tail_tiles, tail_start = tail if (tail is not None and index is not None) else (ticket, n_tiles)
+    use_tail = tail is not None and index is not None
+    sizes, tiles, tail_start = (tail.sizes, tail.tiles, tail.start) if use_tail else (ticket, ticket, n_tiles)
     grid = (min(_sm_count(qh.device), n_tiles),)
     _hopper_attention_kernel[grid](
         _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
-        idx, count, n_full, ticket, tail_tiles, tail_start, scale * LOG2E, shape.heads,
+        idx, count, n_full, ticket, sizes, tiles, tail_start, scale * LOG2E, shape.heads,
         shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
-        USE_TAIL=tail is not None and index is not None, NUM_WARPS=NUM_WARPS, CONSUMER_REGS=CONSUMER_REGS,
+        USE_TAIL=use_tail, BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=NUM_WARPS, maxnreg=MAXNREG)

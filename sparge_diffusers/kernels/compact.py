@@ -9,13 +9,13 @@ FlexAttention's prebuilt ``BlockMask``) pay for it once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from ._inputs import AttentionShape, Backend, TensorLayout, check_attention_inputs, pick_backend
 from .attention import block_mask_to_index
-from .attention_hopper import tail_order
+from .attention_hopper import TailSchedule, new_tail_schedule
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,8 +29,8 @@ class CompactBlockMask:
         count: (B, H, nq) int32, kept blocks per row (blocks hidden by causal masking excluded).
         n_full: (B, H, nq) int32.
         batch, heads, q_len, kv_len, is_causal: the calls it is valid for.
-        tail: the Hopper kernel's schedule end, longest tiles first (``attention_hopper.tail_order``), built
-            once here for a CUDA mask; None elsewhere and for masks that stage 1 builds per call.
+        tail: the Hopper kernel's schedule end, longest tiles first (``attention_hopper.TailSchedule``), filled
+            with the walk for a CUDA mask; None elsewhere.
     """
 
     mask: torch.Tensor
@@ -42,7 +42,7 @@ class CompactBlockMask:
     q_len: int
     kv_len: int
     is_causal: bool
-    tail: tuple[torch.Tensor, int] | None = None
+    tail: TailSchedule | None = None
 
     @property
     def kernel_walk(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -98,19 +98,16 @@ def compact_block_mask(
     """
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
     check_block_mask(block_mask, shape, q.device)
-    walk = None
+    walk, tail = None, None
     if pick_backend(backend, q.device) == "triton":
-        walk = block_mask_to_index(block_mask, shape, is_causal)
-    compact = from_kernel_walk(block_mask, walk, shape, is_causal)
-    if walk is not None and q.is_cuda:
-        # worth its few small kernels only when built once: a per-call mask goes without it
-        compact = replace(compact, tail=tail_order(walk[1], shape))
-    return compact
+        tail = new_tail_schedule(shape, q.device)[0] if q.is_cuda else None
+        walk = block_mask_to_index(block_mask, shape, is_causal, tail=tail)
+    return from_kernel_walk(block_mask, walk, shape, is_causal, tail)
 
 
 def from_kernel_walk(mask: torch.Tensor, walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                     shape: AttentionShape, is_causal: bool) -> CompactBlockMask:
-    """Wrap a mask and a walk built elsewhere (stage 1 writes both in one kernel)."""
+                     shape: AttentionShape, is_causal: bool, tail: TailSchedule | None = None) -> CompactBlockMask:
+    """Wrap a mask and a walk built elsewhere (stage 1 writes both, and fills ``tail``, in one kernel)."""
     index, count, n_full = walk if walk is not None else (None, None, None)
     return CompactBlockMask(mask, index, count, n_full, shape.batch, shape.heads, shape.q_len, shape.kv_len,
-                            is_causal)
+                            is_causal, tail if walk is not None else None)

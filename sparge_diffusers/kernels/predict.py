@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
-from .attention import LOG2E, _key_block_flags
+from . import attention_hopper
+from .attention import LOG2E, _key_block_flags, _record_tail_tiles, tail_kernel_args
 
 _BITS_ABOVE_ONE = 0x3F800001  # int32 bit pattern of the float right after 1.0
 
@@ -78,11 +79,11 @@ def _compressed_scores_kernel(QMEAN, KMEAN, S, H, GROUP, NQ, NK, scale_log2,
 
 @triton.jit
 def _topcdf_block_mask_kernel(
-    SCORES, QSIM, KSIM, THETA, TAU, MASK, INDEX, COUNT, NFULL,
+    SCORES, QSIM, KSIM, THETA, TAU, MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width,
     H, GROUP, NQ, NK, KV_LEN,
     ROWS: tl.constexpr, NK_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    BITS_ABOVE_ONE: tl.constexpr,
+    BITS_ABOVE_ONE: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -136,8 +137,12 @@ def _topcdf_block_mask_kernel(
     position = tl.cumsum(kept, axis=1) - 1
     tl.store(INDEX + row_offset[:, None] + position, cols[None, :] + 0 * position, mask=keep)
     row_ids = pid_bh * NQ + rows
-    tl.store(COUNT + row_ids, tl.sum(kept, axis=1), mask=rvalid)
+    count = tl.sum(kept, axis=1)
+    tl.store(COUNT + row_ids, count, mask=rvalid)
     tl.store(NFULL + row_ids, tl.sum((keep & ~needs_masking).to(tl.int32), axis=1), mask=rvalid)
+    if RECORD_TAIL:
+        _record_tail_tiles(TAIL_SIZES, TAIL_TILES, tail_start, tail_width, pid_bh, rows, count, NQ, NK, rvalid,
+                           BUCKETS=BUCKETS)
 
 
 def block_statistics_triton(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,11 +178,13 @@ def compressed_scores_triton(q_means: torch.Tensor, k_means: torch.Tensor, shape
 def predict_block_mask_triton(
     qh: torch.Tensor, kh: torch.Tensor, shape: AttentionShape, *, is_causal: bool, scale: float,
     simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
+    tail: attention_hopper.TailSchedule | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Launch stage 1 on (B, H, N, D) views.
 
     Returns the (B, H, nq, nk) bool block mask and its compacted form (index, count, n_full) as
-    :func:`attention.block_mask_to_index` builds it, so the attention kernel needs no extra pass.
+    :func:`attention.block_mask_to_index` builds it, so the attention kernel needs no extra pass; fills
+    ``tail`` (an empty ``attention_hopper.new_tail_schedule``) as that function does.
     """
     q_means, q_sim = block_statistics_triton(qh, BLOCK_Q)
     k_means, k_sim = block_statistics_triton(kh, BLOCK_K)
@@ -192,10 +199,10 @@ def predict_block_mask_triton(
     rows = 1 if nk_pad >= 1024 else 4  # fastest on an H100 (benchmarks/predict_breakdown.py)
     grid = (triton.cdiv(nq, rows), shape.batch * shape.heads)
     _topcdf_block_mask_kernel[grid](
-        scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full,
+        scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
         shape.heads, group, nq, nk, shape.kv_len,
         ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
         BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
-        num_warps=4,
+        RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
     )
     return mask.view(torch.bool), (index, count, n_full)
