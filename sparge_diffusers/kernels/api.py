@@ -30,7 +30,6 @@ from ._inputs import (
 )
 from . import attention_hopper
 from .attention import block_mask_to_index, sparse_attention_triton
-from .attention_hopper import new_tail_schedule
 from .compact import CompactBlockMask, check_block_mask, from_kernel_walk
 from .predict import block_statistics_triton, predict_block_mask_triton
 from .reference import (
@@ -94,7 +93,8 @@ def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
                                             tensor_layout=tensor_layout)
         return from_kernel_walk(mask, None, shape, is_causal)
     check_kernel_dtype(q.dtype)
-    tail = new_tail_schedule(shape, q.device)[0] if q.is_cuda else None  # the Hopper kernel's tail order
+    # the Hopper kernel's tail order, filled by the same stage-1 kernel
+    tail = attention_hopper.new_tail_schedule(shape, q.device)[0] if q.is_cuda else None
     mask, walk = predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
                                            is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
                                            attention_sink=attention_sink, tail=tail)
@@ -204,7 +204,7 @@ def block_sparse_attention(
         if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=thr is not None):
             # the same compaction kernel fills the Hopper kernel's tail order; one zeroed allocation serves
             # its buckets and the kernel's ticket counter
-            tail, ticket = new_tail_schedule(shape, q.device, with_counter=True)
+            tail, ticket = attention_hopper.new_tail_schedule(shape, q.device, with_counter=True)
         index = block_mask_to_index(block_mask, shape, is_causal, tail=tail)
     pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
                                        pvthreshd=thr, return_counts=return_sparsity, tail=tail, ticket=ticket)
