@@ -430,3 +430,36 @@ def test_fused_index_equals_mask_to_index(causal):
         c = count[b, h, i]
         assert torch.equal(index[b, h, i, :c], ref_index[b, h, i, :c])
         assert torch.equal(index[b, h, i, :c].long(), torch.nonzero(mask[b, h, i]).flatten())
+
+
+@pytest.mark.parametrize("B,H,nq_len,nkv,causal,broadcast", [(2, 3, 1000, 777, False, False),
+                                                             (1, 2, 1100, 1100, True, True),
+                                                             (1, 1, 50, 50, True, False)])
+def test_block_mask_to_index_keeps_the_visible_blocks_in_order(B, H, nq_len, nkv, causal, broadcast):
+    """The compaction kernel (interpreter) against a restatement: the mask's visible kept blocks ascending,
+    their count, and n_full = the blocks needing no element masking (not the ragged last block, not a causal
+    diagonal block), which come first. The mask may broadcast over the batch."""
+    from sparge_diffusers.kernels import attention
+    from sparge_diffusers.kernels._inputs import causal_block_straddles, causal_block_visible, check_attention_inputs
+
+    shape = check_attention_inputs(torch.zeros(B, H, nq_len, 64), torch.zeros(B, H, nkv, 64), None,
+                                   tensor_layout="HND", is_causal=causal)
+    nq, nk = shape.q_blocks, shape.k_blocks
+    g = torch.Generator().manual_seed(nq_len)
+    mask = torch.rand(1 if broadcast else B, H, nq, nk, generator=g) < 0.4
+    index, count, n_full = attention.block_mask_to_index(mask, shape, causal)
+    visible = torch.ones(nq, nk, dtype=torch.bool)
+    needs_masking = torch.zeros(nq, nk, dtype=torch.bool)
+    needs_masking[:, -1] = nkv % BLOCK_K != 0
+    if causal:
+        visible = causal_block_visible(nq, nk, nkv, torch.device("cpu"))
+        needs_masking |= causal_block_straddles(nq, nk, nkv, torch.device("cpu"))
+    kept = mask.expand(B, H, nq, nk) & visible
+    assert torch.equal(count, kept.sum(-1).int())
+    assert torch.equal(n_full, (kept & ~needs_masking).sum(-1).int())
+    for b in range(B):
+        for h in range(H):
+            for i in range(nq):
+                blocks = index[b, h, i, :count[b, h, i]].long()
+                assert torch.equal(blocks, torch.nonzero(kept[b, h, i]).flatten())
+                assert not needs_masking[i, blocks[:n_full[b, h, i]]].any()
