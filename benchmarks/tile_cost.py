@@ -9,6 +9,12 @@ from the same run: cuDNN SDPA and our dense mode, and the HBM floor: the bytes o
 once, over the bandwidth of a device-to-device copy measured here. A kernel whose ``fixed`` is large next to
 ``per_block * c`` cannot reach 1/density at small c however fast its inner loop is.
 
+At c = 8 (``LAYOUT_C``) it also times two other layouts of the same count: ``shared`` (every query block of a
+head keeps the same c key blocks, so only c/nk of each head's K/V comes from HBM) and ``band`` (each query
+block keeps the c key blocks around its own position, a local window: every K/V block is touched, by
+neighbouring query blocks). Against the random layout they separate the cost of K/V traffic from the
+fixed costs.
+
 Usage: python benchmarks/tile_cost.py [--shapes flux,mochi] [--out benchmarks/results/tile-cost-H100.json]
 """
 
@@ -35,6 +41,35 @@ def exact_block_mask(B, H, nq, nk, c, device, seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     score = torch.rand(B, H, nq, nk, generator=g, device=device)
     return score >= score.topk(c, dim=-1).values[..., -1:]
+
+
+LAYOUT_C = 8
+
+
+def layout_block_masks(B, H, nq, nk, c, device, seed=1) -> dict[str, torch.Tensor]:
+    """(B, H, nq, nk) bool masks keeping exactly c key blocks in every query block: ``shared`` (one random set
+    per head, the same for every query block) and ``band`` (the c blocks around query block i's position
+    i * nk / nq, clamped into the row)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    score = torch.rand(B, H, 1, nk, generator=g, device=device)
+    shared = (score >= score.topk(c, dim=-1).values[..., -1:]).expand(B, H, nq, nk).contiguous()
+    first = (torch.arange(nq, device=device) * nk // nq - c // 2).clamp(0, nk - c)
+    cols = torch.arange(nk, device=device)
+    band = (cols[None, :] >= first[:, None]) & (cols[None, :] < first[:, None] + c)
+    return {"shared": shared, "band": band.expand(B, H, nq, nk).contiguous()}
+
+
+def time_mask(q, k, v, mask, shape, log, label):
+    """Fastest-round ms of ours (prebuilt CompactBlockMask) and compiled Flex (prebuilt BlockMask) on one mask."""
+    compact = compact_block_mask(mask, q, k)
+    fns = {"ours": lambda: block_sparse_attention(q, k, v, compact)}
+    try:
+        fns["flex"] = flex_fn(q, k, v, mask, False, shape)
+        fns["flex"]()  # compile outside the timed rounds
+    except Exception as e:  # report, never hide
+        log(f"  flex failed at {label}: {type(e).__name__}: {e}")
+    t, spread = bench_rounds(fns)
+    return t["ours"], t.get("flex", float("nan")), spread
 
 
 def copy_bandwidth(nbytes: int, device) -> float:
@@ -71,24 +106,22 @@ def run_shape(w, device, log):
            "hbm_floor_ms": floor_ms, "rows": []}
     cs = sorted({1, 2, 4, 8, 16, nk // 4 * 2, nk})  # nk // 4 * 2: about half the blocks, an even count
     for c in cs:
-        mask = exact_block_mask(B, H, nq, nk, c, device)
-        compact = compact_block_mask(mask, q, k)
-        fns = {"ours": lambda: block_sparse_attention(q, k, v, compact)}
-        try:
-            fns["flex"] = flex_fn(q, k, v, mask, False, shape)
-            fns["flex"]()  # compile outside the timed rounds
-        except Exception as e:  # report, never hide
-            log(f"  flex failed at c={c}: {type(e).__name__}: {e}")
-        tc, spread = bench_rounds(fns)
-        res["rows"].append({"c": c, "density": c / nk, "ours_ms": tc["ours"], "flex_ms": tc.get("flex", float("nan")),
-                            "round_spread": spread})
-        log(f"{w.name} c={c}: ours {tc['ours'] * 1e3:.1f} us, flex {tc.get('flex', float('nan')) * 1e3:.1f} us")
+        ours, flex, spread = time_mask(q, k, v, exact_block_mask(B, H, nq, nk, c, device), shape, log, f"c={c}")
+        res["rows"].append({"c": c, "density": c / nk, "ours_ms": ours, "flex_ms": flex, "round_spread": spread})
+        log(f"{w.name} c={c}: ours {ours * 1e3:.1f} us, flex {flex * 1e3:.1f} us")
+    res["layouts"] = []
+    if LAYOUT_C < nk:
+        for layout, mask in layout_block_masks(B, H, nq, nk, LAYOUT_C, device).items():
+            ours, flex, spread = time_mask(q, k, v, mask, shape, log, layout)
+            res["layouts"].append({"layout": layout, "c": LAYOUT_C, "density": LAYOUT_C / nk, "ours_ms": ours,
+                                   "flex_ms": flex, "round_spread": spread})
+            log(f"{w.name} {layout} c={LAYOUT_C}: ours {ours * 1e3:.1f} us, flex {flex * 1e3:.1f} us")
     even = [r for r in res["rows"] if r["c"] % 2 == 0]
     for method in ("ours", "flex"):
         fixed, per_block = fit_line([r["c"] for r in even], [r[f"{method}_ms"] for r in even])
         res[f"{method}_fit"] = {"fixed_ms": fixed, "per_block_ms": per_block}
     dense = {"ours": t["ours_dense"], "flex": res["rows"][-1]["flex_ms"]}  # Flex keeping every block
-    for r in res["rows"]:
+    for r in res["rows"] + res["layouts"]:
         for method in ("ours", "flex"):
             r[f"{method}_x_ideal"] = dense[method] / r[f"{method}_ms"] * r["density"]
     del q, k, v
@@ -111,6 +144,14 @@ def format_table(results) -> str:
         for row in r["rows"]:
             lines.append(f"{row['c']:4d} {row['density']:8.3f} {row['ours_ms'] * 1e3:8.1f} {row['flex_ms'] * 1e3:8.1f} "
                          f"{row['flex_ms'] / row['ours_ms']:9.2f} {row['ours_x_ideal']:9.2f} {row['flex_x_ideal']:9.2f}")
+        if r["layouts"]:
+            lines += [f"c = {r['layouts'][0]['c']} by layout (random: the row above; shared: the same blocks for "
+                      "every query block of a head; band: a local window)",
+                      f"{'layout':>8} {'ours us':>8} {'flex us':>8} {'flex/ours':>9} {'ours x/id':>9} {'flex x/id':>9}"]
+            for row in r["layouts"]:
+                lines.append(f"{row['layout']:>8} {row['ours_ms'] * 1e3:8.1f} {row['flex_ms'] * 1e3:8.1f} "
+                             f"{row['flex_ms'] / row['ours_ms']:9.2f} {row['ours_x_ideal']:9.2f} "
+                             f"{row['flex_x_ideal']:9.2f}")
         for method in ("ours", "flex"):
             f = r[f"{method}_fit"]
             lines.append(f"{method:5} fit over even c: fixed {f['fixed_ms'] * 1e3:.1f} us + {f['per_block_ms'] * 1e3:.2f} us "

@@ -21,3 +21,21 @@ def test_fit_line_recovers_fixed_and_per_block_cost():
     cs = [2, 4, 8, 16, 36, 72]
     fixed, per_block = tile_cost.fit_line(cs, [0.023 + 0.00623 * c for c in cs])
     assert fixed == pytest.approx(0.023) and per_block == pytest.approx(0.00623)
+
+
+@pytest.mark.parametrize("nq,nk,c", [(36, 72, 8), (5, 6, 4), (7, 7, 1)])
+def test_layout_masks_keep_c_blocks_shared_per_head_or_around_the_diagonal(nq, nk, c):
+    masks = tile_cost.layout_block_masks(2, 3, nq, nk, c, "cpu")
+    for mask in masks.values():
+        assert mask.dtype == torch.bool and mask.shape == (2, 3, nq, nk)
+        assert (mask.sum(-1) == c).all()
+    shared = masks["shared"]
+    assert (shared == shared[:, :, :1]).all()  # one set of blocks per head
+    assert len({tuple(row.tolist()) for row in shared[:, :, 0].reshape(6, nk)}) > 1  # drawn per head
+    band = masks["band"]
+    cols = torch.arange(nk)
+    for i in range(nq):
+        kept = cols[band[0, 0, i]]
+        assert kept.max() - kept.min() == c - 1  # contiguous
+        assert kept.min() <= i * nk // nq <= kept.max() or kept.min() in (0, nk - c)  # around its position
+    assert (band == band[:1, :1]).all()
