@@ -29,6 +29,20 @@ def test_forcing_the_hopper_kernel_where_it_cannot_run_raises(monkeypatch):
         attention_hopper.usable(q, q, q, q, shape, pv_test=False)
 
 
+def test_a_compacted_mask_carries_a_tail_schedule_only_where_the_hopper_kernel_can_run(monkeypatch):
+    from sparge_diffusers import compact_block_mask
+
+    q = torch.zeros(1, 2, 300, 64, dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    mask = torch.rand(1, 2, shape.q_blocks, shape.k_blocks, generator=torch.Generator().manual_seed(0)) < 0.5
+    assert not attention_hopper.runs_on(q.device)
+    assert compact_block_mask(mask, q, q, backend="triton").tail is None
+    monkeypatch.setattr(attention_hopper, "_why_not_on", lambda device: None)  # as on an sm90 GPU
+    assert attention_hopper.runs_on(q.device)
+    tail = compact_block_mask(mask, q, q, backend="triton").tail
+    assert tail is not None and sorted(attention_hopper.tail_tickets(tail)) == list(range(tail.start, 2 * shape.q_blocks))
+
+
 def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False) -> None:
     """Compile the kernel for sm90 without a GPU; run in a process without TRITON_INTERPRET (under the
     interpreter, gluon.jit makes functions that cannot be compiled)."""

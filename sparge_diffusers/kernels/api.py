@@ -94,7 +94,7 @@ def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
         return from_kernel_walk(mask, None, shape, is_causal)
     check_kernel_dtype(q.dtype)
     # the Hopper kernel's tail order, filled by the same stage-1 kernel
-    tail = attention_hopper.new_tail_schedule(shape, q.device)[0] if q.is_cuda else None
+    tail = attention_hopper.new_tail_schedule(shape, q.device)[0] if attention_hopper.runs_on(q.device) else None
     mask, walk = predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
                                            is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
                                            attention_sink=attention_sink, tail=tail)
@@ -200,14 +200,16 @@ def block_sparse_attention(
     out_h = to_hnd(out, tensor_layout)
     index = compact.kernel_walk if compact is not None else None
     tail, ticket = (compact.tail if compact is not None else None), None
+    on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=thr is not None, dense=block_mask is None)
     if index is None and block_mask is not None:
-        if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=thr is not None):
+        if on_hopper:
             # the same compaction kernel fills the Hopper kernel's tail order; one zeroed allocation serves
             # its buckets and the kernel's ticket counter
             tail, ticket = attention_hopper.new_tail_schedule(shape, q.device, with_counter=True)
         index = block_mask_to_index(block_mask, shape, is_causal, tail=tail)
     pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
-                                       pvthreshd=thr, return_counts=return_sparsity, tail=tail, ticket=ticket)
+                                       pvthreshd=thr, return_counts=return_sparsity, tail=tail, ticket=ticket,
+                                       on_hopper=on_hopper)
     if not return_sparsity:
         return out
     if index is not None:

@@ -368,7 +368,7 @@ def sparse_attention_triton(
     qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, *,
     is_causal: bool, scale: float, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     pvthreshd: torch.Tensor | None, return_counts: bool, tail: attention_hopper.TailSchedule | None = None,
-    ticket: torch.Tensor | None = None,
+    ticket: torch.Tensor | None = None, on_hopper: bool | None = None,
 ) -> torch.Tensor | None:
     """Launch the attention kernel on (B, H, N, D) views, writing ``out_h``.
 
@@ -379,9 +379,13 @@ def sparse_attention_triton(
     On an H100-class GPU (sm90) at head dim 64 or 128 without the stage-2 test, the call goes to the warp-
     specialised Gluon kernel of ``attention_hopper`` (see its ``usable`` for the exact rule); ``tail`` (filled
     with this index) then reorders the end of its schedule, and ``ticket`` (zeroed, from the same allocation)
-    saves it a memset. The Triton kernel reads neither.
+    saves it a memset. The Triton kernel reads neither. ``on_hopper``: that rule's answer if the caller already
+    has it (None: decided here).
     """
-    if attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None, dense=index is None):
+    if on_hopper is None:
+        on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None,
+                                            dense=index is None)
+    if on_hopper:
         attention_hopper.hopper_block_sparse_attention(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale,
                                                        index=index, tail=tail, ticket=ticket)
         return None

@@ -14,8 +14,10 @@ product is computed), arranged the way FlashAttention-3 arranges dense attention
   the online softmax in registers, the output written through shared memory by an asynchronous TMA
   store. As separate partitions they synchronise only through the stage barriers, so one warpgroup's
   softmax runs while the other's products hold the tensor cores (FA3's "ping-pong", here left to the warp
-  scheduler instead of enforced by named barriers). Against one 8-warp consumer partition, whose two
-  warpgroups ran in lockstep: Mochi dense 47.3 -> 40.0 ms, Flux 0.534 -> 0.475 ms, CogVideoX 12.7 -> 11.2.
+  scheduler). Against one 8-warp consumer partition, whose two warpgroups ran in lockstep: Mochi dense
+  47.3 -> 40.0 ms, Flux 0.534 -> 0.475 ms, CogVideoX 12.7 -> 11.2. Enforcing FA3's turns (two mbarriers,
+  with or without FA3's order of P.V(p-1) issued with QK^T(p)) measured slower everywhere: Flux dense
+  +5% / +16%, Llama-32K dense +10% / +12% (kernel-variants (x)).
 
 Measured against the Triton kernel on an H100 (benchmarks/results/kernel-variants-H100.txt (m), (n)):
 faster dense and at every density at D = 128, faster on masks at D = 64, where the Triton kernel's dense
@@ -137,6 +139,16 @@ if GLUON_IMPORT_ERROR is None:
         l_i = l_i * alpha + gl.sum(probs, axis=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
         return probs, m_new, l_i, acc
+
+    @gluon.jit
+    def _mask_scores(qk, cols, cols_kept, q_rows, IS_CAUSAL: gl.constexpr):
+        """Scores with -inf where a key column is not kept (``cols_kept`` False: past the keys, or the masked
+        copy of an odd last block) or, under causal masking, lies after the query row. cols: the stage's key
+        positions, q_rows: the consumer's query positions (in the layouts of qk's columns and rows)."""
+        visible = gl.expand_dims(cols_kept, 0)
+        if IS_CAUSAL:
+            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(q_rows, 1))
+        return gl.where(visible, qk, float("-inf"))
 
     @gluon.jit
     def _stage_blocks(INDEX, row, NK, p, count, USE_INDEX: gl.constexpr):
@@ -320,11 +332,8 @@ if GLUON_IMPORT_ERROR is None:
                     # a stage holding the ragged last block, a causal diagonal block or a repeated odd block
                     j0, j1 = _stage_blocks(INDEX, row, NK, p, count, USE_INDEX)
                     cols = gl.where(first_half, j0 * BLOCK_K, j1 * BLOCK_K - BLOCK_K) + offs_n
-                    visible = gl.expand_dims((cols < kv_len) & (first_half | (2 * p + 1 < count)), 0)
-                    if IS_CAUSAL:
-                        q_rows = (2 * m + HALF) * BLOCK_M + offs_r
-                        visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(q_rows, 1))
-                    qk = gl.where(visible, qk, float("-inf"))
+                    qk = _mask_scores(qk, cols, (cols < kv_len) & (first_half | (2 * p + 1 < count)),
+                                      (2 * m + HALF) * BLOCK_M + offs_r, IS_CAUSAL)
                 probs, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, qk_scale, rows_o)
                 acc = warpgroup_mma(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs.index(s), acc,
                                     is_async=True)
@@ -344,11 +353,7 @@ if GLUON_IMPORT_ERROR is None:
                                        is_async=True)
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
                     cols = j0 * BLOCK_K + offs_h
-                    visible = gl.expand_dims(cols < kv_len, 0)
-                    if IS_CAUSAL:
-                        q_rows = (2 * m + HALF) * BLOCK_M + offs_rh
-                        visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(q_rows, 1))
-                    qk = gl.where(visible, qk, float("-inf"))
+                    qk = _mask_scores(qk, cols, cols < kv_len, (2 * m + HALF) * BLOCK_M + offs_rh, IS_CAUSAL)
                     probs, m_h, l_h, acc = _softmax_step(qk, gl.convert_layout(m_i, rows_h),
                                                          gl.convert_layout(l_i, rows_h), acc, qk_scale, rows_o)
                     m_i = gl.convert_layout(m_h, rows_s)
@@ -435,12 +440,9 @@ def why_not_usable(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: 
     stage-2 test, bf16/fp16, and TMA-compatible (B, H, N, D) views: unit stride along D, 16-byte aligned
     base and other strides (true of contiguous tensors in either layout).
     """
-    if GLUON_IMPORT_ERROR is not None:
-        return f"Gluon unavailable ({GLUON_IMPORT_ERROR})"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "TRITON_INTERPRET is set (Gluon kernels do not run in the interpreter)"
-    if not qh.is_cuda or torch.cuda.get_device_capability(qh.device) != (9, 0):
-        return "needs an sm90 (Hopper) GPU"
+    reason = _why_not_on(qh.device)
+    if reason is not None:
+        return reason
     if pv_test:
         return "the stage-2 test runs in the Triton kernel"
     if shape.head_dim not in HEAD_DIMS:
@@ -452,6 +454,23 @@ def why_not_usable(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: 
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):
             return "a view that TMA cannot address (unit D stride and 16-byte alignment needed)"
     return None
+
+
+def _why_not_on(device: torch.device) -> str | None:
+    if GLUON_IMPORT_ERROR is not None:
+        return f"Gluon unavailable ({GLUON_IMPORT_ERROR})"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set (Gluon kernels do not run in the interpreter)"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "needs an sm90 (Hopper) GPU"
+    return None
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether this kernel can run on ``device`` at all (Gluon, an sm90 GPU, no interpreter): the callers that
+    compact a mask fill a :class:`TailSchedule` only then (elsewhere it would be a memset and atomics that no
+    kernel reads)."""
+    return _why_not_on(device) is None
 
 
 def prefer_triton(shape: AttentionShape, dense: bool) -> bool:
