@@ -40,7 +40,8 @@ def test_a_compacted_mask_carries_a_tail_schedule_only_where_the_hopper_kernel_c
     monkeypatch.setattr(attention_hopper, "_why_not_on", lambda device: None)  # as on an sm90 GPU
     assert attention_hopper.runs_on(q.device)
     tail = compact_block_mask(mask, q, q, backend="triton").tail
-    assert tail is not None and sorted(attention_hopper.tail_tickets(tail)) == list(range(tail.start, 2 * shape.q_blocks))
+    assert tail is not None
+    assert sorted(attention_hopper.tail_tickets(tail)) == list(range(tail.start, 2 * shape.q_blocks))
 
 
 def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False) -> None:

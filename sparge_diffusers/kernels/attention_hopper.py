@@ -457,6 +457,7 @@ def why_not_usable(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: 
 
 
 def _why_not_on(device: torch.device) -> str | None:
+    """The device-level part of ``why_not_usable``: None where this kernel can run at all."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon unavailable ({GLUON_IMPORT_ERROR})"
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
