@@ -15,6 +15,13 @@ block keeps the c key blocks around its own position, a local window: every K/V 
 neighbouring query blocks). Against the random layout they separate the cost of K/V traffic from the
 fixed costs.
 
+Beside each c it times dense attention on the equal-work problem (``equal_work_shape``): the same query rows
+and head dim, each row attending to 64 c keys, so the same FLOPs, the same bytes of Q and O and, at the HBM
+floor, of K and V, and the same tiles of 128 rows by c / 2 stages of 128 keys as our kernel's walk of a random
+c-block mask, but with contiguous keys and no mask. cuDNN SDPA's and our dense mode's x/ideal there (against
+their own times on the full shape, ideal = the FLOP ratio) say how much of 1/density dense kernels keep when a
+tile holds only c / 2 stages: a bound that has nothing to do with the mask.
+
 Usage: python benchmarks/tile_cost.py [--shapes flux,mochi] [--out benchmarks/results/tile-cost-H100.json]
 """
 
@@ -72,6 +79,24 @@ def time_mask(q, k, v, mask, shape, log, label):
     return t["ours"], t.get("flex", float("nan")), spread
 
 
+def equal_work_shape(B, H, N, c) -> tuple[int, int]:
+    """(heads, keys) of the dense problem doing the work of a c-block walk at (B, H, N): N' = 64 c keys per
+    query row and (about) the same B * H * N query rows, in one batch of H' = B * H * N / N' heads."""
+    keys = 64 * c
+    return max(1, round(B * H * N / keys)), keys
+
+
+def time_equal_work(B, H, N, D, c, device):
+    """Fastest-round ms of cuDNN SDPA and our dense mode on ``equal_work_shape`` (as many K/V heads as query
+    heads: the shapes run here have no GQA) and the FLOP ratio to the full (B, H, N) problem."""
+    heads, keys = equal_work_shape(B, H, N, c)
+    g = torch.Generator(device=device).manual_seed(2)
+    q, k, v = (torch.randn(1, heads, keys, D, device=device, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    t, _ = bench_rounds({"cudnn": sdpa_fn(q, k, v, False, "cudnn"),
+                         "ours": lambda: block_sparse_attention(q, k, v, None)})
+    return t["cudnn"], t["ours"], heads * keys * keys / (B * H * N * N), heads, keys
+
+
 def copy_bandwidth(nbytes: int, device) -> float:
     """Bytes per second of a device-to-device copy of ``nbytes`` (read + write counted)."""
     src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
@@ -107,8 +132,14 @@ def run_shape(w, device, log):
     cs = sorted({1, 2, 4, 8, 16, nk // 4 * 2, nk})  # nk // 4 * 2: about half the blocks, an even count
     for c in cs:
         ours, flex, spread = time_mask(q, k, v, exact_block_mask(B, H, nq, nk, c, device), shape, log, f"c={c}")
-        res["rows"].append({"c": c, "density": c / nk, "ours_ms": ours, "flex_ms": flex, "round_spread": spread})
-        log(f"{w.name} c={c}: ours {ours * 1e3:.1f} us, flex {flex * 1e3:.1f} us")
+        eq_cudnn, eq_ours, eq_flops, eq_heads, eq_keys = time_equal_work(B, H, N, D, c, device)
+        res["rows"].append({"c": c, "density": c / nk, "ours_ms": ours, "flex_ms": flex, "round_spread": spread,
+                            "equal_work": {"heads": eq_heads, "keys": eq_keys, "flop_ratio": eq_flops,
+                                           "cudnn_ms": eq_cudnn, "ours_dense_ms": eq_ours,
+                                           "cudnn_x_ideal": t["cudnn"] / eq_cudnn * eq_flops,
+                                           "ours_dense_x_ideal": t["ours_dense"] / eq_ours * eq_flops}})
+        log(f"{w.name} c={c}: ours {ours * 1e3:.1f} us, flex {flex * 1e3:.1f} us; equal work (H={eq_heads}, "
+            f"N={eq_keys}) cuDNN {eq_cudnn * 1e3:.1f} us, ours dense {eq_ours * 1e3:.1f} us")
     res["layouts"] = []
     if LAYOUT_C < nk:
         for layout, mask in layout_block_masks(B, H, nq, nk, LAYOUT_C, device).items():
@@ -134,16 +165,24 @@ def format_table(results) -> str:
              "each time the fastest of 3 interleaved rounds of medians over CUDA-graph replays (benchmarks/attention.py's",
              "timer); c = kept key blocks (64 keys) per query block (128 rows), at random positions; ours given a prebuilt",
              "CompactBlockMask, Flex a prebuilt BlockMask of the same mask; x/ideal = (that method's dense ms / ms) x density,",
-             "Flex's dense = Flex keeping every block."]
+             "Flex's dense = Flex keeping every block. eq: dense attention on the equal-work problem (H' heads of",
+             "N' = 64 c keys, the same query rows: same FLOPs, bytes and tiles, no mask), x/ideal against the method's",
+             "own time on the full shape with ideal = the FLOP ratio."]
     for name, r in results["shapes"].items():
         s = r["shape"]
         lines += ["", f"{name} (B={s['B']}, H={s['H']}, N={s['N']}, D={s['D']}; {s['q_blocks']} x {s['k_blocks']} blocks): "
                   f"cuDNN {r['cudnn_ms']:.3f} ms, ours dense {r['ours_dense_ms']:.3f} ms; HBM floor {r['hbm_floor_ms']:.3f} ms "
                   f"(Q, K, V, O once at {r['copy_TBps']:.2f} TB/s copy bandwidth)",
-                  f"{'c':>4} {'density':>8} {'ours us':>8} {'flex us':>8} {'flex/ours':>9} {'ours x/id':>9} {'flex x/id':>9}"]
+                  f"{'c':>4} {'density':>8} {'ours us':>8} {'flex us':>8} {'flex/ours':>9} {'ours x/id':>9} "
+                  f"{'flex x/id':>9} | {'eq H x N':>11} {'cuDNN us':>8} {'dense us':>8} {'cuDNN x/id':>10} "
+                  f"{'dense x/id':>10}"]
         for row in r["rows"]:
+            eq = row["equal_work"]
             lines.append(f"{row['c']:4d} {row['density']:8.3f} {row['ours_ms'] * 1e3:8.1f} {row['flex_ms'] * 1e3:8.1f} "
-                         f"{row['flex_ms'] / row['ours_ms']:9.2f} {row['ours_x_ideal']:9.2f} {row['flex_x_ideal']:9.2f}")
+                         f"{row['flex_ms'] / row['ours_ms']:9.2f} {row['ours_x_ideal']:9.2f} {row['flex_x_ideal']:9.2f}"
+                         f" | {eq['heads']:>5} x {eq['keys']:<5d} {eq['cudnn_ms'] * 1e3:8.1f} "
+                         f"{eq['ours_dense_ms'] * 1e3:8.1f} {eq['cudnn_x_ideal']:10.2f} "
+                         f"{eq['ours_dense_x_ideal']:10.2f}")
         if r["layouts"]:
             lines += [f"c = {r['layouts'][0]['c']} by layout (random: the row above; shared: the same blocks for "
                       "every query block of a head; band: a local window)",

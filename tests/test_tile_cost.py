@@ -39,3 +39,13 @@ def test_layout_masks_keep_c_blocks_shared_per_head_or_around_the_diagonal(nq, n
         assert kept.max() - kept.min() == c - 1  # contiguous
         assert kept.min() <= i * nk // nq <= kept.max()  # around its own position, clamped into the row
     assert (band == band[:1, :1]).all()
+
+
+@pytest.mark.parametrize("B,H,N,c,expected", [(1, 24, 4608, 8, (216, 512)), (1, 24, 4608, 16, (108, 1024)),
+                                              (1, 24, 4608, 72, (24, 4608)), (2, 30, 17776, 8, (2083, 512))])
+def test_equal_work_shape_keeps_the_query_rows_and_gives_each_row_64_c_keys(B, H, N, c, expected):
+    heads, keys = tile_cost.equal_work_shape(B, H, N, c)
+    assert (heads, keys) == expected
+    assert heads * keys == pytest.approx(B * H * N, rel=1e-3)  # the same query rows, Q and O bytes
+    # the same FLOPs as the c-block walk: heads * keys^2 against B * H * N * (64 c)
+    assert heads * keys * keys == pytest.approx(B * H * N * 64 * c, rel=1e-3)
