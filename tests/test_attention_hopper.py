@@ -42,6 +42,27 @@ def test_a_compacted_mask_carries_a_tail_schedule_only_where_the_hopper_kernel_c
     tail = compact_block_mask(mask, q, q, backend="triton").tail
     assert tail is not None
     assert sorted(attention_hopper.tail_tickets(tail)) == list(range(tail.start, 2 * shape.q_blocks))
+    # a head dim this kernel does not take: the Triton kernel runs the call and reads no schedule
+    q96 = torch.zeros(1, 2, 300, 96, dtype=torch.bfloat16)
+    assert compact_block_mask(mask, q96, q96, backend="triton").tail is None
+
+
+def test_stage_1_fills_a_tail_schedule_only_where_the_hopper_kernel_can_run(monkeypatch):
+    from sparge_diffusers.kernels import api
+
+    g = torch.Generator().manual_seed(1)
+
+    def predict(d):
+        q = torch.randn(1, 2, 300, d, generator=g).to(torch.bfloat16)
+        return api._predict(q, q, is_causal=False, scale=None, simthreshd1=0.6, cdfthreshd=0.98,
+                            attention_sink=False, tensor_layout="HND", backend="triton")
+
+    assert predict(64).tail is None
+    monkeypatch.setattr(attention_hopper, "_why_not_on", lambda device: None)  # as on an sm90 GPU
+    tail = predict(64).tail
+    assert tail is not None
+    assert sorted(attention_hopper.tail_tickets(tail)) == list(range(tail.start, 2 * 3))  # 2 heads x 3 q blocks
+    assert predict(96).tail is None  # a head dim the Hopper kernel does not take
 
 
 def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False) -> None:

@@ -94,7 +94,8 @@ def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
         return from_kernel_walk(mask, None, shape, is_causal)
     check_kernel_dtype(q.dtype)
     # the Hopper kernel's tail order, filled by the same stage-1 kernel
-    tail = attention_hopper.new_tail_schedule(shape, q.device)[0] if attention_hopper.runs_on(q.device) else None
+    tail = (attention_hopper.new_tail_schedule(shape, q.device)[0]
+            if attention_hopper.wants_tail_schedule(shape, q.device) else None)
     mask, walk = predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
                                            is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
                                            attention_sink=attention_sink, tail=tail)

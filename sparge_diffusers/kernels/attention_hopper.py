@@ -468,10 +468,15 @@ def _why_not_on(device: torch.device) -> str | None:
 
 
 def runs_on(device: torch.device) -> bool:
-    """Whether this kernel can run on ``device`` at all (Gluon, an sm90 GPU, no interpreter): the callers that
-    compact a mask fill a :class:`TailSchedule` only then (elsewhere it would be a memset and atomics that no
-    kernel reads)."""
+    """Whether this kernel can run on ``device`` at all: Gluon importable, an sm90 GPU, no interpreter."""
     return _why_not_on(device) is None
+
+
+def wants_tail_schedule(shape: AttentionShape, device: torch.device) -> bool:
+    """Whether a mask compacted for ``shape`` on ``device`` should carry a :class:`TailSchedule`: only where this
+    kernel can run it (``runs_on`` and a head dim it takes); elsewhere filling one would be a memset and one
+    atomic per tail row that no kernel reads."""
+    return shape.head_dim in HEAD_DIMS and runs_on(device)
 
 
 def prefer_triton(shape: AttentionShape, dense: bool) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from ._inputs import AttentionShape, Backend, TensorLayout, check_attention_inputs, pick_backend
 from .attention import block_mask_to_index
-from .attention_hopper import TailSchedule, new_tail_schedule, runs_on
+from .attention_hopper import TailSchedule, new_tail_schedule, wants_tail_schedule
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +100,7 @@ def compact_block_mask(
     check_block_mask(block_mask, shape, q.device)
     walk, tail = None, None
     if pick_backend(backend, q.device) == "triton":
-        tail = new_tail_schedule(shape, q.device)[0] if runs_on(q.device) else None
+        tail = new_tail_schedule(shape, q.device)[0] if wants_tail_schedule(shape, q.device) else None
         walk = block_mask_to_index(block_mask, shape, is_causal, tail=tail)
     return from_kernel_walk(block_mask, walk, shape, is_causal, tail)
 
