@@ -1,59 +1,99 @@
-"""Time each launch of stage 1 (block statistics, compressed scores, TopCdf) separately.
+"""Time stage 1 (predict_block_mask) as a whole and launch by launch, with the launch settings it picks and
+their neighbours, on the structured inputs of ``sparge_diffusers.workloads.FULL``.
 
-Usage: python benchmarks/predict_breakdown.py  (prints one line per shape and part)
+Parts: ``api`` = predict_block_mask (input checks, allocations, the Hopper kernel's tail schedule included);
+``stats_q`` / ``stats_k`` = block means and self-similarities of Q (128-row blocks) and K (64-row blocks);
+``scores`` = the compressed scores; ``topcdf`` = TopCdf, the forced rows and columns and the compacted walk.
+Each with ``@w<warps>`` or ``@r<rows>w<warps>`` is the same launch with other settings (the defaults carry a
+``*``). Timing as in benchmarks/attention.py: medians over CUDA-graph replays, fastest of 3 interleaved rounds.
+
+Usage: python benchmarks/predict_breakdown.py [--shapes flux,mochi]
+       [--out benchmarks/results/predict-breakdown-H100.json]
 """
 
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
 import torch
-import triton
-import triton.testing
 
-from sparge_diffusers import predict_block_mask
-from sparge_diffusers.kernels import predict as P
-from sparge_diffusers.kernels._inputs import BLOCK_K, BLOCK_Q, check_attention_inputs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import save_report  # noqa: E402
+import attention  # noqa: E402
+
+from sparge_diffusers import predict_block_mask  # noqa: E402
+from sparge_diffusers.kernels import predict as P  # noqa: E402
+from sparge_diffusers.kernels._inputs import BLOCK_K, BLOCK_Q, check_attention_inputs, resolve_scale  # noqa: E402
+from sparge_diffusers.workloads import FULL  # noqa: E402
+
+STATS_WARPS = (2, 4)  # the launcher's default: 2
+TOPCDF_SETTINGS = ((1, 4), (2, 4), (4, 4), (4, 8))  # (rows, warps); default: 1 at nk >= 1024, else 4
+GRAPH_REP_MS = 20  # each part takes 0.005-0.2 ms: a 20 ms graph still holds 100+ calls
 
 
-def bench(fn):
-    return triton.testing.do_bench(fn, return_mode="median")
+def bench_rounds(fns: dict, rounds: int = attention.ROUNDS) -> tuple[dict, dict]:
+    """attention.bench_rounds with shorter graphs: capturing 100 ms of 10-us launches took ~2 s per part."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(attention.bench(fn, graph_rep_ms=GRAPH_REP_MS, name=name))
+    return ({name: min(t) for name, t in times.items()},
+            {name: max(t) / min(t) - 1 for name, t in times.items()})
 
 
-for name, (B, H, HK, N, D, causal) in {"cogvideox": (2, 30, 30, 17776, 64, False),
-                                        "mochi": (1, 24, 24, 44776, 128, False),
-                                        "llama32k": (1, 32, 8, 32768, 128, True)}.items():
-    q = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16) + 1
+def stage_one_parts(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[dict, str, str]:
+    """The callables to time, and the names of the default stats and TopCdf settings."""
     shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=causal)
-    nq, nk = shape.q_blocks, shape.k_blocks
-    qm, qs = P.block_statistics_triton(q, BLOCK_Q)
-    km, ks = P.block_statistics_triton(k, BLOCK_K)
-    scores = torch.empty(B, H, nq, nk, device="cuda")
-    theta = torch.full((H,), 0.6, device="cuda")
-    tau = torch.full((H,), 0.98, device="cuda")
-    parts = {
-        "total": lambda: predict_block_mask(q, k, is_causal=causal),
-        "stats_q": lambda: P.block_statistics_triton(q, BLOCK_Q),
-        "stats_k": lambda: P.block_statistics_triton(k, BLOCK_K),
-        "matmul_torch": lambda: torch.matmul(qm, km.repeat_interleave(H // HK, 1).transpose(-1, -2)),
-    }
-    for prec in ("ieee", "tf32"):
-        for tile in (32, 64):
-            def scores_fn(prec=prec, tile=tile):
-                P._compressed_scores_kernel[(triton.cdiv(nq, tile), triton.cdiv(nk, tile), B * H)](
-                    qm, km, scores, H, H // HK, nq, nk, 0.1, HEAD_DIM=D, D_PAD=D, TILE=tile, PRECISION=prec,
-                    num_warps=4)
-            parts[f"scores_{prec}_{tile}"] = scores_fn
-    nk_pad = max(triton.next_power_of_2(nk), 16)
-    for rows in (1, 4, 16):
-        for warps in (4, 8):
-            mask = torch.empty(B, H, nq, nk, device="cuda", dtype=torch.int8)
-            index = torch.empty(B, H, nq, nk, device="cuda", dtype=torch.int32)
-            count = torch.empty(B, H, nq, device="cuda", dtype=torch.int32)
-            nfull = torch.empty_like(count)
+    scale = resolve_scale(None, shape.head_dim)
+    theta = torch.full((shape.heads,), 0.6, device=q.device)
+    tau = torch.full((shape.heads,), 0.98, device=q.device)
+    q_means, q_sim = P.block_statistics_triton(q, BLOCK_Q)
+    k_means, k_sim = P.block_statistics_triton(k, BLOCK_K)
+    scores = P.compressed_scores_triton(q_means, k_means, shape, scale)
+    parts = {"api": lambda: predict_block_mask(q, k, is_causal=causal)}
+    for w in STATS_WARPS:
+        parts[f"stats_q@w{w}"] = lambda w=w: P.block_statistics_triton(q, BLOCK_Q, num_warps=w)
+        parts[f"stats_k@w{w}"] = lambda w=w: P.block_statistics_triton(k, BLOCK_K, num_warps=w)
+    parts["scores"] = lambda: P.compressed_scores_triton(q_means, k_means, shape, scale)
+    nk_pad = max(1 << (shape.k_blocks - 1).bit_length(), 16)
+    for rows, warps in TOPCDF_SETTINGS:
+        if rows * nk_pad > 8192:  # one program's scores would not fit in registers
+            continue
+        parts[f"topcdf@r{rows}w{warps}"] = lambda rows=rows, warps=warps: P.topcdf_block_mask_triton(
+            scores, q_sim, k_sim, shape, is_causal=causal, simthreshd1=theta, cdfthreshd=tau, attention_sink=False,
+            rows=rows, num_warps=warps)
+    default_rows = 1 if nk_pad >= 1024 else 4
+    return parts, "w2", f"r{default_rows}w4"
 
-            def topcdf(rows=rows, warps=warps, mask=mask, index=index, count=count, nfull=nfull):
-                P._topcdf_block_mask_kernel[(triton.cdiv(nq, rows), B * H)](
-                    scores, qs, ks, theta, tau, mask, index, count, nfull, H, H // HK, nq, nk, N,
-                    ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=causal, SINK=False, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
-                    BITS_ABOVE_ONE=P._BITS_ABOVE_ONE, num_warps=warps)
-            parts[f"topcdf_rows{rows}_w{warps}"] = topcdf
-    for part, fn in parts.items():
-        print(f"{name:10} {part:22} {bench(fn):8.3f} ms", flush=True)
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(FULL))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    lines = [f"GPU: {results['gpu']} (torch {torch.__version__}); ms, fastest of 3 rounds of CUDA-graph medians; "
+             f"* = the setting stage 1 uses"]
+    for name in args.shapes.split(","):
+        first = len(lines)
+        w = FULL[name]
+        q, k, _ = w.make("cuda")
+        parts, stats_default, topcdf_default = stage_one_parts(q, k, w.causal)
+        best, spread = bench_rounds(parts)
+        chosen = best["api"]
+        results["shapes"][name] = {"ms": best, "spread": spread}
+        lines.append(f"{name}: api {chosen:.4f} ms; launches as used: stats_q {best['stats_q@' + stats_default]:.4f}, "
+                     f"stats_k {best['stats_k@' + stats_default]:.4f}, scores {best['scores']:.4f}, "
+                     f"topcdf {best['topcdf@' + topcdf_default]:.4f}")
+        for part, ms in best.items():
+            mark = "*" if part.endswith("@" + stats_default) or part.endswith("@" + topcdf_default) else " "
+            lines.append(f"  {part:18}{mark} {ms:8.4f}  (spread {100 * spread[part]:.1f}%)")
+        print("\n".join(lines[first:]), flush=True)  # progress: the report at the end prints them again
+    results["graph_fallbacks"] = attention.GRAPH_FALLBACKS
+    save_report(results, "\n".join(lines), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -145,8 +145,13 @@ def _topcdf_block_mask_kernel(
                            BUCKETS=BUCKETS)
 
 
-def block_statistics_triton(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block means (B, H, nb, D) and mean pairwise cosine similarities (B, H, nb), both float32."""
+def block_statistics_triton(x: torch.Tensor, block_size: int, num_warps: int = 2
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block means (B, H, nb, D) and mean pairwise cosine similarities (B, H, nb), both float32.
+
+    ``num_warps``: 2 is fastest on an H100 for every block shape we use, or within 2% (predict-breakdown-H100.txt:
+    Llama-32K q 0.104 ms against 0.115 with 4 warps; Mochi's 64-row k blocks at D = 128 0.098 against 0.180).
+    """
     B, H, N, D = x.shape
     nb = triton.cdiv(N, block_size)
     means = torch.empty(B, H, nb, D, device=x.device, dtype=torch.float32)
@@ -154,10 +159,7 @@ def block_statistics_triton(x: torch.Tensor, block_size: int) -> tuple[torch.Ten
     sim = torch.empty(B, H, nb, device=x.device, dtype=torch.float32)
     _block_mean_similarity_kernel[(nb, B * H)](
         x, means, sim, N, H, *x.stride(), *sm,
-        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size,
-        # 2 warps are fastest on an H100 for every block shape we use (Llama-32K q: 0.112 ms = 2.4 TB/s
-        # against 0.201 ms with 8 warps; 64-row k blocks at D = 128: 0.106 against 0.181 ms with 4)
-        num_warps=2,
+        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size, num_warps=num_warps,
     )
     return means, sim
 
@@ -175,6 +177,38 @@ def compressed_scores_triton(q_means: torch.Tensor, k_means: torch.Tensor, shape
     return scores
 
 
+def topcdf_block_mask_triton(
+    scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor, shape: AttentionShape, *, is_causal: bool,
+    simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
+    tail: attention_hopper.TailSchedule | None = None, rows: int | None = None, num_warps: int = 4,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """TopCdf over (B, H, nq, nk) compressed scores with the block similarities' forced rows and columns.
+
+    Returns the int8 block mask and its compacted walk (index, count, n_full); fills ``tail`` if given.
+    ``rows`` (query blocks per program) and ``num_warps``: launch settings, None picks the measured default.
+    """
+    nq, nk = shape.q_blocks, shape.k_blocks
+    mask = torch.empty(shape.batch, shape.heads, nq, nk, device=scores.device, dtype=torch.int8)
+    index = torch.empty(shape.batch, shape.heads, nq, nk, device=scores.device, dtype=torch.int32)
+    count = torch.empty(shape.batch, shape.heads, nq, device=scores.device, dtype=torch.int32)
+    n_full = torch.empty_like(count)
+    nk_pad = max(triton.next_power_of_2(nk), 16)
+    if rows is None:
+        # H100 (benchmarks/results/predict-breakdown-H100.txt): 1 is fastest at Mochi (nk 700), 4 at Llama-32K
+        # (nk 512); at Flux (nk 72) 1 and at CogVideoX (nk 278) 2 would save 2 and 17 us (0.5% and 0.15% of
+        # cuDNN's dense time), and no one rule of nk picks the best at all four shapes.
+        rows = 1 if nk_pad >= 1024 else 4
+    grid = (triton.cdiv(nq, rows), shape.batch * shape.heads)
+    _topcdf_block_mask_kernel[grid](
+        scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
+        shape.heads, shape.heads // shape.kv_heads, nq, nk, shape.kv_len,
+        ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
+        BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
+        RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=num_warps,
+    )
+    return mask, (index, count, n_full)
+
+
 def predict_block_mask_triton(
     qh: torch.Tensor, kh: torch.Tensor, shape: AttentionShape, *, is_causal: bool, scale: float,
     simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
@@ -188,21 +222,7 @@ def predict_block_mask_triton(
     """
     q_means, q_sim = block_statistics_triton(qh, BLOCK_Q)
     k_means, k_sim = block_statistics_triton(kh, BLOCK_K)
-    nq, nk = shape.q_blocks, shape.k_blocks
-    group = shape.heads // shape.kv_heads
     scores = compressed_scores_triton(q_means, k_means, shape, scale)
-    mask = torch.empty(shape.batch, shape.heads, nq, nk, device=qh.device, dtype=torch.int8)
-    index = torch.empty(shape.batch, shape.heads, nq, nk, device=qh.device, dtype=torch.int32)
-    count = torch.empty(shape.batch, shape.heads, nq, device=qh.device, dtype=torch.int32)
-    n_full = torch.empty_like(count)
-    nk_pad = max(triton.next_power_of_2(nk), 16)
-    rows = 1 if nk_pad >= 1024 else 4  # fastest on an H100 (benchmarks/predict_breakdown.py)
-    grid = (triton.cdiv(nq, rows), shape.batch * shape.heads)
-    _topcdf_block_mask_kernel[grid](
-        scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
-        shape.heads, group, nq, nk, shape.kv_len,
-        ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
-        BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
-        RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
-    )
-    return mask.view(torch.bool), (index, count, n_full)
+    mask, walk = topcdf_block_mask_triton(scores, q_sim, k_sim, shape, is_causal=is_causal, simthreshd1=simthreshd1,
+                                          cdfthreshd=cdfthreshd, attention_sink=attention_sink, tail=tail)
+    return mask.view(torch.bool), walk
