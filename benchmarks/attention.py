@@ -60,14 +60,14 @@ def bench(fn, warmup_ms=50, rep_ms=300, graph_rep_ms=100, name="") -> float:
 ROUNDS = 3
 
 
-def bench_rounds(fns: dict, rounds: int = ROUNDS) -> tuple[dict, dict]:
+def bench_rounds(fns: dict, rounds: int = ROUNDS, graph_rep_ms: int = 100) -> tuple[dict, dict]:
     """Each fn's median per round, the rounds interleaved, then each fn's fastest round, and the spread
     (slowest / fastest round - 1). On the lent H100 one variant's median moved by up to 15% within a run
     (2026-11-22: the same kernel on the same mask, 24.2 vs 27.7 ms), so single medians cannot rank variants."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(bench(fn, name=name))
+            times[name].append(bench(fn, graph_rep_ms=graph_rep_ms, name=name))
     return ({name: min(t) for name, t in times.items()},
             {name: max(t) / min(t) - 1 for name, t in times.items()})
 

@@ -30,17 +30,9 @@ from sparge_diffusers.workloads import FULL  # noqa: E402
 
 STATS_WARPS = (2, 4)  # the launcher's default: 2
 TOPCDF_SETTINGS = ((1, 4), (2, 4), (4, 4), (4, 8))  # (rows, warps); default: 1 at nk >= 1024, else 4
-GRAPH_REP_MS = 20  # each part takes 0.005-0.2 ms: a 20 ms graph still holds 100+ calls
-
-
-def bench_rounds(fns: dict, rounds: int = attention.ROUNDS) -> tuple[dict, dict]:
-    """attention.bench_rounds with shorter graphs: capturing 100 ms of 10-us launches took ~2 s per part."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(attention.bench(fn, graph_rep_ms=GRAPH_REP_MS, name=name))
-    return ({name: min(t) for name, t in times.items()},
-            {name: max(t) / min(t) - 1 for name, t in times.items()})
+# each part takes 0.005-0.2 ms, so a 20 ms graph still holds 100+ calls; with attention.py's 100 ms graphs the
+# first H100 run did not finish one shape's 45 timings in 150 s
+GRAPH_REP_MS = 20
 
 
 def stage_one_parts(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[dict, str, str]:
@@ -81,7 +73,7 @@ def main(argv=None):
         w = FULL[name]
         q, k, _ = w.make("cuda")
         parts, stats_default, topcdf_default = stage_one_parts(q, k, w.causal)
-        best, spread = bench_rounds(parts)
+        best, spread = attention.bench_rounds(parts, graph_rep_ms=GRAPH_REP_MS)
         chosen = best["api"]
         results["shapes"][name] = {"ms": best, "spread": spread}
         lines.append(f"{name}: api {chosen:.4f} ms; launches as used: stats_q {best['stats_q@' + stats_default]:.4f}, "
