@@ -9,7 +9,7 @@ inputs, the stage-2 test on or off, a non-contiguous q, and an output buffer poi
 longer than the call's rows. Every check is the same: no NaN, the rows past the call untouched, relative L1
 against the reference under the dtype's tolerance.
 
-``SPARGE_GPU_RANDOM_CALLS`` sets the number of seeds (default 40).
+``SPARGE_GPU_RANDOM_CALLS`` sets the number of seeds (default 40), ``SPARGE_GPU_RANDOM_FIRST`` the first (default 0).
 """
 
 import math
@@ -33,6 +33,7 @@ from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_kernels import L1_TOL
 
 CALLS = int(os.environ.get("SPARGE_GPU_RANDOM_CALLS", "40"))
+FIRST = int(os.environ.get("SPARGE_GPU_RANDOM_FIRST", "0"))
 
 
 def draw_call(seed: int) -> dict:
@@ -94,7 +95,7 @@ def _mask(call: dict, q_len: int, kv_len: int) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(CALLS))
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS))
 def test_gpu_random_call_matches_reference(seed):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
