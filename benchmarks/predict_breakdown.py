@@ -28,8 +28,8 @@ from sparge_diffusers.kernels import predict as P  # noqa: E402
 from sparge_diffusers.kernels._inputs import BLOCK_K, BLOCK_Q, check_attention_inputs, resolve_scale  # noqa: E402
 from sparge_diffusers.workloads import FULL  # noqa: E402
 
-STATS_WARPS = (2, 4)  # the launcher's default: 2
-TOPCDF_SETTINGS = ((1, 4), (2, 4), (4, 4), (4, 8))  # (rows, warps); default: 1 at nk >= 1024, else 4
+STATS_WARPS = (2, 4)  # around predict.STATS_NUM_WARPS
+TOPCDF_SETTINGS = ((1, 4), (2, 4), (4, 4), (4, 8))  # (rows, warps) around the defaults
 # each part takes 0.005-0.2 ms, so a 20 ms graph still holds 100+ calls; with attention.py's 100 ms graphs the
 # first H100 run did not finish one shape's 45 timings in 150 s
 GRAPH_REP_MS = 20
@@ -49,15 +49,14 @@ def stage_one_parts(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[dic
         parts[f"stats_q@w{w}"] = lambda w=w: P.block_statistics_triton(q, BLOCK_Q, num_warps=w)
         parts[f"stats_k@w{w}"] = lambda w=w: P.block_statistics_triton(k, BLOCK_K, num_warps=w)
     parts["scores"] = lambda: P.compressed_scores_triton(q_means, k_means, shape, scale)
-    nk_pad = max(1 << (shape.k_blocks - 1).bit_length(), 16)
+    nk_pad = P.topcdf_width(shape.k_blocks)
     for rows, warps in TOPCDF_SETTINGS:
         if rows * nk_pad > 8192:  # one program's scores would not fit in registers
             continue
         parts[f"topcdf@r{rows}w{warps}"] = lambda rows=rows, warps=warps: P.topcdf_block_mask_triton(
             scores, q_sim, k_sim, shape, is_causal=causal, simthreshd1=theta, cdfthreshd=tau, attention_sink=False,
             rows=rows, num_warps=warps)
-    default_rows = 1 if nk_pad >= 1024 else 4
-    return parts, "w2", f"r{default_rows}w4"
+    return parts, f"w{P.STATS_NUM_WARPS}", f"r{P.topcdf_rows(shape.k_blocks)}w{P.TOPCDF_NUM_WARPS}"
 
 
 def main(argv=None):

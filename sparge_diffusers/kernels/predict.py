@@ -145,7 +145,10 @@ def _topcdf_block_mask_kernel(
                            BUCKETS=BUCKETS)
 
 
-def block_statistics_triton(x: torch.Tensor, block_size: int, num_warps: int = 2
+STATS_NUM_WARPS = 2  # block_statistics_triton's default (see its docstring)
+
+
+def block_statistics_triton(x: torch.Tensor, block_size: int, num_warps: int = STATS_NUM_WARPS
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block means (B, H, nb, D) and mean pairwise cosine similarities (B, H, nb), both float32.
 
@@ -177,10 +180,26 @@ def compressed_scores_triton(q_means: torch.Tensor, k_means: torch.Tensor, shape
     return scores
 
 
+TOPCDF_NUM_WARPS = 4  # topcdf_block_mask_triton's default
+
+
+def topcdf_width(nk: int) -> int:
+    """Key blocks one TopCdf program row holds: nk padded to a power of two, at least 16."""
+    return max(triton.next_power_of_2(nk), 16)
+
+
+def topcdf_rows(nk: int) -> int:
+    """Query blocks per TopCdf program. H100 (benchmarks/results/predict-breakdown-H100.txt): 1 is fastest at
+    Mochi (nk 700), 4 at Llama-32K (nk 512); at Flux (nk 72) 1 and at CogVideoX (nk 278) 2 would save 2 and
+    17 us (0.5% and 0.15% of cuDNN's dense time), and no one rule of nk picks the best at all four shapes."""
+    return 1 if topcdf_width(nk) >= 1024 else 4
+
+
 def topcdf_block_mask_triton(
     scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor, shape: AttentionShape, *, is_causal: bool,
     simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
-    tail: attention_hopper.TailSchedule | None = None, rows: int | None = None, num_warps: int = 4,
+    tail: attention_hopper.TailSchedule | None = None, rows: int | None = None,
+    num_warps: int = TOPCDF_NUM_WARPS,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """TopCdf over (B, H, nq, nk) compressed scores with the block similarities' forced rows and columns.
 
@@ -192,12 +211,8 @@ def topcdf_block_mask_triton(
     index = torch.empty(shape.batch, shape.heads, nq, nk, device=scores.device, dtype=torch.int32)
     count = torch.empty(shape.batch, shape.heads, nq, device=scores.device, dtype=torch.int32)
     n_full = torch.empty_like(count)
-    nk_pad = max(triton.next_power_of_2(nk), 16)
-    if rows is None:
-        # H100 (benchmarks/results/predict-breakdown-H100.txt): 1 is fastest at Mochi (nk 700), 4 at Llama-32K
-        # (nk 512); at Flux (nk 72) 1 and at CogVideoX (nk 278) 2 would save 2 and 17 us (0.5% and 0.15% of
-        # cuDNN's dense time), and no one rule of nk picks the best at all four shapes.
-        rows = 1 if nk_pad >= 1024 else 4
+    nk_pad = topcdf_width(nk)
+    rows = topcdf_rows(nk) if rows is None else rows
     grid = (triton.cdiv(nq, rows), shape.batch * shape.heads)
     _topcdf_block_mask_kernel[grid](
         scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
