@@ -2,10 +2,12 @@
 their neighbours, on the structured inputs of ``sparge_diffusers.workloads.FULL``.
 
 Parts: ``api`` = predict_block_mask (input checks, allocations, the Hopper kernel's tail schedule included);
-``stats_q`` / ``stats_k`` = block means and self-similarities of Q (128-row blocks) and K (64-row blocks);
-``scores`` = the compressed scores; ``topcdf`` = TopCdf, the forced rows and columns and the compacted walk.
-Each with ``@w<warps>`` or ``@r<rows>w<warps>`` is the same launch with other settings (the defaults carry a
-``*``). Timing as in benchmarks/attention.py: medians over CUDA-graph replays, fastest of 3 interleaved rounds.
+``separate`` = the same work as four launches (Q statistics, K statistics, scores, TopCdf), with no tail schedule;
+``stats_qk`` = the block means and self-similarities of Q (128-row blocks) and K (64-row blocks) in one launch,
+as stage 1 makes it, ``stats_q`` / ``stats_k`` = each alone; ``scores`` = the compressed scores; ``topcdf`` =
+TopCdf, the forced rows and columns and the compacted walk. Each with ``@w<warps>`` or ``@r<rows>w<warps>`` is
+the same launch with other settings (the defaults carry a ``*``). Timing as in benchmarks/attention.py: medians
+over CUDA-graph replays, fastest of 3 interleaved rounds.
 
 Usage: python benchmarks/predict_breakdown.py [--shapes flux,mochi]
        [--out benchmarks/results/predict-breakdown-H100.json]
@@ -35,17 +37,24 @@ TOPCDF_SETTINGS = ((1, 4), (2, 4), (4, 4), (4, 8))  # (rows, warps) around the d
 GRAPH_REP_MS = 20
 
 
-def stage_one_parts(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[dict, str, str]:
-    """The callables to time, and the names of the default stats and TopCdf settings."""
+def stage_one_parts(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[dict, list[str]]:
+    """The callables to time, and the names of the launches stage 1 makes (its default settings), in order."""
     shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=causal)
     scale = resolve_scale(None, shape.head_dim)
     theta = torch.full((shape.heads,), 0.6, device=q.device)
     tau = torch.full((shape.heads,), 0.98, device=q.device)
-    q_means, q_sim = P.block_statistics_triton(q, BLOCK_Q)
-    k_means, k_sim = P.block_statistics_triton(k, BLOCK_K)
+    (q_means, q_sim), (k_means, k_sim) = P.qk_block_statistics_triton(q, k)
     scores = P.compressed_scores_triton(q_means, k_means, shape, scale)
-    parts = {"api": lambda: predict_block_mask(q, k, is_causal=causal)}
+    topcdf = dict(is_causal=causal, simthreshd1=theta, cdfthreshd=tau, attention_sink=False)
+
+    def separate():
+        (qm, qs), (km, ks) = P.block_statistics_triton(q, BLOCK_Q), P.block_statistics_triton(k, BLOCK_K)
+        return P.topcdf_block_mask_triton(P.compressed_scores_triton(qm, km, shape, scale), qs, ks, shape,
+                                          **topcdf)
+
+    parts = {"api": lambda: predict_block_mask(q, k, is_causal=causal), "separate": separate}
     for w in STATS_WARPS:
+        parts[f"stats_qk@w{w}"] = lambda w=w: P.qk_block_statistics_triton(q, k, num_warps=w)
         parts[f"stats_q@w{w}"] = lambda w=w: P.block_statistics_triton(q, BLOCK_Q, num_warps=w)
         parts[f"stats_k@w{w}"] = lambda w=w: P.block_statistics_triton(k, BLOCK_K, num_warps=w)
     parts["scores"] = lambda: P.compressed_scores_triton(q_means, k_means, shape, scale)
@@ -54,9 +63,9 @@ def stage_one_parts(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[dic
         if rows * nk_pad > 8192:  # one program's scores would not fit in registers
             continue
         parts[f"topcdf@r{rows}w{warps}"] = lambda rows=rows, warps=warps: P.topcdf_block_mask_triton(
-            scores, q_sim, k_sim, shape, is_causal=causal, simthreshd1=theta, cdfthreshd=tau, attention_sink=False,
-            rows=rows, num_warps=warps)
-    return parts, f"w{P.STATS_NUM_WARPS}", f"r{P.topcdf_rows(shape.k_blocks)}w{P.TOPCDF_NUM_WARPS}"
+            scores, q_sim, k_sim, shape, rows=rows, num_warps=warps, **topcdf)
+    return parts, [f"stats_qk@w{P.STATS_NUM_WARPS}", "scores",
+                   f"topcdf@r{P.topcdf_rows(shape.k_blocks)}w{P.TOPCDF_NUM_WARPS}"]
 
 
 def main(argv=None):
@@ -71,16 +80,15 @@ def main(argv=None):
         first = len(lines)
         w = FULL[name]
         q, k, _ = w.make("cuda")
-        parts, stats_default, topcdf_default = stage_one_parts(q, k, w.causal)
+        parts, used = stage_one_parts(q, k, w.causal)
         best, spread = attention.bench_rounds(parts, graph_rep_ms=GRAPH_REP_MS)
         chosen = best["api"]
-        results["shapes"][name] = {"ms": best, "spread": spread}
-        lines.append(f"{name}: api {chosen:.4f} ms; launches as used: stats_q {best['stats_q@' + stats_default]:.4f}, "
-                     f"stats_k {best['stats_k@' + stats_default]:.4f}, scores {best['scores']:.4f}, "
-                     f"topcdf {best['topcdf@' + topcdf_default]:.4f}")
+        results["shapes"][name] = {"ms": best, "spread": spread, "used": used}
+        lines.append(f"{name}: api {chosen:.4f} ms (four separate launches {best['separate']:.4f}); launches as "
+                     "used: " + ", ".join(f"{part} {best[part]:.4f}" for part in used))
         for part, ms in best.items():
-            mark = "*" if part.endswith("@" + stats_default) or part.endswith("@" + topcdf_default) else " "
-            lines.append(f"  {part:18}{mark} {ms:8.4f}  (spread {100 * spread[part]:.1f}%)")
+            mark = "*" if part in used else " "
+            lines.append(f"  {part:22}{mark} {ms:8.4f}  (spread {100 * spread[part]:.1f}%)")
         print("\n".join(lines[first:]), flush=True)  # progress: the report at the end prints them again
     results["graph_fallbacks"] = attention.GRAPH_FALLBACKS
     save_report(results, "\n".join(lines), args.out)

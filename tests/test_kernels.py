@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, relative_l1
 from sparge_diffusers import compact_block_mask, sparge_attention
-from sparge_diffusers.kernels.predict import block_statistics_triton
+from sparge_diffusers.kernels.predict import block_statistics_triton, qk_block_statistics_triton
 from sparge_diffusers.kernels.reference import reference_block_statistics, reference_prediction_details
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
@@ -53,6 +53,28 @@ def test_block_statistics_match_reference(layout, N, D, block):
     assert torch.allclose(block_statistics_triton(same, block)[1], torch.ones(1, 1, 2))
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,D", [(2, 4, 2, 200, 77, 64), (1, 3, 1, 5, 300, 128), (1, 2, 2, 129, 65, 72)])
+def test_qk_block_statistics_in_one_launch_match_reference(layout, B, H, HK, Nq, Nkv, D, monkeypatch):
+    """Q's and K's statistics from the one launch stage 1 makes: GQA, N_q != N_kv, odd and sub-block lengths,
+    strided (NHD) views, every output written (the launcher's allocations are NaN-poisoned)."""
+    q, k, _ = make_qkv(B, H, HK, Nq, Nkv, D, torch.float16, layout, seed=Nq + Nkv)
+    qh, kh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k))
+    empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    (q_means, q_sim), (k_means, k_sim) = qk_block_statistics_triton(qh, kh)
+    monkeypatch.undo()
+    for (means, sim), x, block in (((q_means, q_sim), qh, BLOCK_Q), ((k_means, k_sim), kh, BLOCK_K)):
+        ref_means, ref_sim = reference_block_statistics(x, block)
+        torch.testing.assert_close(means, ref_means, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(sim, ref_sim, atol=1e-5, rtol=1e-4)
+
+
 MASK_CASES = [
     # B, H, HK, Nq, Nkv, D, causal
     (1, 2, 2, 300, 300, 64, False),
@@ -60,6 +82,21 @@ MASK_CASES = [
     (1, 2, 1, 100, 450, 128, False),  # Nq != Nkv, Nq shorter than one block
     (1, 2, 2, 600, 600, 128, True),
 ]
+
+
+def assert_mask_matches_reference(mask, q, k, *, theta, tau, causal, layout):
+    """Only decisions that sit on a threshold (within float32 rounding of the two summation orders) may differ."""
+    details = reference_prediction_details(q, k, scale=q.shape[-1] ** -0.5, simthreshd1=theta, cdfthreshd=tau,
+                                           attention_sink=False, is_causal=causal, tensor_layout=layout)
+    ref = details["mask"].to(mask.device)
+    H = theta.numel()
+    t = tau.view(1, H, 1, 1)
+    borderline = (details["mass"] - t).abs() < 1e-4
+    borderline |= ((details["q_similarity"] - theta.view(1, H, 1)).abs() < 1e-4)[..., None]
+    borderline |= ((details["k_similarity"] - theta.view(1, H, 1)).abs() < 1e-4)[:, :, None, :]
+    assert ((mask != ref) & ~borderline.to(mask.device)).sum() == 0
+    assert mask.any(-1).all(), "every query block keeps at least one key block"
+    assert 0 < ref.float().mean() < 1, "the case should exercise selection"
 
 
 @pytest.mark.parametrize("B,H,HK,Nq,Nkv,D,causal", MASK_CASES)
@@ -73,18 +110,22 @@ def test_predict_block_mask_matches_reference(B, H, HK, Nq, Nkv, D, causal, layo
     tau = torch.linspace(0.5, 0.95, H)
     kw = dict(is_causal=causal, simthreshd1=theta, cdfthreshd=tau, tensor_layout=layout)
     mask = predict_block_mask(q, k, backend="triton", **kw)
-    details = reference_prediction_details(q, k, scale=D ** -0.5, simthreshd1=theta, cdfthreshd=tau,
-                                           attention_sink=False, is_causal=causal, tensor_layout=layout)
-    ref = details["mask"]
     assert mask.shape == (B, H, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K)) and mask.dtype == torch.bool
-    # Only decisions that sit on a threshold (within float32 rounding of the two summation orders) may differ.
-    t = tau.view(1, H, 1, 1)
-    borderline = (details["mass"] - t).abs() < 1e-4
-    borderline |= ((details["q_similarity"] - theta.view(1, H, 1)).abs() < 1e-4)[..., None]
-    borderline |= ((details["k_similarity"] - theta.view(1, H, 1)).abs() < 1e-4)[:, :, None, :]
-    assert ((mask != ref) & ~borderline).sum() == 0
-    assert mask.any(-1).all(), "every query block keeps at least one key block"
-    assert 0 < ref.float().mean() < 1, "the case should exercise selection"
+    assert_mask_matches_reference(mask, q, k, theta=theta, tau=tau, causal=causal, layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Nq,Nkv,causal", [(3000, 3000, False), (4608, 4608, False), (9000, 9000, True),
+                                           (700, 12000, False)])
+def test_gpu_predict_block_mask_matches_reference(Nq, Nkv, causal):
+    """Stage 1 on the GPU against the reference: D = 128, GQA, both layouts, N_q != N_kv, rows of 47-188 key
+    blocks (both sides of topcdf_rows' switch at 128)."""
+    for layout in ("HND", "NHD"):
+        q, k, _ = (t.cuda() for t in make_qkv(1, 4, 2, Nq, Nkv, 128, torch.bfloat16, layout, seed=Nkv))
+        q, k = q + 1.0, k + 1.5
+        theta, tau = torch.linspace(0.1, 0.5, 4), torch.linspace(0.5, 0.95, 4)
+        mask = predict_block_mask(q, k, is_causal=causal, simthreshd1=theta, cdfthreshd=tau, tensor_layout=layout)
+        assert_mask_matches_reference(mask, q.cpu(), k.cpu(), theta=theta, tau=tau, causal=causal, layout=layout)
 
 
 def test_topcdf_keeps_the_smallest_prefix_reaching_tau():

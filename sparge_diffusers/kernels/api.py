@@ -31,7 +31,7 @@ from ._inputs import (
 from . import attention_hopper
 from .attention import block_mask_to_index, sparse_attention_triton
 from .compact import CompactBlockMask, check_block_mask, from_kernel_walk
-from .predict import block_statistics_triton, predict_block_mask_triton
+from .predict import predict_block_mask_triton, qk_block_statistics_triton
 from .reference import (
     reference_block_sparse_attention,
     reference_block_statistics,
@@ -309,8 +309,11 @@ def s2o_attention(
         check_kernel_dtype(q.dtype)
     qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
     if order is None:
-        stats_of = reference_block_statistics if chosen == "reference" else block_statistics_triton
-        (q_means, q_sim), (k_means, k_sim) = stats_of(qh, BLOCK_Q), stats_of(kh, BLOCK_K)
+        if chosen == "reference":
+            q_stats, k_stats = reference_block_statistics(qh, BLOCK_Q), reference_block_statistics(kh, BLOCK_K)
+        else:
+            q_stats, k_stats = qk_block_statistics_triton(qh, kh)
+        (q_means, q_sim), (k_means, k_sim) = q_stats, k_stats
         order = s2o_visit_order(q_means, k_means, q_sim, k_sim, shape, is_causal=is_causal, scale=scale,
                                 simthreshd1=theta, segment=segment, attention_sink=attention_sink,
                                 backend=chosen)

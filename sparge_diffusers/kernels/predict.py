@@ -1,10 +1,12 @@
 """Stage 1 of SpargeAttn in Triton: predict the block mask M_g from compressed Q and K.
 
-Three launches (SpargeAttn Sec. 3.2, Algorithm 1 lines 4-6):
-1. ``_block_mean_similarity_kernel``: per block of Q (128 rows) and of K (64 rows), the mean token and
-   the mean pairwise cosine similarity. The similarity uses sum_{a,b} cos(x_a, x_b) = |sum_a x_a/|x_a||^2,
-   which is O(b*D) instead of the Gram matrix's O(b^2*D).
+Two or three launches (SpargeAttn Sec. 3.2, Algorithm 1 lines 4-6):
+1. ``_qk_block_statistics_kernel``: per block of Q (128 rows) and of K (64 rows), the mean token and
+   the mean pairwise cosine similarity, both tensors in one launch. The similarity uses
+   sum_{a,b} cos(x_a, x_b) = |sum_a x_a/|x_a||^2, which is O(b*D) instead of the Gram matrix's O(b^2*D).
 2. ``_compressed_scores_kernel``: the compressed scores q_i.k_j * scale as tiled float32 products.
+   (Computing them inside the TopCdf launch instead, from the means, made that launch 15 us slower at Flux
+   against the 4.3 us it saved, so they keep their own tensor-core launch.)
 3. ``_topcdf_block_mask_kernel``: for a group of query blocks, softmax over the key blocks (non-self-similar
    key blocks excluded), TopCdf, and the forced rows/columns.
    TopCdf is computed without a sort: entry j is kept iff the probability mass of all entries >= p_j is at
@@ -25,30 +27,66 @@ from .attention import LOG2E, _key_block_flags, _record_tail_tiles, tail_kernel_
 _BITS_ABOVE_ONE = 0x3F800001  # int32 bit pattern of the float right after 1.0
 
 
+STATS_CHUNK = 64  # rows a statistics program holds at a time: a 128-row Q block is read as two chunks
+
+
+@triton.jit
+def _block_mean_similarity(X, MEANS, SIM, out_row, block, N, stride_xn, stride_xd,
+                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Mean token and mean pairwise cosine similarity of rows [block * BLOCK, ...) of X (already offset to one
+    head), stored at row ``out_row`` of MEANS (rows of HEAD_DIM) and SIM. Q's 128-row blocks are summed in
+    64-row chunks, so Q and K programs hold the same registers and share one launch at full occupancy."""
+    cols = tl.arange(0, D_PAD)
+    cmask = cols < HEAD_DIM
+    total = tl.zeros([D_PAD], dtype=tl.float32)
+    unit_sum = tl.zeros([D_PAD], dtype=tl.float32)
+    for c in tl.static_range(BLOCK // CHUNK):
+        rows = block * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(X + rows[:, None] * stride_xn + cols[None, :] * stride_xd,
+                    mask=(rows < N)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        total += tl.sum(x, axis=0)
+        norm = tl.sqrt(tl.sum(x * x, axis=1))
+        unit_sum += tl.sum(x / tl.maximum(norm, 1e-12)[:, None], axis=0)
+    n = tl.minimum(N - block * BLOCK, BLOCK).to(tl.float32)
+    tl.store(MEANS + out_row * HEAD_DIM + cols, total / n, mask=cmask)
+    tl.store(SIM + out_row, tl.sum(unit_sum * unit_sum, axis=0) / (n * n))
+
+
 @triton.jit
 def _block_mean_similarity_kernel(
-    X, MEANS, SIM, N, H,
-    stride_xb, stride_xh, stride_xn, stride_xd,
-    stride_mb, stride_mh, stride_mn, stride_md,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    X, MEANS, SIM, N, H, stride_xb, stride_xh, stride_xn, stride_xd,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D_PAD)
-    rmask = rows < N
-    cmask = cols < HEAD_DIM
-    x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + cols[None, :] * stride_xd,
-                mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    n = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
-    mean = tl.sum(x, axis=0) / n
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    unit_sum = tl.sum(x / tl.maximum(norm, 1e-12)[:, None], axis=0)
-    similarity = tl.sum(unit_sum * unit_sum, axis=0) / (n * n)
-    tl.store(MEANS + b * stride_mb + h * stride_mh + pid_n * stride_mn + cols * stride_md, mean, mask=cmask)
-    tl.store(SIM + pid_bh * tl.num_programs(0) + pid_n, similarity)
+    base = X + (pid_bh // H).to(tl.int64) * stride_xb + (pid_bh % H).to(tl.int64) * stride_xh
+    _block_mean_similarity(base, MEANS, SIM, pid_bh.to(tl.int64) * tl.num_programs(0) + pid_n, pid_n, N,
+                           stride_xn, stride_xd, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK, CHUNK=CHUNK)
+
+
+@triton.jit
+def _qk_block_statistics_kernel(
+    Q, K, Q_MEANS, Q_SIM, K_MEANS, K_SIM, NQ_LEN, NKV_LEN, H, H_KV, NQ, NK, q_programs,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Both tensors' statistics in one launch: programs [0, q_programs) take Q's blocks, the rest K's.
+    The launch takes as long as the two it replaces (both read at HBM speed), but stage 1 makes one launch
+    fewer: with the 64-row chunks, 54 -> 44 us at Flux on an H100, where stage 1 was 12% of cuDNN's dense time
+    (benchmarks/results/predict-breakdown-H100.txt)."""
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        bh = pid // NQ
+        base = Q + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
+        _block_mean_similarity(base, Q_MEANS, Q_SIM, pid.to(tl.int64), pid % NQ, NQ_LEN, stride_qn, stride_qd,
+                               HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK_Q, CHUNK=CHUNK)
+    else:
+        pid = pid - q_programs
+        bh = pid // NK
+        base = K + (bh // H_KV).to(tl.int64) * stride_kb + (bh % H_KV).to(tl.int64) * stride_kh
+        _block_mean_similarity(base, K_MEANS, K_SIM, pid.to(tl.int64), pid % NK, NKV_LEN, stride_kn, stride_kd,
+                               HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK_K, CHUNK=CHUNK)
 
 
 @triton.jit
@@ -148,23 +186,50 @@ def _topcdf_block_mask_kernel(
 STATS_NUM_WARPS = 2  # block_statistics_triton's default (see its docstring)
 
 
+def _chunk(block_size: int) -> int:
+    if block_size % min(STATS_CHUNK, block_size):
+        raise ValueError(f"block_size must be a multiple of {STATS_CHUNK} or below it, got {block_size}")
+    return min(STATS_CHUNK, block_size)
+
+
 def block_statistics_triton(x: torch.Tensor, block_size: int, num_warps: int = STATS_NUM_WARPS
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block means (B, H, nb, D) and mean pairwise cosine similarities (B, H, nb), both float32.
 
-    ``num_warps``: 2 is fastest on an H100 for every block shape we use, or within 2% (predict-breakdown-H100.txt:
-    Llama-32K q 0.104 ms against 0.115 with 4 warps; Mochi's 64-row k blocks at D = 128 0.098 against 0.180).
+    ``num_warps``: 2 is fastest on an H100 for every block shape we use, or within 2% (predict-breakdown-H100.txt).
     """
     B, H, N, D = x.shape
     nb = triton.cdiv(N, block_size)
     means = torch.empty(B, H, nb, D, device=x.device, dtype=torch.float32)
-    sm = means.stride()
     sim = torch.empty(B, H, nb, device=x.device, dtype=torch.float32)
     _block_mean_similarity_kernel[(nb, B * H)](
-        x, means, sim, N, H, *x.stride(), *sm,
-        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size, num_warps=num_warps,
+        x, means, sim, N, H, *x.stride(),
+        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size, CHUNK=_chunk(block_size),
+        num_warps=num_warps,
     )
     return means, sim
+
+
+def qk_block_statistics_triton(qh: torch.Tensor, kh: torch.Tensor, num_warps: int = STATS_NUM_WARPS
+                               ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`block_statistics_triton` of Q (128-row blocks) and of K (64-row blocks) in one launch.
+
+    Returns ((q_means, q_sim), (k_means, k_sim)) as the two separate calls would, within float32 rounding.
+    """
+    B, H, N_q, D = qh.shape
+    H_kv, N_kv = kh.shape[1], kh.shape[2]
+    nq, nk = triton.cdiv(N_q, BLOCK_Q), triton.cdiv(N_kv, BLOCK_K)
+    q_means = torch.empty(B, H, nq, D, device=qh.device, dtype=torch.float32)
+    q_sim = torch.empty(B, H, nq, device=qh.device, dtype=torch.float32)
+    k_means = torch.empty(B, H_kv, nk, D, device=qh.device, dtype=torch.float32)
+    k_sim = torch.empty(B, H_kv, nk, device=qh.device, dtype=torch.float32)
+    q_programs = B * H * nq
+    _qk_block_statistics_kernel[(q_programs + B * H_kv * nk,)](
+        qh, kh, q_means, q_sim, k_means, k_sim, N_q, N_kv, H, H_kv, nq, nk, q_programs, *qh.stride(), *kh.stride(),
+        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+        CHUNK=min(_chunk(BLOCK_Q), _chunk(BLOCK_K)), num_warps=num_warps,
+    )
+    return (q_means, q_sim), (k_means, k_sim)
 
 
 def compressed_scores_triton(q_means: torch.Tensor, k_means: torch.Tensor, shape: AttentionShape,
@@ -190,9 +255,10 @@ def topcdf_width(nk: int) -> int:
 
 def topcdf_rows(nk: int) -> int:
     """Query blocks per TopCdf program. H100 (benchmarks/results/predict-breakdown-H100.txt): 1 is fastest at
-    Mochi (nk 700), 4 at Llama-32K (nk 512); at Flux (nk 72) 1 and at CogVideoX (nk 278) 2 would save 2 and
-    17 us (0.5% and 0.15% of cuDNN's dense time), and no one rule of nk picks the best at all four shapes."""
-    return 1 if topcdf_width(nk) >= 1024 else 4
+    Flux (nk 72, padded width 128: 9.2 against 11.4 us) and Mochi (nk 700, width 1024), 4 at Llama-32K (nk 512,
+    width 512); CogVideoX (nk 278, also width 512) would be 17 us (0.15% of cuDNN's dense time) faster at 2, so
+    no rule of the width alone picks the best at all four shapes."""
+    return 1 if topcdf_width(nk) <= 128 or topcdf_width(nk) >= 1024 else 4
 
 
 def topcdf_block_mask_triton(
@@ -235,8 +301,7 @@ def predict_block_mask_triton(
     :func:`attention.block_mask_to_index` builds it, so the attention kernel needs no extra pass; fills
     ``tail`` (an empty ``attention_hopper.new_tail_schedule``) as that function does.
     """
-    q_means, q_sim = block_statistics_triton(qh, BLOCK_Q)
-    k_means, k_sim = block_statistics_triton(kh, BLOCK_K)
+    (q_means, q_sim), (k_means, k_sim) = qk_block_statistics_triton(qh, kh)
     scores = compressed_scores_triton(q_means, k_means, shape, scale)
     mask, walk = topcdf_block_mask_triton(scores, q_sim, k_sim, shape, is_causal=is_causal, simthreshd1=simthreshd1,
                                           cdfthreshd=cdfthreshd, attention_sink=attention_sink, tail=tail)
