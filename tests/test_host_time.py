@@ -1,0 +1,19 @@
+"""benchmarks/host_time.py: its entry points run and its timer reports every one (CPU: the reference path; the
+figures themselves need a GPU)."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import host_time  # noqa: E402  (a broken import must fail here, not skip)
+
+
+def test_every_entry_point_runs_and_is_timed():
+    q, k, v = (torch.randn(1, 2, 200, 64, dtype=torch.float32) for _ in range(3))
+    fns = host_time.entry_points(q, k, v)
+    assert set(fns) >= {"sdpa", "sparge_attention", "predict_block_mask", "block_sparse(prebuilt)"}
+    times = host_time.host_times(fns, rounds=3, calls=2, warmup=1)
+    assert set(times) == set(fns)
+    assert all(0 < t["min_us"] <= t["median_us"] for t in times.values())
