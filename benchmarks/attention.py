@@ -171,7 +171,7 @@ def run_shape(w, densities, device, log):
             log(f"  flex failed: {type(e).__name__}: {e}")
         t, spread = bench_rounds(fns)
         ours, prebuilt, flex = t["ours"], t["prebuilt"], t.get("flex", float("nan"))
-        actual = float(mask.sum()) / (B * H * dense_block_count(shape, causal, q.device))
+        actual = float(mask.sum()) / (B * H * dense_block_count(shape, causal))
         entry = {"density": density, "actual_density": actual, "kept_blocks_per_head": dense_blocks,
                  "ours_ms": ours, "ours_prebuilt_ms": prebuilt, "flex_ms": flex, "ours_vs_flex": flex / ours,
                  "prebuilt_vs_flex": flex / prebuilt,

@@ -32,6 +32,7 @@ def entry_points(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     return {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
         "sparge_attention": lambda: sparge_attention(q, k, v),
+        "sparge_attention(stats)": lambda: sparge_attention(q, k, v, return_sparsity=True),
         "predict_block_mask": lambda: predict_block_mask(q, k),
         "block_sparse(prebuilt)": lambda: block_sparse_attention(q, k, v, compact),
         "block_sparse(dense)": lambda: block_sparse_attention(q, k, v, None),

@@ -83,23 +83,33 @@ def _stage2_thresholds(values: tuple[float, ...], heads: int, device: str, backe
 
 def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend
              ) -> CompactBlockMask:
-    """Stage 1; the kernel walk is None on the reference path."""
+    """Stage 1 with its input checks; the kernel walk is None on the reference path."""
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
-    scale = resolve_scale(scale, shape.head_dim)
+    return _predict_checked(q, k, shape, is_causal=is_causal, scale=resolve_scale(scale, shape.head_dim),
+                            simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, attention_sink=attention_sink,
+                            tensor_layout=tensor_layout, chosen=pick_backend(backend, q.device))[0]
+
+
+def _predict_checked(q, k, shape: AttentionShape, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
+                     tensor_layout, chosen, with_ticket: bool = False
+                     ) -> tuple[CompactBlockMask, torch.Tensor | None]:
+    """Stage 1 on checked inputs. With ``with_ticket`` (one sparse call follows) also returns the Hopper kernel's
+    zeroed ticket counter, taken from the allocation that holds the tail order's buckets (no memset of its own);
+    None where no Hopper launch will read it."""
     theta, tau = _thresholds(shape, q.device, simthreshd1, cdfthreshd)
-    if pick_backend(backend, q.device) == "reference":
+    if chosen == "reference":
         mask = reference_predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=theta,
                                             cdfthreshd=tau, attention_sink=attention_sink,
                                             tensor_layout=tensor_layout)
-        return from_kernel_walk(mask, None, shape, is_causal)
+        return from_kernel_walk(mask, None, shape, is_causal), None
     check_kernel_dtype(q.dtype)
     # the Hopper kernel's tail order, filled by the same stage-1 kernel
-    tail = (attention_hopper.new_tail_schedule(shape, q.device)[0]
-            if attention_hopper.wants_tail_schedule(shape, q.device) else None)
+    tail, ticket = (attention_hopper.new_tail_schedule(shape, q.device, with_counter=with_ticket)
+                    if attention_hopper.wants_tail_schedule(shape, q.device) else (None, None))
     mask, walk = predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
                                            is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
                                            attention_sink=attention_sink, tail=tail)
-    return from_kernel_walk(mask, walk, shape, is_causal, tail)
+    return from_kernel_walk(mask, walk, shape, is_causal, tail), ticket
 
 
 def predict_block_mask(
@@ -175,16 +185,25 @@ def block_sparse_attention(
         The output in q's layout and dtype; query rows that see no key (an empty mask row) are zero.
     """
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
-    scale = resolve_scale(scale, shape.head_dim)
-    compact = None
     if isinstance(block_mask, CompactBlockMask):
         block_mask.check_matches(shape, is_causal, q.device)
-        compact, block_mask = block_mask, block_mask.mask
     elif block_mask is not None:
         check_block_mask(block_mask, shape, q.device)
     chosen = pick_backend(backend, q.device)
-    thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
     _check_out(out, q)
+    return _block_sparse_checked(q, k, v, block_mask, shape, is_causal=is_causal,
+                                 scale=resolve_scale(scale, shape.head_dim),
+                                 thr=_pv_thresholds(pvthreshd, shape, q.device, chosen), tensor_layout=tensor_layout,
+                                 return_sparsity=return_sparsity, chosen=chosen, out=out)
+
+
+def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_causal, scale, thr, tensor_layout,
+                          return_sparsity, chosen, out, ticket: torch.Tensor | None = None):
+    """:func:`block_sparse_attention` on checked inputs (``block_mask`` checked against them). ``ticket``: a zeroed
+    counter for a Hopper launch (from ``_predict_checked``), saving the launch its own memset."""
+    compact = None
+    if isinstance(block_mask, CompactBlockMask):
+        compact, block_mask = block_mask, block_mask.mask
     if chosen == "reference":
         if block_mask is None:
             block_mask = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
@@ -200,7 +219,7 @@ def block_sparse_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     out_h = to_hnd(out, tensor_layout)
     index = compact.kernel_walk if compact is not None else None
-    tail, ticket = (compact.tail if compact is not None else None), None
+    tail = compact.tail if compact is not None else None
     on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=thr is not None, dense=block_mask is None)
     if index is None and block_mask is not None:
         if on_hopper:
@@ -250,11 +269,19 @@ def sparge_attention(
         >>> out, stats = sparge_attention(q, k, v, return_sparsity=True)
         >>> stats.sparsity, stats.qk_skipped                                     # overall, per head
     """
-    compact = _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
-                       attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend)
-    return block_sparse_attention(q, k, v, compact, is_causal=is_causal, scale=scale, pvthreshd=pvthreshd,
-                                  tensor_layout=tensor_layout, return_sparsity=return_sparsity, backend=backend,
-                                  out=out)
+    # Checked once here and handed down: each check and each small allocation is host time that every layer
+    # of an eager pipeline pays (benchmarks/host_time.py).
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    scale = resolve_scale(scale, shape.head_dim)
+    chosen = pick_backend(backend, q.device)
+    thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
+    _check_out(out, q)
+    compact, ticket = _predict_checked(q, k, shape, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
+                                       cdfthreshd=cdfthreshd, attention_sink=attention_sink,
+                                       tensor_layout=tensor_layout, chosen=chosen, with_ticket=True)
+    return _block_sparse_checked(q, k, v, compact, shape, is_causal=is_causal, scale=scale, thr=thr,
+                                 tensor_layout=tensor_layout, return_sparsity=return_sparsity, chosen=chosen, out=out,
+                                 ticket=ticket)
 
 
 def s2o_attention(

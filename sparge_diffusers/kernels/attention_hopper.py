@@ -462,9 +462,20 @@ def _why_not_on(device: torch.device) -> str | None:
         return f"Gluon unavailable ({GLUON_IMPORT_ERROR})"
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "TRITON_INTERPRET is set (Gluon kernels do not run in the interpreter)"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+    if device.type != "cuda" or _capability(device.index) != (9, 0):
         return "needs an sm90 (Hopper) GPU"
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_of_index(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _capability(device_index: int | None) -> tuple[int, int]:
+    """Compute capability of a CUDA device (None: the current one), looked up once per device: the check runs
+    twice per sparse call."""
+    return _capability_of_index(device_index if device_index is not None else torch.cuda.current_device())
 
 
 def runs_on(device: torch.device) -> bool:
@@ -499,10 +510,15 @@ def usable(qh, kh, vh, out_h, shape: AttentionShape, pv_test: bool, dense: bool 
     return reason is None and not prefer_triton(shape, dense)
 
 
+@functools.lru_cache(maxsize=16)
+def _shared_layout(rows: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a [1, 1, rows, PANEL] box, built once (Gluon's layout objects cost
+    ~10 us of host time each to build, four per call)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, PANEL], _GL_DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, rows: int):
-    block = [1, 1, rows, PANEL]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, PANEL], _shared_layout(rows, t.dtype))
 
 
 @functools.lru_cache(maxsize=8)

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import torch
 
 from ._inputs import AttentionShape, causal_block_visible
 
 
-@dataclass
 class SparsityStats:
     """Per-head fractions of skipped block products (averaged over the batch).
 
     The denominators are the block products dense attention computes: every (query block, key block)
     pair, or under causal masking only the pairs with at least one visible key.
+
+    Building one costs a single reduction on the device (the per-(batch, head) sums of the kernel's counts);
+    the fractions below are computed when first read. Every call of a pipeline layer builds one when stats
+    are on, and each further small kernel added ~10 us of host time to the call (benchmarks/host_time.py).
 
     Attributes:
         qk_skipped: [H] fraction (a tensor on the input's device; so are the next two) of Q.K^T block products
@@ -24,10 +27,21 @@ class SparsityStats:
         dense_blocks: number of block products dense attention computes per (batch, head).
     """
 
-    qk_skipped: torch.Tensor
-    pv_skipped: torch.Tensor
-    pv_skipped_stage2: torch.Tensor
-    dense_blocks: int
+    def __init__(self, qk_computed: torch.Tensor, pv_computed: torch.Tensor, dense_blocks: int):
+        """``qk_computed`` and ``pv_computed``: [B, H] float64 block products computed per (batch, head)."""
+        self._qk, self._pv, self.dense_blocks = qk_computed, pv_computed, dense_blocks
+
+    @functools.cached_property
+    def qk_skipped(self) -> torch.Tensor:
+        return (1 - self._qk / self.dense_blocks).mean(0).float()
+
+    @functools.cached_property
+    def pv_skipped(self) -> torch.Tensor:
+        return (1 - self._pv / self.dense_blocks).mean(0).float()
+
+    @functools.cached_property
+    def pv_skipped_stage2(self) -> torch.Tensor:
+        return (1 - self._pv / self._qk.clamp(min=1)).mean(0).float()
 
     @property
     def sparsity(self) -> float:
@@ -44,21 +58,25 @@ class SparsityStats:
             "pv_skipped_per_head": self.pv_skipped.cpu().tolist(),
         }
 
+    def __repr__(self) -> str:
+        return f"SparsityStats(dense_blocks={self.dense_blocks}, heads={self._qk.shape[-1]})"
 
-def dense_block_count(shape: AttentionShape, is_causal: bool, device: torch.device) -> int:
+
+@functools.lru_cache(maxsize=256)
+def dense_block_count(shape: AttentionShape, is_causal: bool) -> int:
+    """Block products dense attention computes per (batch, head); counted on the CPU (no device sync)."""
     if not is_causal:
         return shape.q_blocks * shape.k_blocks
-    return int(causal_block_visible(shape.q_blocks, shape.k_blocks, shape.kv_len, device).sum())
+    return int(causal_block_visible(shape.q_blocks, shape.k_blocks, shape.kv_len, torch.device("cpu")).sum())
 
 
 def sparsity_stats(qk_counts: torch.Tensor, pv_counts: torch.Tensor, shape: AttentionShape,
                    is_causal: bool) -> SparsityStats:
-    """Build stats from per-(batch, head, q block) counts of computed Q.K^T and P.V products."""
-    dense = dense_block_count(shape, is_causal, qk_counts.device)
-    qk = qk_counts.double().sum(dim=-1)  # [B, H]
-    pv = pv_counts.double().sum(dim=-1)
-    # left on the counts' device: reading them (as_dict, float()) is what synchronises, not building them
-    qk_skipped = (1 - qk / dense).mean(0).float()
-    pv_skipped = (1 - pv / dense).mean(0).float()
-    stage2 = (1 - pv / qk.clamp(min=1)).mean(0).float()
-    return SparsityStats(qk_skipped, pv_skipped, stage2, dense)
+    """Build stats from per-(batch, head, q block) counts of computed Q.K^T and P.V products.
+
+    Left on the counts' device: reading the stats (``as_dict``, ``float()``) is what synchronises, not building
+    them. ``pv_counts`` may be ``qk_counts`` itself (no stage-2 test), which then costs one reduction, not two.
+    """
+    qk = qk_counts.sum(dim=-1, dtype=torch.float64)  # [B, H]
+    pv = qk if pv_counts is qk_counts else pv_counts.sum(dim=-1, dtype=torch.float64)
+    return SparsityStats(qk, pv, dense_block_count(shape, is_causal))
