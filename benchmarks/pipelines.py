@@ -113,15 +113,34 @@ def kernel_ms(fn) -> float:
                if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
+def graphed(step):
+    """``step`` captured in a CUDA graph over its static inputs, after two warm-up calls on a side stream (as
+    torch.cuda.graph's documentation asks): a replay costs no Python and no per-kernel launch on the host, so
+    it times what the GPU needs, as torch.compile's "reduce-overhead" mode would run it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--graphs", default="flux,sd3",
+                    help="models whose steps are also timed as CUDA-graph replays (the host-bound ones)")
     args = ap.parse_args(argv)
+    graphs = set(filter(None, args.graphs.split(",")))
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "models": {}}
     for name in args.models.split(","):
         try:
-            results["models"][name] = run_model(name)
+            results["models"][name] = run_model(name, graph=name in graphs)
         except Exception as e:  # report and go on to the next model
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
         torch.cuda.empty_cache()
@@ -131,7 +150,7 @@ def main(argv=None):
         json.dump(results, f, indent=1)
 
 
-def run_model(name):
+def run_model(name, graph=False):
     torch.manual_seed(0)
     torch.set_default_dtype(DTYPE)  # build in bf16 on the GPU: Flux in float32 alone would take 48 GB
     with torch.device("cuda"):
@@ -158,6 +177,10 @@ def run_model(name):
                "dense_step_ms": dense_ms, "dense_step_kernel_ms": dense_kernel_ms,
                "attention_ms_in_dense_step": attn_ms,
                "attention_share": attn_ms / dense_ms, "settings": {}}
+        if graph:
+            g, _ = graphed(step)
+            row["dense_graph_ms"] = timed(g.replay)
+            del g
         for label, settings in {"default": SpargeSettings(),
                                 "aggressive": SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9)}.items():
             processor = apply(model, settings)
@@ -168,6 +191,12 @@ def run_model(name):
             row["settings"][label] = {"step_ms": ms, "step_kernel_ms": kernel_ms(step), "speedup": dense_ms / ms,
                                       "sparsity": sum(sp) / len(sp),
                                       "relative_l1_vs_dense_step": relative_l1(out, dense_out)}
+            if graph:
+                g, g_out = graphed(step)
+                ms = timed(g.replay)
+                row["settings"][label].update(graph_ms=ms, graph_speedup=row["dense_graph_ms"] / ms,
+                                              graph_l1_vs_eager=relative_l1(g_out, out))
+                del g, g_out
             processor.enabled = False
         print(name, json.dumps(row), flush=True)
     return row
@@ -184,6 +213,14 @@ def print_table(results):
               f"{100 * r['attention_share']:7.1f} {d['step_ms']:10.1f} {d['step_kernel_ms']:7.1f} {d['speedup']:5.2f} "
               f"{d['sparsity']:6.3f} {a['step_ms']:8.1f} {a['step_kernel_ms']:7.1f} {a['speedup']:5.2f} "
               f"{a['sparsity']:6.3f} {a['relative_l1_vs_dense_step']:6.3f}")
+    graphed_models = {n: r for n, r in results["models"].items() if "dense_graph_ms" in r}
+    if graphed_models:
+        print("\nThe same steps as CUDA-graph replays (no host time per kernel; median of 5 replays)")
+        print(f"{'model':10} {'dense ms':>9} {'default ms':>10} {'x':>5} {'aggr ms':>8} {'x':>5}")
+        for name, r in graphed_models.items():
+            d, a = r["settings"]["default"], r["settings"]["aggressive"]
+            print(f"{name:10} {r['dense_graph_ms']:9.1f} {d['graph_ms']:10.1f} {d['graph_speedup']:5.2f} "
+                  f"{a['graph_ms']:8.1f} {a['graph_speedup']:5.2f}")
 
 
 if __name__ == "__main__":

@@ -159,3 +159,63 @@ def test_token_grid_is_inferred_and_permutation_keeps_native_results(name, grid)
     assert processor.grid == grid
     assert relative_l1(out, native) < 1e-5  # a permutation never changes the exact result
 
+
+
+def test_capture_reads_nothing_from_the_gpu_and_keeps_eager_state(monkeypatch):
+    """While a CUDA graph captures a step (simulated: the CPU cannot capture), the hook reads no timestep and
+    no img_ids, keeps the eager step count and Flux grid, and records no statistics; each warns once."""
+    from sparge_diffusers.pipelines import processor as processor_module
+
+    torch.manual_seed(5)
+    model, inputs = flux()
+    settings = SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None, permutation="hilbert")
+    processor = apply(model, settings, dense_steps=1)
+    run(model, inputs)
+    eager = run(model, inputs)
+    step, grid, records = processor.step, processor.grid, len(processor.stats)
+    assert grid == ((1, 16, 16), "before") and step == 2
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a tensor was read back while capturing")
+
+    monkeypatch.setattr(processor_module, "_capturing", lambda: True)
+    monkeypatch.setattr(processor_module, "infer_token_grid", no_read)  # Flux's would read img_ids
+    monkeypatch.setattr(torch.Tensor, "__float__", no_read)  # the timestep
+    with pytest.warns(UserWarning) as caught:
+        captured = run(model, inputs)
+        run(model, inputs)
+    monkeypatch.undo()
+    messages = [str(w.message) for w in caught]
+    assert sum("dense_steps has no effect" in m for m in messages) == 1, messages
+    assert sum("statistics are not recorded" in m for m in messages) == 1, messages
+    assert processor.step == step and processor.grid == grid
+    assert len(processor.stats) == records
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_cuda_graph_replay_matches_the_eager_sparse_step(name):
+    torch.manual_seed(6)
+    model, inputs = MODELS[name]()
+    model = model.to("cuda", torch.bfloat16)
+    static = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() and not k.endswith("_ids") else v.dtype)
+              for k, v in inputs.items()}
+    processor = apply(model, MODERATE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels and fills the per-head threshold caches
+        for _ in range(2):
+            run(model, static)
+    torch.cuda.current_stream().wait_stream(side)
+    assert processor.stats and max(s["sparsity"] for s in processor.stats) > 0
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="statistics are not recorded"), torch.no_grad():
+        with torch.cuda.graph(graph):
+            captured = model(**static, return_dict=False)[0]
+    static["hidden_states"].copy_(torch.randn_like(static["hidden_states"]))
+    captured.fill_(float("nan"))
+    graph.replay()
+    eager = run(model, static)
+    assert torch.isfinite(captured).all()
+    assert relative_l1(captured, eager) < 1e-3  # same kernels, same inputs: equal up to atomics' order

@@ -66,6 +66,11 @@ def infer_token_grid(transformer: torch.nn.Module, args: tuple, kwargs: dict) ->
     return None
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (then nothing may synchronise with the GPU)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _native_processor(attn: torch.nn.Module):
     """The processor diffusers 0.42 gives this attention module by default (a small registry, by class)."""
     from diffusers.models import attention_processor as ap
@@ -118,6 +123,10 @@ class SpargeProcessor:
         collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read).
         strict: raise instead of falling back to native attention when a call cannot run sparse.
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
+
+    A step can be captured in a CUDA graph after eager warm-up calls (the forward hook then reads nothing
+    back from the GPU); replays skip the per-layer host time that makes eager 1024px image steps host-bound.
+    Statistics are not recorded and ``dense_steps`` does not apply inside a graph (each warned once).
     """
 
     settings: SpargeSettings = field(default_factory=SpargeSettings)
@@ -173,7 +182,11 @@ class SpargeProcessor:
 
         Within one generation the timestep only falls, so a timestep above the last one starts a new
         generation and the count (hence the dense warm-up) starts again. This reads one number per step.
+        While a CUDA graph is being captured nothing may be read back from the GPU: see ``_on_captured_forward``.
         """
+        if _capturing():
+            self._on_captured_forward(module, args, kwargs)
+            return
         timestep = kwargs.get("timestep")
         if isinstance(timestep, torch.Tensor) and timestep.numel():
             t = float(timestep.flatten()[0])
@@ -182,6 +195,29 @@ class SpargeProcessor:
             self._last_timestep = t
         self.step += 1
         self.grid = infer_token_grid(module, args, kwargs)
+
+    def _on_captured_forward(self, module, args, kwargs) -> None:
+        """The forward hook while a CUDA graph captures the step (``torch.cuda.graph``, or torch.compile's
+        "reduce-overhead"). Capture follows eager warm-up calls, whose step count and token grid stand: the
+        graph records the attention path of the step being captured, and replays do not run this hook, so
+        ``dense_steps`` cannot switch a replayed graph between dense and sparse (warned once). Flux's grid comes
+        from its img_ids on the GPU, which cannot be read here: the last eager call's grid is kept when its
+        token count matches, else no permutation (with the usual warning)."""
+        if self.dense_steps:
+            self._warn_capture("dense_steps has no effect on CUDA-graph replays (the graph records the path of the "
+                               "captured step); capture one graph for the dense steps and one for the rest")
+        if type(module).__name__ == "FluxTransformer2DModel":
+            hs = kwargs.get("hidden_states", args[0] if args else None)
+            (t, h, w), _ = self.grid or ((0, 0, 0), None)
+            if hs is None or t * h * w != hs.shape[1]:
+                self.grid = None
+        else:  # read from shapes only
+            self.grid = infer_token_grid(module, args, kwargs)
+
+    def _warn_capture(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(f"SpargeProcessor: {message}", stacklevel=4)
 
     def _warn_once(self, reason: str, what: str = "attention") -> None:
         fallback = "native attention" if what == "attention" else "no token permutation"
@@ -221,10 +257,16 @@ class SpargeProcessor:
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
         attention = self.sparse_attention_fn(settings, query)
+        collect = self.collect_stats
+        if collect and _capturing():
+            # a graph's tensors are overwritten by every replay: records taken here would all show the last one
+            self._warn_capture("statistics are not recorded while a CUDA graph is captured (every replay would "
+                               "overwrite them); read them from an eager step")
+            collect = False
         result = attention(query, key, value, is_causal=is_causal, scale=scale,
                            simthreshd1=settings.simthreshd1, cdfthreshd=settings.cdfthreshd,
-                           pvthreshd=settings.pvthreshd, return_sparsity=self.collect_stats)
-        if not self.collect_stats:
+                           pvthreshd=settings.pvthreshd, return_sparsity=collect)
+        if not collect:
             return result
         out, stats = result
         self._records.append((layer, self.step, stats))  # device tensors: read later, no sync per call
