@@ -67,8 +67,9 @@ def infer_token_grid(transformer: torch.nn.Module, args: tuple, kwargs: dict) ->
 
 
 def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (then nothing may synchronise with the GPU)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph (then nothing may synchronise with the GPU).
+    Asked only once CUDA is initialised (a capture needs it), so a CPU run never creates a CUDA context."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _native_processor(attn: torch.nn.Module):
