@@ -5,10 +5,11 @@ Reports per model: step time dense and sparse (default thresholds, and an aggres
 share of the dense step (SDPA calls of the step, timed alone), sparsity, and the relative L1 of the step's
 output against the dense step. Also the GPU time of one step (its kernels' summed durations, torch.profiler):
 where it falls well short of the step's wall time, the step waits on the host (Python and kernel launches),
-and attention that is cheaper on the GPU cannot shorten it. Random weights give little attention structure: sparsity here says little
-about real checkpoints; the timings show what a given sparsity buys.
+and attention that is cheaper on the GPU cannot shorten it; the models named by --graphs are also timed as
+CUDA-graph replays, which take the host out. Random weights give little attention structure: sparsity here
+says little about real checkpoints; the timings show what a given sparsity buys.
 
-Usage: python benchmarks/pipelines.py [--models flux,sd3,cogvideox,mochi] [--out results.json]
+Usage: python benchmarks/pipelines.py [--models flux,sd3,cogvideox,mochi] [--graphs flux,sd3] [--out results.json]
 """
 
 import argparse
@@ -116,7 +117,7 @@ def kernel_ms(fn) -> float:
 def graphed(step):
     """``step`` captured in a CUDA graph over its static inputs, after two warm-up calls on a side stream (as
     torch.cuda.graph's documentation asks): a replay costs no Python and no per-kernel launch on the host, so
-    it times what the GPU needs, as torch.compile's "reduce-overhead" mode would run it."""
+    it times what the GPU needs."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -198,11 +198,12 @@ class SpargeProcessor:
         self.grid = infer_token_grid(module, args, kwargs)
 
     def _on_captured_forward(self, module, args, kwargs) -> None:
-        """The forward hook while a CUDA graph captures the step (``torch.cuda.graph``). Capture follows eager warm-up calls, whose step count and token grid stand: the
-        graph records the attention path of the step being captured, and replays do not run this hook, so
-        ``dense_steps`` cannot switch a replayed graph between dense and sparse (warned once). Flux's grid comes
-        from its img_ids on the GPU, which cannot be read here: the last eager call's grid is kept when its
-        token count matches, else no permutation (with the usual warning)."""
+        """The forward hook while a CUDA graph captures the step (``torch.cuda.graph``). Capture follows eager
+        warm-up calls, whose step count and token grid stand: the graph records the attention path of the step
+        being captured, and replays do not run this hook, so ``dense_steps`` cannot switch a replayed graph
+        between dense and sparse (warned once). Flux's grid comes from its img_ids on the GPU, which cannot be
+        read here: the last eager call's grid is kept when its token count matches, else no permutation (with
+        the usual warning)."""
         if self.dense_steps:
             self._warn_capture("dense_steps has no effect on CUDA-graph replays (the graph records the path of the "
                                "captured step); capture one graph for the dense steps and one for the rest")
