@@ -1,7 +1,5 @@
 """Visual token permutations: bijections, inverses, text tokens, caching, and exactness of attention."""
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,11 +63,14 @@ def test_cache_hit_returns_the_same_tensors():
     assert visual_token_permutation((3, 5, 7), "hilbert", text_before=2).perm is not a.perm
 
 
-def test_hilbert_indices_for_mochi_grid_build_quickly():
-    start = time.perf_counter()
+def test_hilbert_order_of_the_full_mochi_grid_is_a_permutation():
+    # full size (a 28 x 30 x 53 grid, not a power of two): no test times it (project rule); its build time is
+    # what any pipeline pays once per grid, and is cached after that
     p = visual_token_permutation((28, 30, 53), "hilbert", text_before=256, seed=99)
     assert len(p) == 44776
-    assert time.perf_counter() - start < 3.0  # about 0.6 s here; loose bound for slow CI machines
+    assert torch.equal(p.perm.sort().values, torch.arange(44776))
+    assert torch.equal(p.perm[p.inverse], torch.arange(44776))
+    assert torch.equal(p.perm[:256], torch.arange(256))  # text tokens left in place
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
