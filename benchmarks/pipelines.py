@@ -6,10 +6,12 @@ share of the dense step (SDPA calls of the step, timed alone), sparsity, and the
 output against the dense step. Also the GPU time of one step (its kernels' summed durations, torch.profiler):
 where it falls well short of the step's wall time, the step waits on the host (Python and kernel launches),
 and attention that is cheaper on the GPU cannot shorten it; the models named by --graphs are also timed as
-CUDA-graph replays, which take the host out. Random weights give little attention structure: sparsity here
+CUDA-graph replays, which take the host out, and those named by --compile as torch.compile'd models (inductor,
+default mode, fullgraph: SpargeProcessor's attention is one custom-operator node), each setting compiled anew. Random weights give little attention structure: sparsity here
 says little about real checkpoints; the timings show what a given sparsity buys.
 
-Usage: python benchmarks/pipelines.py [--models flux,sd3,cogvideox,mochi] [--graphs flux,sd3] [--out results.json]
+Usage: python benchmarks/pipelines.py [--models flux,sd3,cogvideox,mochi] [--graphs flux,sd3] [--compile flux,sd3]
+                                     [--out results.json]
 """
 
 import argparse
@@ -136,12 +138,15 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--graphs", default="flux,sd3",
                     help="models whose steps are also timed as CUDA-graph replays (the host-bound ones)")
+    ap.add_argument("--compile", default="",
+                    help="models whose steps are also timed compiled with torch.compile (minutes of compilation each)")
     args = ap.parse_args(argv)
     graphs = set(filter(None, args.graphs.split(",")))
+    compiled = set(filter(None, args.compile.split(",")))
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "models": {}}
     for name in args.models.split(","):
         try:
-            results["models"][name] = run_model(name, graph=name in graphs)
+            results["models"][name] = run_model(name, graph=name in graphs, compiled=name in compiled)
         except Exception as e:  # report and go on to the next model
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
         torch.cuda.empty_cache()
@@ -151,7 +156,18 @@ def main(argv=None):
         json.dump(results, f, indent=1)
 
 
-def run_model(name, graph=False):
+def compiled_ms(model, inputs) -> tuple[float, float]:
+    """(step ms, compile s) of ``model`` under torch.compile (fresh compilation, fullgraph)."""
+    torch._dynamo.reset()
+    fn = torch.compile(model, fullgraph=True)
+    start = time.perf_counter()
+    fn(**inputs, return_dict=False)
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    return timed(lambda: fn(**inputs, return_dict=False)[0]), compile_s
+
+
+def run_model(name, graph=False, compiled=False):
     torch.manual_seed(0)
     torch.set_default_dtype(DTYPE)  # build in bf16 on the GPU: Flux in float32 alone would take 48 GB
     with torch.device("cuda"):
@@ -182,6 +198,8 @@ def run_model(name, graph=False):
             g, _ = graphed(step)
             row["dense_graph_ms"] = timed(g.replay)
             del g
+        if compiled:
+            row["dense_compiled_ms"], row["dense_compile_s"] = compiled_ms(model, inputs)
         for label, settings in {"default": SpargeSettings(),
                                 "aggressive": SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9)}.items():
             processor = apply(model, settings)
@@ -198,6 +216,10 @@ def run_model(name, graph=False):
                 row["settings"][label].update(graph_ms=ms, graph_speedup=row["dense_graph_ms"] / ms,
                                               graph_l1_vs_eager=relative_l1(g_out, out))
                 del g, g_out
+            if compiled:
+                ms, compile_s = compiled_ms(model, inputs)
+                row["settings"][label].update(compiled_ms=ms, compiled_speedup=row["dense_compiled_ms"] / ms,
+                                              compile_s=compile_s)
             processor.enabled = False
         print(name, json.dumps(row), flush=True)
     return row
@@ -222,6 +244,16 @@ def print_table(results):
             d, a = r["settings"]["default"], r["settings"]["aggressive"]
             print(f"{name:10} {r['dense_graph_ms']:9.1f} {d['graph_ms']:10.1f} {d['graph_speedup']:5.2f} "
                   f"{a['graph_ms']:8.1f} {a['graph_speedup']:5.2f}")
+    compiled_models = {n: r for n, r in results["models"].items() if "dense_compiled_ms" in r}
+    if compiled_models:
+        print("\nThe same steps under torch.compile (inductor, default mode, fullgraph; median of 5 after 3 warm-up"
+              " steps; compile s = first call)")
+        print(f"{'model':10} {'dense ms':>9} {'default ms':>10} {'x':>5} {'aggr ms':>8} {'x':>5} {'compile s':>22}")
+        for name, r in compiled_models.items():
+            d, a = r["settings"]["default"], r["settings"]["aggressive"]
+            secs = f"{r['dense_compile_s']:.0f}/{d['compile_s']:.0f}/{a['compile_s']:.0f}"
+            print(f"{name:10} {r['dense_compiled_ms']:9.1f} {d['compiled_ms']:10.1f} {d['compiled_speedup']:5.2f} "
+                  f"{a['compiled_ms']:8.1f} {a['compiled_speedup']:5.2f} {secs:>22}")
 
 
 if __name__ == "__main__":

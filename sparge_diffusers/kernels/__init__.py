@@ -3,6 +3,7 @@
 from ._inputs import BLOCK_K, BLOCK_Q
 from .compact import CompactBlockMask, compact_block_mask
 from .api import block_sparse_attention, predict_block_mask, relative_l1, s2o_attention, sparge_attention
+from .library import sparge_attention_op
 from .s2o import VisitOrder, s2o_visit_order
 from .stats import SparsityStats
 
@@ -19,4 +20,5 @@ __all__ = [
     "s2o_visit_order",
     "VisitOrder",
     "sparge_attention",
+    "sparge_attention_op",
 ]

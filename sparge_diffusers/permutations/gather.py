@@ -30,8 +30,8 @@ def _gather_rows_kernel(X, INDEX, OUT, N, H,
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, seq_dim: int) -> torch.Tensor:
     """``x.index_select(seq_dim, index)`` for a 4-D tensor whose sequence dim is 1 or 2 and last dim is dense."""
-    if x.device.type != "cuda" or x.stride(-1) != 1:
-        return x.index_select(seq_dim, index)
+    if x.device.type != "cuda" or x.stride(-1) != 1 or torch.compiler.is_compiling():
+        return x.index_select(seq_dim, index)  # (compiled: inductor generates its own gather)
     xh = x if seq_dim == 2 else x.transpose(1, 2)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     oh = out if seq_dim == 2 else out.transpose(1, 2)

@@ -108,9 +108,24 @@ class TokenPermutation:
         return self._gather(x, self.inverse, tensor_layout)
 
 
-@functools.lru_cache(maxsize=64)
+# Built permutations by (grid, order, text_before, text_after, device, seed). A plain dict rather than an
+# lru_cache: torch.compile looks entries up (their tensors become graph inputs) instead of tracing the build,
+# which it would do through an lru_cache, graph-breaking on the NumPy work. A few KB to MB per entry; the
+# set of grids a process meets is small.
+_PERMUTATIONS: dict[tuple, TokenPermutation] = {}
+
+
 def _cached(grid: Grid, order: str, text_before: int, text_after: int, device: str, seed: int
             ) -> TokenPermutation:
+    key = (grid, order, text_before, text_after, device, seed)
+    found = _PERMUTATIONS.get(key)
+    if found is None:
+        found = _PERMUTATIONS[key] = _build(*key)
+    return found
+
+
+@torch.compiler.disable  # a cache miss under torch.compile builds eagerly (one graph break, that call only)
+def _build(grid: Grid, order: str, text_before: int, text_after: int, device: str, seed: int) -> TokenPermutation:
     visual = torch.from_numpy(np.ascontiguousarray(grid_order(grid, order, seed))).long()
     n_vis = visual.numel()
     perm = torch.cat([torch.arange(text_before), visual + text_before,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..kernels import sparge_attention
+from ..kernels.library import sparge_attention_op
 from ..kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
 from ..permutations import permuted, visual_token_permutation
 from .settings_file import LayerSettingsFile
@@ -72,6 +73,20 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def _compiling() -> bool:
+    """Whether torch.compile is tracing this call (then the attention goes through the custom operator and
+    nothing may depend on values read from tensors)."""
+    return torch.compiler.is_compiling()
+
+
+@torch.compiler.assume_constant_result
+def _warn_while_tracing(message: str) -> bool:
+    """Torch.compile runs this while tracing and keeps its result as a constant: the warning shows once per
+    compilation, and the compiled code holds no call to it."""
+    warnings.warn(message, stacklevel=2)
+    return True
+
+
 def _native_processor(attn: torch.nn.Module):
     """The processor diffusers 0.42 gives this attention module by default (a small registry, by class)."""
     from diffusers.models import attention_processor as ap
@@ -101,6 +116,12 @@ class _SparseSDPA(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
+            if func is torch.Tensor.unflatten and _compiling():
+                # Dynamo (torch <= 2.13) cannot trace the super() call inside Tensor.unflatten once a mode
+                # hands it on (pytorch/pytorch#179853): a graph break per layer. As a method call (this mode
+                # is off inside its own handler) Dynamo traces it.
+                tensor, *rest = args
+                return tensor.unflatten(*rest, **kwargs)
             return func(*args, **kwargs)
         return self.processor._attention(self.layer, self.settings, func, *args, **kwargs)
 
@@ -128,6 +149,10 @@ class SpargeProcessor:
     A step can be captured in a CUDA graph after eager warm-up calls (the forward hook then reads nothing
     back from the GPU); replays skip the per-layer host time that makes eager 1024px image steps host-bound.
     Statistics are not recorded and ``dense_steps`` does not apply inside a graph (each warned once).
+    Under ``torch.compile`` the attention goes through the custom operator of
+    :mod:`sparge_diffusers.kernels.library` (one graph node; Flux, SD3 and CogVideoX compile with
+    ``fullgraph=True``), with the same limits as a graph: no statistics, no ``dense_steps``, and Flux's
+    token grid is the last eager call's.
     """
 
     settings: SpargeSettings = field(default_factory=SpargeSettings)
@@ -146,6 +171,7 @@ class SpargeProcessor:
     _warned: set = field(default_factory=set, repr=False)
     _settings_file: LayerSettingsFile | None = field(default=None, repr=False)
     _hook: Any = field(default=None, repr=False)
+    _stats_missed: bool = field(default=False, repr=False)
 
     def __post_init__(self):
         if isinstance(self.layer_settings, (str, os.PathLike)):
@@ -185,7 +211,7 @@ class SpargeProcessor:
         generation and the count (hence the dense warm-up) starts again. This reads one number per step.
         While a CUDA graph is being captured nothing may be read back from the GPU: see ``_on_captured_forward``.
         """
-        if _capturing():
+        if _compiling() or _capturing():
             self._on_captured_forward(module, args, kwargs)
             return
         timestep = kwargs.get("timestep")
@@ -198,13 +224,17 @@ class SpargeProcessor:
         self.grid = infer_token_grid(module, args, kwargs)
 
     def _on_captured_forward(self, module, args, kwargs) -> None:
-        """The forward hook while a CUDA graph captures the step (``torch.cuda.graph``). Capture follows eager
-        warm-up calls, whose step count and token grid stand: the graph records the attention path of the step
-        being captured, and replays do not run this hook, so ``dense_steps`` cannot switch a replayed graph
-        between dense and sparse (warned once). Flux's grid comes from its img_ids on the GPU, which cannot be
-        read here: the last eager call's grid is kept when its token count matches, else no permutation (with
-        the usual warning)."""
-        if self.dense_steps:
+        """The forward hook while a CUDA graph captures the step (``torch.cuda.graph``) or torch.compile traces
+        it. Capture follows eager warm-up calls, whose step count and token grid stand: the graph records the
+        attention path of the step being captured, and replays do not run this hook, so ``dense_steps`` cannot
+        switch a replayed graph between dense and sparse (warned once). A compiled model runs every step sparse:
+        counting steps would make it recompile at each one (warned once per compilation). Flux's grid comes from
+        its img_ids on the GPU, which cannot be read here: the last eager call's grid is kept when its token
+        count matches, else no permutation (with the usual warning)."""
+        if self.dense_steps and _compiling():
+            self._warn_capture("dense_steps has no effect under torch.compile (every step runs sparse); run the "
+                               "dense warm-up steps with an uncompiled model or set dense_steps=0")
+        elif self.dense_steps:
             self._warn_capture("dense_steps has no effect on CUDA-graph replays (the graph records the path of the "
                                "captured step); capture one graph for the dense steps and one for the rest")
         if type(module).__name__ == "FluxTransformer2DModel":
@@ -216,17 +246,22 @@ class SpargeProcessor:
             self.grid = infer_token_grid(module, args, kwargs)
 
     def _warn_capture(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            warnings.warn(f"SpargeProcessor: {message}", stacklevel=4)
+        self._warn(f"SpargeProcessor: {message}")
 
     def _warn_once(self, reason: str, what: str = "attention") -> None:
         fallback = "native attention" if what == "attention" else "no token permutation"
         if self.strict:
             raise ValueError(f"SpargeProcessor: {reason}; strict=True forbids falling back to {fallback}")
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"SpargeProcessor: falling back to {fallback}: {reason}", stacklevel=4)
+        self._warn(f"SpargeProcessor: falling back to {fallback}: {reason}")
+
+    def _warn(self, message: str) -> None:
+        """Once per processor; under torch.compile once per compilation, while tracing (a warning call inside
+        the compiled code would break the graph at every layer)."""
+        if _compiling():
+            _warn_while_tracing(message)
+        elif message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=5)
 
     def fallback_reason(self, query: torch.Tensor, attn_mask=None, dropout_p: float = 0.0) -> str | None:
         """Why this SDPA call cannot run sparse (None when it can)."""
@@ -242,13 +277,15 @@ class SpargeProcessor:
             return f"device {query.device}"
         return None
 
-    def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor):
-        """sparge_attention, wrapped in the layer's token permutation when it has one and the grid is known."""
+    def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor, compiled: bool = False):
+        """sparge_attention (its custom operator when ``compiled``), wrapped in the layer's token permutation
+        when it has one and the grid is known."""
+        attention = sparge_attention_op if compiled else sparge_attention
         if settings.permutation is not None:
             perm = self._permutation(settings.permutation, query.shape[2], query.device)
             if perm is not None:
-                return permuted(sparge_attention, perm)
-        return sparge_attention
+                return permuted(attention, perm)
+        return attention
 
     def _attention(self, layer, settings, sdpa, query, key, value, attn_mask=None, dropout_p=0.0,
                    is_causal=False, scale=None, enable_gqa=False):
@@ -257,6 +294,14 @@ class SpargeProcessor:
             self._warn_once(reason)
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
+        thresholds = dict(is_causal=is_causal, scale=scale, simthreshd1=settings.simthreshd1,
+                          cdfthreshd=settings.cdfthreshd, pvthreshd=settings.pvthreshd)
+        if _compiling():
+            # one opaque node of the compiled graph; its outputs are reused buffers under CUDA graphs
+            # (mode="reduce-overhead"), so no statistics: noted here, warned when they are read
+            if self.collect_stats:
+                self._stats_missed = True  # a write, never a read: no guard, no recompile
+            return self.sparse_attention_fn(settings, query, compiled=True)(query, key, value, **thresholds)
         attention = self.sparse_attention_fn(settings, query)
         collect = self.collect_stats
         if collect and _capturing():
@@ -264,9 +309,7 @@ class SpargeProcessor:
             self._warn_capture("statistics are not recorded while a CUDA graph is captured (every replay would "
                                "overwrite them); read them from an eager step")
             collect = False
-        result = attention(query, key, value, is_causal=is_causal, scale=scale,
-                           simthreshd1=settings.simthreshd1, cdfthreshd=settings.cdfthreshd,
-                           pvthreshd=settings.pvthreshd, return_sparsity=collect)
+        result = attention(query, key, value, return_sparsity=collect, **thresholds)
         if not collect:
             return result
         out, stats = result
@@ -300,14 +343,18 @@ class SpargeProcessor:
             native = self._natives[id(attn)] = _native_processor(attn)
         layer = self._names.get(id(attn), f"<unbound {type(attn).__name__} {id(attn):x}>")
         settings = self.layer_settings.get(layer, self.settings)
-        if not self.enabled or settings.dense or (self.dense_steps and self.step <= self.dense_steps):
+        warm_up = self.dense_steps and self.step <= self.dense_steps and not _compiling()
+        if not self.enabled or settings.dense or warm_up:
             return native(attn, hidden_states, **kwargs)
         with _SparseSDPA(self, layer, settings):
             return native(attn, hidden_states, **kwargs)
 
     @property
     def stats(self) -> list[dict]:
-        """One record per sparse attention call: layer, step and the SparsityStats figures."""
+        """One record per sparse attention call: layer, step and the SparsityStats figures (eager calls only)."""
+        if self._stats_missed:
+            warnings.warn("SpargeProcessor: calls made by a torch.compile'd model record no statistics; run a step "
+                          "without torch.compile to read them", stacklevel=2)
         return [{"layer": layer, "step": step, **st.as_dict()} for layer, step, st in self._records]
 
     def reset_stats(self) -> None:

@@ -1,0 +1,68 @@
+"""sparge_attention as a PyTorch custom operator (``torch.ops.sparge_diffusers.sparge_attention``).
+
+torch.compile cannot trace :func:`sparge_attention` itself: it checks its inputs in Python, picks kernels by
+shape, launches Triton and Gluon kernels and caches tensors by value. Behind a custom operator the whole call is
+one opaque node of the compiled graph, whose output shape the fake implementation below gives without running
+it, so a compiled model keeps a single graph around every attention call. Eager callers should keep calling
+:func:`sparge_attention`: dispatching through the operator adds host time and returns no statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._inputs import PerHead, TensorLayout, check_attention_inputs, resolve_scale
+from .api import sparge_attention
+
+
+@torch.library.custom_op("sparge_diffusers::sparge_attention", mutates_args=())
+def _sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+                         simthreshd1: list[float], cdfthreshd: list[float], pvthreshd: list[float] | None,
+                         attention_sink: bool, tensor_layout: str) -> torch.Tensor:
+    out = sparge_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
+                           cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, attention_sink=attention_sink,
+                           tensor_layout=tensor_layout)
+    # an operator's output must have the strides its fake gives: contiguous in q's layout (the Triton path's
+    # output already is; the reference path's NHD output is a transposed view)
+    return out.contiguous()
+
+
+@_sparge_attention_op.register_fake
+def _(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, tensor_layout):
+    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)  # errors at trace time
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _as_list(value: PerHead | None, name: str) -> list[float] | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.detach().flatten().tolist()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [float(value)]
+    try:
+        return [float(x) for x in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number or a sequence of numbers (one per head), got {value!r}") from None
+
+
+def sparge_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    simthreshd1: PerHead = 0.6,
+    cdfthreshd: PerHead = 0.98,
+    pvthreshd: PerHead | None = 50,
+    attention_sink: bool = False,
+    tensor_layout: TensorLayout = "HND",
+) -> torch.Tensor:
+    """:func:`sparge_attention` through its custom operator: the same arguments and output (contiguous, in q's
+    layout), no statistics. For code compiled with ``torch.compile``; thresholds become lists of floats (one,
+    or one per head), which the compiled graph holds as constants."""
+    scale = resolve_scale(scale, q.shape[-1])
+    return torch.ops.sparge_diffusers.sparge_attention(
+        q, k, v, bool(is_causal), scale, _as_list(simthreshd1, "simthreshd1"), _as_list(cdfthreshd, "cdfthreshd"),
+        _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout)
