@@ -227,3 +227,30 @@ def test_cuda_graph_replay_matches_the_eager_sparse_step(name):
     assert torch.isfinite(captured).all()
     assert relative_l1(captured, eager) < 1e-3  # same kernels, same inputs: equal up to atomics' order
     assert relative_l1(captured, native) > 1e-4, "the graph must have recorded the sparse path"
+
+
+def test_a_native_processor_that_never_calls_sdpa_is_reported_not_silently_dense():
+    """Flux after set_attention_backend("flex") computes attention without F.scaled_dot_product_attention:
+    the seam has nothing to answer, so the layer runs dense. That must be said, and strict must refuse it.
+    (diffusers also makes the backend the process-wide default for every model: restored afterwards.)"""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    torch.manual_seed(11)
+    model, inputs = flux()
+    native = run(model, inputs)
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # diffusers: attention backends are experimental
+            model.set_attention_backend("flex")
+        processor = apply(model, AGGRESSIVE)
+        with pytest.warns(UserWarning, match="made no F.scaled_dot_product_attention call.*'flex'"):
+            out = run(model, inputs)
+        assert processor.stats == []
+        assert relative_l1(out, native) < 1e-5  # flex attention, dense: the native result
+        strict = apply(model, AGGRESSIVE, strict=True)
+        with pytest.raises(ValueError, match="strict=True"):
+            run(model, inputs)
+        assert strict.stats == []
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)

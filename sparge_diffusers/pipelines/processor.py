@@ -112,6 +112,7 @@ class _SparseSDPA(TorchFunctionMode):
     def __init__(self, processor: "SpargeProcessor", layer: str, settings: SpargeSettings):
         super().__init__()
         self.processor, self.layer, self.settings = processor, layer, settings
+        self.answered = False  # whether the native processor called SDPA at all
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -123,6 +124,7 @@ class _SparseSDPA(TorchFunctionMode):
                 tensor, *rest = args
                 return tensor.unflatten(*rest, **kwargs)
             return func(*args, **kwargs)
+        self.answered = True
         return self.processor._attention(self.layer, self.settings, func, *args, **kwargs)
 
 
@@ -346,8 +348,17 @@ class SpargeProcessor:
         warm_up = self.dense_steps and self.step <= self.dense_steps and not _compiling()
         if not self.enabled or settings.dense or warm_up:
             return native(attn, hidden_states, **kwargs)
-        with _SparseSDPA(self, layer, settings):
-            return native(attn, hidden_states, **kwargs)
+        seam = _SparseSDPA(self, layer, settings)
+        with seam:
+            out = native(attn, hidden_states, **kwargs)
+        if not seam.answered:
+            # e.g. Flux after set_attention_backend("flash"): dispatch_attention_fn then calls that backend, not
+            # SDPA. Nothing is wrong with the output, but the layer ran dense: say so rather than stay silent.
+            backend = getattr(native, "_attention_backend", None)
+            self._warn_once(f"{type(native).__name__} made no F.scaled_dot_product_attention call"
+                            + (f" (its attention backend is {getattr(backend, 'value', backend)!r})" if backend else "")
+                            + "; the layer ran without sparse attention")
+        return out
 
     @property
     def stats(self) -> list[dict]:
