@@ -109,8 +109,12 @@ def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, 
     """Register SpargeAttn under ``name`` for ``attn_implementation=name`` (transformers' AttentionInterface),
     with SDPA's mask function (a causal prompt without padding then gets no mask at all, which is what lets a
     call run sparse). ``settings`` are :class:`SpargeLLMAttention`'s fields; returns the registered function."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as e:  # the attention and mask registries of transformers >= 4.53
+        raise ImportError(f"sparge_diffusers.llm needs transformers >= 4.53 (AttentionInterface and "
+                          f"AttentionMaskInterface): {e}") from e
 
     attention = attention or SpargeLLMAttention(**settings)
     AttentionInterface.register(name, attention)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.masking_utils")  # transformers >= 4.53, as sparge_diffusers.llm needs
 
 from sparge_diffusers import relative_l1  # noqa: E402
 from sparge_diffusers.llm import SpargeLLMAttention, register  # noqa: E402
