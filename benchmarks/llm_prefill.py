@@ -20,25 +20,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import save_report  # noqa: E402
+from _report import save_report, timed  # noqa: E402
 
 from sparge_diffusers import relative_l1  # noqa: E402
 from sparge_diffusers.llm import register  # noqa: E402
 
 SETTINGS = {"default": {}, "aggressive": {"simthreshd1": -1.0, "cdfthreshd": 0.9}}
-
-
-def timed(fn, reps: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None):

@@ -17,6 +17,7 @@ Usage: python benchmarks/pipelines.py [--models flux,sd3,cogvideox,mochi] [--gra
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -26,6 +27,9 @@ from torch.overrides import TorchFunctionMode
 import diffusers
 from sparge_diffusers import relative_l1
 from sparge_diffusers.pipelines import SpargeSettings, apply
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _report import timed  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -86,21 +90,6 @@ class RecordSDPA(TorchFunctionMode):
             qkv = list(args[:3]) + [kwargs[n] for n in ("query", "key", "value") if n in kwargs]
             self.calls.append(tuple(t.shape for t in qkv))
         return func(*args, **kwargs)
-
-
-def timed(fn, reps=5, warmup=3):
-    # SD3's sparse step settles over its first few calls (H100: 114, 111, 107, then 104 ms), so one warm-up
-    # call and a median of 3 left run-to-run swings of 126-185 ms in the table.
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
 
 
 def kernel_ms(fn) -> float:

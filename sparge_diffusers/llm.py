@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .kernels import SparsityStats, sparge_attention
-from .kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, PerHead
+from .kernels._inputs import PerHead, unsupported_reason
 
 
 @dataclass
@@ -67,13 +67,7 @@ class SpargeLLMAttention:
             return "softcapping"
         if kwargs.get("sliding_window") is not None:
             return "a sliding window"
-        if query.device.type == "cuda" and query.dtype not in KERNEL_DTYPES:
-            return f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
-        if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):
-            return f"head dim {query.shape[-1]}"
-        if query.device.type not in ("cuda", "cpu"):
-            return f"device {query.device}"
-        return None
+        return unsupported_reason(query)
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,

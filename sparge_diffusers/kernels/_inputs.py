@@ -103,6 +103,18 @@ def check_attention_inputs(
     return AttentionShape(B, H, HK, Nq, Nkv, D)
 
 
+def unsupported_reason(query: torch.Tensor) -> str | None:
+    """Why a query of this dtype, head dim and device cannot take the sparse path (None when it can): for
+    callers that fall back to dense attention instead of raising, as the diffusers and transformers seams do."""
+    if query.device.type == "cuda" and query.dtype not in KERNEL_DTYPES:
+        return f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
+    if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):
+        return f"head dim {query.shape[-1]}"
+    if query.device.type not in ("cuda", "cpu"):
+        return f"device {query.device}"
+    return None
+
+
 def resolve_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return head_dim ** -0.5

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..kernels import sparge_attention
 from ..kernels.library import sparge_attention_op
-from ..kernels._inputs import KERNEL_DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM
+from ..kernels._inputs import unsupported_reason
 from ..permutations import permuted, visual_token_permutation
 from .settings_file import LayerSettingsFile
 
@@ -271,13 +271,7 @@ class SpargeProcessor:
             return "an attention mask (the kernel takes block masks only)"
         if dropout_p:
             return "dropout"
-        if query.device.type == "cuda" and query.dtype not in KERNEL_DTYPES:
-            return f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
-        if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):
-            return f"head dim {query.shape[-1]}"
-        if query.device.type not in ("cuda", "cpu"):
-            return f"device {query.device}"
-        return None
+        return unsupported_reason(query)
 
     def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor, compiled: bool = False):
         """sparge_attention (its custom operator when ``compiled``), wrapped in the layer's token permutation
