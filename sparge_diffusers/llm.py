@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .kernels import SparsityStats, sparge_attention
+from ._compile import compiling, warn_while_tracing
+from .kernels import SparsityStats, sparge_attention, sparge_attention_op
 from .kernels._inputs import PerHead, unsupported_reason
 
 
@@ -81,9 +82,13 @@ class SpargeLLMAttention:
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
-        out = sparge_attention(query, key, value, is_causal=True, scale=scaling, simthreshd1=self.simthreshd1,
-                               cdfthreshd=self.cdfthreshd, pvthreshd=self.pvthreshd,
-                               attention_sink=self.attention_sink, return_sparsity=self.collect_stats)
+        thresholds = dict(is_causal=True, scale=scaling, simthreshd1=self.simthreshd1, cdfthreshd=self.cdfthreshd,
+                          pvthreshd=self.pvthreshd, attention_sink=self.attention_sink)
+        if compiling():
+            # one node of the compiled graph (see kernels/library.py); no statistics, no call count: a Python
+            # counter read under compilation would be a guard that recompiles at every call
+            return sparge_attention_op(query, key, value, **thresholds).transpose(1, 2).contiguous(), None
+        out = sparge_attention(query, key, value, return_sparsity=self.collect_stats, **thresholds)
         if self.collect_stats:
             out, stats = out
             self.stats.append(stats)
@@ -93,7 +98,9 @@ class SpargeLLMAttention:
     def _warn(self, reason: str) -> None:
         if self.strict:
             raise ValueError(f"SpargeLLMAttention: {reason}; strict=True forbids falling back to SDPA")
-        if reason not in self._warned:
+        if compiling():
+            warn_while_tracing(f"SpargeLLMAttention: falling back to SDPA: {reason}")
+        elif reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"SpargeLLMAttention: falling back to SDPA: {reason}", stacklevel=3)
 

@@ -104,6 +104,25 @@ def test_attention_function_answers_in_transformers_layout():
     assert relative_l1(out, expected.transpose(1, 2)) < 1e-5
 
 
+def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
+    attention = register("sparge_test_compile", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
+    model = load(tiny_llama, "sparge_test_compile")
+    ids = prompt(300)
+    eager = logits(model, ids)
+    assert relative_l1(eager, logits(load(tiny_llama, "sdpa"), ids)) > 1e-3, "the settings must skip blocks"
+    calls = attention.sparse_calls
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first, second = logits(compiled, ids), logits(compiled, ids)
+    assert torch.equal(first, eager) and torch.equal(second, eager)
+    assert attention.sparse_calls == calls, "compiled calls are not counted (a counter would recompile)"
+    mask = torch.ones(2, 300, dtype=torch.long)
+    mask[1, :10] = 0
+    with pytest.warns(UserWarning, match="explicit attention mask"):  # raised while tracing
+        logits(compiled, prompt(300, batch=2), attention_mask=mask)
+
+
 @pytest.mark.gpu
 def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
     attention = register("sparge_test_gpu", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, collect_stats=True)
@@ -116,3 +135,6 @@ def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
     assert relative_l1(out.float(), logits(sdpa, ids).float()) < 2e-2  # bf16 through 2 layers
     generated = ours.generate(ids[:1, :300], max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 304) and attention.sparse_calls == 4
+    torch._dynamo.reset()
+    compiled = logits(torch.compile(ours, fullgraph=True), ids)  # inductor, the kernels behind the operator
+    assert attention.sparse_calls == 4 and relative_l1(compiled.float(), out.float()) < 1e-2

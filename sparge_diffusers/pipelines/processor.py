@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .._compile import compiling, warn_while_tracing
 from ..kernels import sparge_attention
 from ..kernels.library import sparge_attention_op
 from ..kernels._inputs import unsupported_reason
@@ -73,20 +74,6 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _compiling() -> bool:
-    """Whether torch.compile is tracing this call (then the attention goes through the custom operator and
-    nothing may depend on values read from tensors)."""
-    return torch.compiler.is_compiling()
-
-
-@torch.compiler.assume_constant_result
-def _warn_while_tracing(message: str) -> bool:
-    """Torch.compile runs this while tracing and keeps its result as a constant: the warning shows once per
-    compilation, and the compiled code holds no call to it."""
-    warnings.warn(message, stacklevel=2)
-    return True
-
-
 def _native_processor(attn: torch.nn.Module):
     """The processor diffusers 0.42 gives this attention module by default (a small registry, by class)."""
     from diffusers.models import attention_processor as ap
@@ -117,7 +104,7 @@ class _SparseSDPA(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
-            if func is torch.Tensor.unflatten and _compiling():
+            if func is torch.Tensor.unflatten and compiling():
                 # Dynamo (torch <= 2.13) cannot trace the super() call inside Tensor.unflatten once a mode
                 # hands it on (pytorch/pytorch#179853): a graph break per layer. As a method call (this mode
                 # is off inside its own handler) Dynamo traces it.
@@ -213,7 +200,7 @@ class SpargeProcessor:
         generation and the count (hence the dense warm-up) starts again. This reads one number per step.
         While a CUDA graph is being captured nothing may be read back from the GPU: see ``_on_captured_forward``.
         """
-        if _compiling() or _capturing():
+        if compiling() or _capturing():
             self._on_captured_forward(module, args, kwargs)
             return
         timestep = kwargs.get("timestep")
@@ -233,7 +220,7 @@ class SpargeProcessor:
         counting steps would make it recompile at each one (warned once per compilation). Flux's grid comes from
         its img_ids on the GPU, which cannot be read here: the last eager call's grid is kept when its token
         count matches, else no permutation (with the usual warning)."""
-        if self.dense_steps and _compiling():
+        if self.dense_steps and compiling():
             self._warn_capture("dense_steps has no effect under torch.compile (every step runs sparse); run the "
                                "dense warm-up steps with an uncompiled model or set dense_steps=0")
         elif self.dense_steps:
@@ -259,8 +246,8 @@ class SpargeProcessor:
     def _warn(self, message: str) -> None:
         """Once per processor; under torch.compile once per compilation, while tracing (a warning call inside
         the compiled code would break the graph at every layer)."""
-        if _compiling():
-            _warn_while_tracing(message)
+        if compiling():
+            warn_while_tracing(message)
         elif message not in self._warned:
             self._warned.add(message)
             warnings.warn(message, stacklevel=5)
@@ -292,7 +279,7 @@ class SpargeProcessor:
                         scale=scale, enable_gqa=enable_gqa)
         thresholds = dict(is_causal=is_causal, scale=scale, simthreshd1=settings.simthreshd1,
                           cdfthreshd=settings.cdfthreshd, pvthreshd=settings.pvthreshd)
-        if _compiling():
+        if compiling():
             # one opaque node of the compiled graph; its outputs are reused buffers under CUDA graphs
             # (mode="reduce-overhead"), so no statistics: noted here, warned when they are read
             if self.collect_stats:
@@ -339,7 +326,7 @@ class SpargeProcessor:
             native = self._natives[id(attn)] = _native_processor(attn)
         layer = self._names.get(id(attn), f"<unbound {type(attn).__name__} {id(attn):x}>")
         settings = self.layer_settings.get(layer, self.settings)
-        warm_up = self.dense_steps and self.step <= self.dense_steps and not _compiling()
+        warm_up = self.dense_steps and self.step <= self.dense_steps and not compiling()
         if not self.enabled or settings.dense or warm_up:
             return native(attn, hidden_states, **kwargs)
         seam = _SparseSDPA(self, layer, settings)
