@@ -343,6 +343,13 @@ def test_non_contiguous_inputs_and_broadcast_mask():
     a = block_sparse_attention(qn, kn, vn, mask, backend="triton")
     b = block_sparse_attention(q, k, v, mask.expand(2, 4, 2, 4).contiguous(), backend="reference")
     assert relative_l1(a, b) < L1_TOL[torch.float16]
+    # as SDPA's, the output is laid out as q (what diffusers passes: HND views of NHD projections), so the
+    # caller's transpose back to (B, N, H*D) is a view, not a copy
+    assert a.stride() == qn.stride()
+    full = sparge_attention(qn, kn, vn, simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, backend="triton")
+    assert full.stride() == qn.stride() and torch.isfinite(full).all()
+    assert relative_l1(full, dense_reference(q, k, v, False, "HND")) < L1_TOL[torch.float16]
+    assert a.transpose(1, 2).flatten(2, 3).data_ptr() == a.data_ptr(), "the transpose back must be a view"
 
 
 @pytest.mark.parametrize("maker,causal", [

@@ -144,6 +144,17 @@ def predict_block_mask(
                     attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend).mask
 
 
+def new_output(q: torch.Tensor) -> torch.Tensor:
+    """An output buffer with q's memory layout where q's last dim is contiguous, else a contiguous one.
+
+    Diffusers passes (B, H, N, D) views of (B, N, H, D) projections and reads the output back through the
+    opposite transpose: like SDPA's, an output laid out as q is makes that a free view, where a contiguous
+    (B, H, N, D) output costs a copy of it per layer (28 MB at the Flux shape)."""
+    if q.stride(-1) == 1:
+        return torch.empty_like(q)  # preserve_format: q's strides when q is dense and non-overlapping
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; got "
@@ -182,7 +193,8 @@ def block_sparse_attention(
         return_sparsity: also return a :class:`SparsityStats`.
         out: optional output buffer with q's shape, dtype and device (written in full).
     Returns:
-        The output in q's layout and dtype; query rows that see no key (an empty mask row) are zero.
+        The output in q's layout and dtype, with q's strides where q's last dim is contiguous (as SDPA's
+        output has), else contiguous; query rows that see no key (an empty mask row) are zero.
     """
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
     if isinstance(block_mask, CompactBlockMask):
@@ -216,7 +228,7 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
     qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
     qh, kh, vh = (t if t.stride(-1) == 1 else t.contiguous() for t in (qh, kh, vh))
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = new_output(q)
     out_h = to_hnd(out, tensor_layout)
     index = compact.kernel_walk if compact is not None else None
     tail = compact.tail if compact is not None else None

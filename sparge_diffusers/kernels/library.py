@@ -12,25 +12,24 @@ from __future__ import annotations
 import torch
 
 from ._inputs import PerHead, TensorLayout, check_attention_inputs, resolve_scale
-from .api import sparge_attention
+from .api import new_output, sparge_attention
 
 
 @torch.library.custom_op("sparge_diffusers::sparge_attention", mutates_args=())
 def _sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                          simthreshd1: list[float], cdfthreshd: list[float], pvthreshd: list[float] | None,
                          attention_sink: bool, tensor_layout: str) -> torch.Tensor:
-    out = sparge_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                           cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, attention_sink=attention_sink,
-                           tensor_layout=tensor_layout)
-    # an operator's output must have the strides its fake gives: contiguous in q's layout (the Triton path's
-    # output already is; the reference path's NHD output is a transposed view)
-    return out.contiguous()
+    # an operator's output must have the strides its fake gives: written into the same kind of buffer (the
+    # reference path returns a fresh tensor of its own layout, which sparge_attention copies into ``out``)
+    return sparge_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
+                            cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, attention_sink=attention_sink,
+                            tensor_layout=tensor_layout, out=new_output(q))
 
 
 @_sparge_attention_op.register_fake
 def _(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, tensor_layout):
     check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)  # errors at trace time
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return new_output(q)
 
 
 def _as_list(value: PerHead | None, name: str) -> list[float] | None:
@@ -59,8 +58,8 @@ def sparge_attention_op(
     attention_sink: bool = False,
     tensor_layout: TensorLayout = "HND",
 ) -> torch.Tensor:
-    """:func:`sparge_attention` through its custom operator: the same arguments and output (contiguous, in q's
-    layout), no statistics. For code compiled with ``torch.compile``; thresholds become lists of floats (one,
+    """:func:`sparge_attention` through its custom operator: the same arguments and output (in q's layout, with
+    q's strides where its last dim is contiguous), no statistics. For code compiled with ``torch.compile``; thresholds become lists of floats (one,
     or one per head), which the compiled graph holds as constants."""
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.sparge_attention(
