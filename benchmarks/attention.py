@@ -81,6 +81,8 @@ def sdpa_fn(q, k, v, causal, backend):
 
     group = q.shape[1] // k.shape[1]
     ke, ve = (t.repeat_interleave(group, 1) if group > 1 else t for t in (k, v))
+    if backend == "default":  # PyTorch's own choice, as a model calling SDPA gets it
+        return lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
     be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
 
     def run():
@@ -146,6 +148,8 @@ def run_shape(w, densities, device, log):
     t, spread = bench_rounds({
         "cudnn": sdpa_fn(q, k, v, causal, "cudnn"),
         "flash": sdpa_fn(q, k, v, causal, "flash"),
+        # what a model calling SDPA gets (on the H100 with torch 2.11 it picks cuDNN's kernel and times alike)
+        "sdpa": sdpa_fn(q, k, v, causal, "default"),
         "ours": lambda: block_sparse_attention(q, k, v, None, is_causal=causal),
         # the same dense walk with the stage-2 test compiled in (pvthreshd=50 skips nothing on random inputs)
         "ours_pv": lambda: block_sparse_attention(q, k, v, None, is_causal=causal, pvthreshd=50)})
@@ -153,7 +157,16 @@ def run_shape(w, densities, device, log):
     res["dense"] = {"cudnn_ms": cudnn, "flash_ms": flash, "ours_ms": ours_dense, "ours_pv_test_ms": ours_dense_pv,
                     "round_spread": spread,
                     "ours_vs_cudnn": cudnn / ours_dense, "ours_vs_flash": flash / ours_dense,
-                    "ours_tflops": flops / ours_dense / 1e9, "cudnn_tflops": flops / cudnn / 1e9}
+                    "ours_tflops": flops / ours_dense / 1e9, "cudnn_tflops": flops / cudnn / 1e9,
+                    "sdpa_default_ms": t["sdpa"], "ours_vs_sdpa_default": t["sdpa"] / ours_dense}
+    # The same (B, H, N, D) values stored as (B, N, H, D), as diffusers and transformers models hand them over
+    # (views of their projections): cuDNN's time depends on the storage (H100, Flux: 399 vs 444-455 us).
+    qn, kn, vn = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    t, _ = bench_rounds({"cudnn": sdpa_fn(qn, kn, vn, causal, "cudnn"),
+                         "ours": lambda: block_sparse_attention(qn, kn, vn, None, is_causal=causal)})
+    res["dense"].update(cudnn_nhd_stored_ms=t["cudnn"], ours_nhd_stored_ms=t["ours"],
+                        ours_vs_cudnn_nhd_stored=t["cudnn"] / t["ours"])
+    del qn, kn, vn
     log(f"{name}: dense ours {ours_dense:.2f} ms, cuDNN {cudnn:.2f} ms, flash {flash:.2f} ms")
 
     res["sparse"] = []
@@ -192,14 +205,16 @@ def run_shape(w, densities, device, log):
     l1 = sampled_relative_l1(out, qs, ks, vs, causal)
     t, spread = bench_rounds({"whole": lambda: sparge_attention(qs, ks, vs, is_causal=causal),
                               "stage1_only": lambda: sparge_attention(qs, ks, vs, is_causal=causal, pvthreshd=None),
-                              "cudnn": sdpa_fn(qs, ks, vs, causal, "cudnn")})
+                              "cudnn": sdpa_fn(qs, ks, vs, causal, "cudnn"),
+                              "sdpa": sdpa_fn(qs, ks, vs, causal, "default")})
     whole, stage1_only, cudnn_s = t["whole"], t["stage1_only"], t["cudnn"]
     l1_cudnn = sampled_relative_l1(sdpa_fn(qs, ks, vs, causal, "cudnn")(), qs, ks, vs, causal)
     res["structured_default"] = {"sparsity": stats.sparsity, "qk_skipped": float(stats.qk_skipped.mean()),
                                  "pv_skipped_stage2": float(stats.pv_skipped_stage2.mean()),
                                  "relative_l1": l1, "relative_l1_cudnn_bf16": l1_cudnn, "ms": whole,
                                  "stage1_only_ms": stage1_only,
-                                 "cudnn_ms": cudnn_s, "speedup_vs_cudnn": cudnn_s / whole, "round_spread": spread}
+                                 "cudnn_ms": cudnn_s, "speedup_vs_cudnn": cudnn_s / whole, "round_spread": spread,
+                                 "sdpa_default_ms": t["sdpa"], "speedup_vs_sdpa_default": t["sdpa"] / whole}
     log(f"  structured: sparsity {stats.sparsity:.3f}, L1 {l1:.4f}, {whole:.2f} ms vs cuDNN {cudnn_s:.2f} ms")
     del qs, ks, vs, out
     torch.cuda.empty_cache()
@@ -211,11 +226,21 @@ def print_table(results):
           f"timer {results.get('timer', 'eager')}")
     for fallback in results.get("graph_fallbacks", []):
         print(f"  timed eagerly (no CUDA graph): {fallback}")
-    print(f"{'shape':10} {'cuDNN':>8} {'flash':>8} {'ours':>8} {'ours+pv':>8} {'cuDNN/ours':>10} {'pred %':>7}")
+    print(f"{'shape':10} {'cuDNN':>8} {'flash':>8} {'SDPA':>8} {'ours':>8} {'ours+pv':>8} {'cuDNN/ours':>10} "
+          f"{'SDPA/ours':>9} {'pred %':>7}")
     for name, r in results["shapes"].items():
         d = r["dense"]
-        print(f"{name:10} {d['cudnn_ms']:8.2f} {d['flash_ms']:8.2f} {d['ours_ms']:8.2f} {d['ours_pv_test_ms']:8.2f} "
-              f"{d['ours_vs_cudnn']:10.2f} {100 * r['predict']['share_of_cudnn']:7.2f}")
+        print(f"{name:10} {d['cudnn_ms']:8.2f} {d['flash_ms']:8.2f} {d.get('sdpa_default_ms', float('nan')):8.2f} "
+              f"{d['ours_ms']:8.2f} {d['ours_pv_test_ms']:8.2f} {d['ours_vs_cudnn']:10.2f} "
+              f"{d.get('ours_vs_sdpa_default', float('nan')):9.2f} {100 * r['predict']['share_of_cudnn']:7.2f}")
+    print("(cuDNN, flash: forced with sdpa_kernel; SDPA: PyTorch's default dispatch)")
+    stored = {n: r["dense"] for n, r in results["shapes"].items() if "cudnn_nhd_stored_ms" in r["dense"]}
+    if stored:
+        print("\nDense, the same values stored (B, N, H, D) (as models pass them) instead of (B, H, N, D)")
+        print(f"{'shape':10} {'cuDNN':>8} {'ours':>8} {'cuDNN/ours':>10}")
+        for name, d in stored.items():
+            print(f"{name:10} {d['cudnn_nhd_stored_ms']:8.2f} {d['ours_nhd_stored_ms']:8.2f} "
+                  f"{d['ours_vs_cudnn_nhd_stored']:10.2f}")
     print("\nours: bool mask compacted per call; pre: prebuilt CompactBlockMask (Flex: prebuilt BlockMask)")
     print(f"{'shape':10} {'density':>7} {'ours ms':>8} {'pre ms':>8} {'flex ms':>8} {'flex/ours':>9} "
           f"{'flex/pre':>8} {'x dense':>8} {'x/ideal':>8} {'pre x/id':>8}")
@@ -226,11 +251,12 @@ def print_table(results):
                   f"{s['speedup_vs_own_dense']:8.2f} {s['speedup_over_ideal']:8.2f} "
                   f"{s['prebuilt_speedup_over_ideal']:8.2f}")
     print(f"\n{'shape':10} {'sparsity':>8} {'rel L1':>8} {'L1 cuDNN':>8} {'ms':>8} {'no-pv ms':>8} {'cuDNN ms':>8} "
-          f"{'speedup':>8}")
+          f"{'speedup':>8} {'SDPA ms':>8} {'vs SDPA':>8}")
     for name, r in results["shapes"].items():
         s = r["structured_default"]
         print(f"{name:10} {s['sparsity']:8.3f} {s['relative_l1']:8.4f} {s['relative_l1_cudnn_bf16']:8.4f} "
-              f"{s['ms']:8.2f} {s['stage1_only_ms']:8.2f} {s['cudnn_ms']:8.2f} {s['speedup_vs_cudnn']:8.2f}")
+              f"{s['ms']:8.2f} {s['stage1_only_ms']:8.2f} {s['cudnn_ms']:8.2f} {s['speedup_vs_cudnn']:8.2f} "
+              f"{s.get('sdpa_default_ms', float('nan')):8.2f} {s.get('speedup_vs_sdpa_default', float('nan')):8.2f}")
 
 
 def main(argv=None):
@@ -252,7 +278,7 @@ def main(argv=None):
     results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d"), "timer": TIMER, "graph_fallbacks": GRAPH_FALLBACKS,
                "shapes": {}}
-    densities = [float(x) for x in args.densities.split(",")]
+    densities = [float(x) for x in args.densities.split(",") if x]  # "" times the dense modes only
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"attention-{gpu.replace(' ', '_')}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
