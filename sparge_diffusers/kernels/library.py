@@ -59,8 +59,8 @@ def sparge_attention_op(
     tensor_layout: TensorLayout = "HND",
 ) -> torch.Tensor:
     """:func:`sparge_attention` through its custom operator: the same arguments and output (in q's layout, with
-    q's strides where its last dim is contiguous), no statistics. For code compiled with ``torch.compile``; thresholds become lists of floats (one,
-    or one per head), which the compiled graph holds as constants."""
+    q's strides where its last dim is contiguous), no statistics. For code compiled with ``torch.compile``;
+    thresholds become lists of floats (one, or one per head), which the compiled graph holds as constants."""
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.sparge_attention(
         q, k, v, bool(is_causal), scale, _as_list(simthreshd1, "simthreshd1"), _as_list(cdfthreshd, "cdfthreshd"),
