@@ -16,13 +16,12 @@ diffusers.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._compile import compiling, warn_while_tracing
+from ._compile import compiling, warn_once
 from .kernels import SparsityStats, sparge_attention, sparge_attention_op
 from .kernels._inputs import PerHead, unsupported_reason
 
@@ -98,11 +97,7 @@ class SpargeLLMAttention:
     def _warn(self, reason: str) -> None:
         if self.strict:
             raise ValueError(f"SpargeLLMAttention: {reason}; strict=True forbids falling back to SDPA")
-        if compiling():
-            warn_while_tracing(f"SpargeLLMAttention: falling back to SDPA: {reason}")
-        elif reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"SpargeLLMAttention: falling back to SDPA: {reason}", stacklevel=3)
+        warn_once(f"SpargeLLMAttention: falling back to SDPA: {reason}", self._warned, stacklevel=3)
 
 
 def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, **settings: Any

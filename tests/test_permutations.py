@@ -147,3 +147,14 @@ def test_gpu_permutation_round_trip(layout):
     y = p.apply(x, layout)
     assert torch.equal(y, x.index_select(seq, p.perm))
     assert torch.equal(p.restore(y, layout), x)
+
+
+def test_permutation_cache_returns_the_same_tensors_and_stays_bounded():
+    from sparge_diffusers.permutations import orders
+
+    first = visual_token_permutation((1, 4, 4), "hilbert", text_before=3)
+    assert visual_token_permutation((1, 4, 4), "hilbert", text_before=3) is first  # no rebuild, no copy
+    for w in range(1, orders._MAX_PERMUTATIONS + 10):
+        visual_token_permutation((1, 2, w), "rowmajor")
+    assert len(orders._PERMUTATIONS) == orders._MAX_PERMUTATIONS
+    assert visual_token_permutation((1, 4, 4), "hilbert", text_before=3) is not first, "the oldest was dropped"

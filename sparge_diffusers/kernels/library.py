@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import PerHead, TensorLayout, check_attention_inputs, resolve_scale
+from ._inputs import PerHead, TensorLayout, _is_number, check_attention_inputs, resolve_scale
 from .api import new_output, sparge_attention
 
 
@@ -37,7 +37,7 @@ def _as_list(value: PerHead | None, name: str) -> list[float] | None:
         return None
     if isinstance(value, torch.Tensor):
         value = value.detach().flatten().tolist()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if _is_number(value):
         return [float(value)]
     try:
         return [float(x) for x in value]

@@ -110,21 +110,27 @@ class TokenPermutation:
 
 # Built permutations by (grid, order, text_before, text_after, device, seed). A plain dict rather than an
 # lru_cache: torch.compile looks entries up (their tensors become graph inputs) instead of tracing the build,
-# which it would do through an lru_cache, graph-breaking on the NumPy work. A few KB to MB per entry; the
-# set of grids a process meets is small.
+# which it would do through an lru_cache, graph-breaking on the NumPy work. A few KB to MB per entry, the
+# oldest dropped beyond _MAX_PERMUTATIONS (the bound the lru_cache had).
 _PERMUTATIONS: dict[tuple, TokenPermutation] = {}
+_MAX_PERMUTATIONS = 64
 
 
 def _cached(grid: Grid, order: str, text_before: int, text_after: int, device: str, seed: int
             ) -> TokenPermutation:
     key = (grid, order, text_before, text_after, device, seed)
     found = _PERMUTATIONS.get(key)
-    if found is None:
-        found = _PERMUTATIONS[key] = _build(*key)
-    return found
+    return found if found is not None else _build_and_store(key)
 
 
 @torch.compiler.disable  # a cache miss under torch.compile builds eagerly (one graph break, that call only)
+def _build_and_store(key: tuple) -> TokenPermutation:
+    if len(_PERMUTATIONS) >= _MAX_PERMUTATIONS:
+        del _PERMUTATIONS[next(iter(_PERMUTATIONS))]  # insertion order: the oldest
+    built = _PERMUTATIONS[key] = _build(*key)
+    return built
+
+
 def _build(grid: Grid, order: str, text_before: int, text_after: int, device: str, seed: int) -> TokenPermutation:
     visual = torch.from_numpy(np.ascontiguousarray(grid_order(grid, order, seed))).long()
     n_vis = visual.numel()

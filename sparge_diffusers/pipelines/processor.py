@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .._compile import compiling, warn_while_tracing
+from .._compile import compiling, warn_once
 from ..kernels import sparge_attention
 from ..kernels.library import sparge_attention_op
 from ..kernels._inputs import unsupported_reason
@@ -244,13 +244,7 @@ class SpargeProcessor:
         self._warn(f"SpargeProcessor: falling back to {fallback}: {reason}")
 
     def _warn(self, message: str) -> None:
-        """Once per processor; under torch.compile once per compilation, while tracing (a warning call inside
-        the compiled code would break the graph at every layer)."""
-        if compiling():
-            warn_while_tracing(message)
-        elif message not in self._warned:
-            self._warned.add(message)
-            warnings.warn(message, stacklevel=5)
+        warn_once(message, self._warned, stacklevel=5)
 
     def fallback_reason(self, query: torch.Tensor, attn_mask=None, dropout_p: float = 0.0) -> str | None:
         """Why this SDPA call cannot run sparse (None when it can)."""
@@ -279,13 +273,14 @@ class SpargeProcessor:
                         scale=scale, enable_gqa=enable_gqa)
         thresholds = dict(is_causal=is_causal, scale=scale, simthreshd1=settings.simthreshd1,
                           cdfthreshd=settings.cdfthreshd, pvthreshd=settings.pvthreshd)
-        if compiling():
+        compiled = compiling()
+        attention = self.sparse_attention_fn(settings, query, compiled)
+        if compiled:
             # one opaque node of the compiled graph; its outputs are reused buffers under CUDA graphs
             # (mode="reduce-overhead"), so no statistics: noted here, warned when they are read
             if self.collect_stats:
                 self._stats_missed = True  # a write, never a read: no guard, no recompile
-            return self.sparse_attention_fn(settings, query, compiled=True)(query, key, value, **thresholds)
-        attention = self.sparse_attention_fn(settings, query)
+            return attention(query, key, value, **thresholds)
         collect = self.collect_stats
         if collect and _capturing():
             # a graph's tensors are overwritten by every replay: records taken here would all show the last one
