@@ -3,7 +3,10 @@ runs behind it. CUDA-graph timings (benchmarks/attention.py) leave it out; an ea
 attention layer, and where it exceeds the GPU time of the layer the GPU waits.
 
 Each entry: 20 warm-up calls, then 5 rounds of 40 calls issued while the GPU sleeps (``torch.cuda._sleep``), so
-the host never waits on the GPU; per-call time = round time / 40; min and median of the rounds.
+the host never waits on the GPU; per-call time = round time / 40; min and median of the rounds. Every entry is
+timed with our kernels launched directly (``kernels._launch``, the default) and through Triton's
+``kernel[grid](...)`` path, alternately (``AB_REPEATS`` times each, min of the mins and median of the medians):
+the host's speed swings between runs, so only figures of one run compare.
 
 Usage: python benchmarks/host_time.py [--out benchmarks/results/host-time-H100.json]
 """
@@ -22,8 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import save_report  # noqa: E402
 
 from sparge_diffusers import block_sparse_attention, compact_block_mask, predict_block_mask, sparge_attention  # noqa: E402
+from sparge_diffusers.kernels import _launch  # noqa: E402
 
 WARMUP, ROUNDS, CALLS = 20, 5, 40
+AB_REPEATS = 3
+LAUNCH_PATHS = {"direct": True, "triton": False}  # label: _launch.ENABLED
 GPU_SLEEP_CYCLES = 200_000_000  # ~0.1 s at H100 clocks: longer than a round's enqueueing
 
 
@@ -62,17 +68,38 @@ def host_times(fns: dict, rounds: int = ROUNDS, calls: int = CALLS, warmup: int 
     return results
 
 
+def launch_path_ab(fns: dict, repeats: int = AB_REPEATS, **timer) -> dict:
+    """{path: {name: {"min_us", "median_us"}}} for each launch path of ``LAUNCH_PATHS``, timed alternately."""
+    runs = {path: [] for path in LAUNCH_PATHS}
+    try:
+        for _ in range(repeats):
+            for path, enabled in LAUNCH_PATHS.items():
+                _launch.ENABLED = enabled
+                runs[path].append(host_times(fns, **timer))
+    finally:
+        _launch.ENABLED = True
+    return {path: {name: {"min_us": min(r[name]["min_us"] for r in rs),
+                          "median_us": sorted(r[name]["median_us"] for r in rs)[len(rs) // 2]}
+                   for name in fns}
+            for path, rs in runs.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    times = host_times(entry_points(q, k, v))
+    by_path = launch_path_ab(entry_points(q, k, v))
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [1, 24, 4608, 128],
-               "host_us": times}
+               "host_us": by_path["direct"], "host_us_triton_launch": by_path["triton"]}
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}); Flux shape (1, 24, 4608, 128) bf16, HND; "
-             f"host us per eager call, {ROUNDS} rounds of {CALLS} calls"]
-    lines += [f"  {name:24} min {t['min_us']:7.1f}  median {t['median_us']:7.1f}" for name, t in times.items()]
+             f"host us per eager call, {ROUNDS} rounds of {CALLS} calls, launch paths alternated {AB_REPEATS} times",
+             f"  {'':24} {'direct launch':>22}   {'Triton launch path':>22}",
+             f"  {'':24} {'min':>10} {'median':>11}   {'min':>10} {'median':>11}"]
+    for name, t in by_path["direct"].items():
+        u = by_path["triton"][name]
+        lines.append(f"  {name:24} {t['min_us']:10.1f} {t['median_us']:11.1f}   "
+                     f"{u['min_us']:10.1f} {u['median_us']:11.1f}")
     save_report(results, "\n".join(lines), args.out)
 
 

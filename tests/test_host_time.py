@@ -17,3 +17,14 @@ def test_every_entry_point_runs_and_is_timed():
     times = host_time.host_times(fns, rounds=3, calls=2, warmup=1)
     assert set(times) == set(fns)
     assert all(0 < t["min_us"] <= t["median_us"] for t in times.values())
+
+
+def test_launch_paths_are_timed_alternately_and_the_default_restored(monkeypatch):
+    from sparge_diffusers.kernels import _launch
+
+    seen = []
+    fns = {"probe": lambda: seen.append(_launch.ENABLED)}
+    result = host_time.launch_path_ab(fns, repeats=2, rounds=1, calls=1, warmup=0)
+    assert set(result) == {"direct", "triton"} and set(result["direct"]) == {"probe"}
+    assert seen == [True, False, True, False]
+    assert _launch.ENABLED is True

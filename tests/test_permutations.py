@@ -149,6 +149,19 @@ def test_gpu_permutation_round_trip(layout):
     assert torch.equal(p.restore(y, layout), x)
 
 
+@pytest.mark.gpu
+def test_gpu_permuted_attention_keeps_the_callers_layout():
+    """Diffusers passes (B, H, N, D) views of (B, N, H*D) projections and reads the output back through the
+    opposite transpose: the permuted path's output must be laid out like that too (no copy on read-back),
+    and equal the unpermuted reference of the same permuted call."""
+    p = visual_token_permutation((5, 7, 9), "hilbert", text_before=3, text_after=2, device="cuda")
+    q, k, v = (torch.randn(2, 320, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    out = permuted(sparge_attention, p)(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()
+    ref = p.restore(sparge_attention(*(p.apply(t.contiguous()) for t in (q, k, v)), backend="reference"))
+    assert relative_l1(out, ref) < 0.01
+
+
 def test_permutation_cache_returns_the_same_tensors_and_stays_bounded():
     from sparge_diffusers.permutations import orders
 

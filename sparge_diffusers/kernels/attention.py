@@ -22,6 +22,7 @@ import triton.language as tl
 
 from . import attention_hopper
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+from ._launch import launch
 
 LOG2E = 1.4426950408889634
 
@@ -293,7 +294,7 @@ def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_caus
     index = torch.empty(B, H, nq, nk, device=m.device, dtype=torch.int32)
     count = torch.empty(B, H, nq, device=m.device, dtype=torch.int32)
     n_full = torch.empty_like(count)
-    _block_mask_to_index_kernel[(nq, B * H)](
+    launch(_block_mask_to_index_kernel, (nq, B * H),
         m, index, count, n_full, *tail_kernel_args(tail, count), H, nq, nk, shape.kv_len, *m.stride(),
         NK_PAD=max(triton.next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
@@ -402,7 +403,7 @@ def sparse_attention_triton(
     pv_thr = pvthreshd if pvthreshd is not None else _placeholder(qh.device, torch.float32)
     tma_io = use_tma_io(qh, out_h, shape, is_causal)
     q_arg, out_arg = (_tma_descriptor(qh), _tma_descriptor(out_h)) if tma_io else (qh, out_h)
-    _sparse_attention_kernel[(nq, B * H)](
+    launch(_sparse_attention_kernel, (nq, B * H),
         q_arg, kh, vh, out_arg, idx, count, n_full, pv_thr, pv_count,
         scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),

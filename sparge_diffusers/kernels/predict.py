@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+from ._launch import launch
 from . import attention_hopper
 from .attention import LOG2E, _key_block_flags, _record_tail_tiles, tail_kernel_args
 
@@ -203,7 +204,7 @@ def block_statistics_triton(x: torch.Tensor, block_size: int, num_warps: int = S
     nb = triton.cdiv(N, block_size)
     means = torch.empty(B, H, nb, D, device=x.device, dtype=torch.float32)
     sim = torch.empty(B, H, nb, device=x.device, dtype=torch.float32)
-    _block_mean_similarity_kernel[(nb, B * H)](
+    launch(_block_mean_similarity_kernel, (nb, B * H),
         x, means, sim, N, H, *x.stride(),
         HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size, CHUNK=_chunk(block_size),
         num_warps=num_warps,
@@ -225,7 +226,7 @@ def qk_block_statistics_triton(qh: torch.Tensor, kh: torch.Tensor, num_warps: in
     k_means = torch.empty(B, H_kv, nk, D, device=qh.device, dtype=torch.float32)
     k_sim = torch.empty(B, H_kv, nk, device=qh.device, dtype=torch.float32)
     q_programs = B * H * nq
-    _qk_block_statistics_kernel[(q_programs + B * H_kv * nk,)](
+    launch(_qk_block_statistics_kernel, (q_programs + B * H_kv * nk,),
         qh, kh, q_means, q_sim, k_means, k_sim, N_q, N_kv, H, H_kv, nq, nk, q_programs, *qh.stride(), *kh.stride(),
         HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         CHUNK=min(_chunk(BLOCK_Q), _chunk(BLOCK_K)), num_warps=num_warps,
@@ -240,7 +241,7 @@ def compressed_scores_triton(q_means: torch.Tensor, k_means: torch.Tensor, shape
     nq, nk = shape.q_blocks, shape.k_blocks
     scores = torch.empty(shape.batch, shape.heads, nq, nk, device=q_means.device, dtype=torch.float32)
     tile = 64
-    _compressed_scores_kernel[(triton.cdiv(nq, tile), triton.cdiv(nk, tile), shape.batch * shape.heads)](
+    launch(_compressed_scores_kernel, (triton.cdiv(nq, tile), triton.cdiv(nk, tile), shape.batch * shape.heads),
         q_means, k_means, scores, shape.heads, shape.heads // shape.kv_heads, nq, nk, scale * LOG2E,
         HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), TILE=tile, num_warps=4)
     return scores
@@ -281,7 +282,7 @@ def topcdf_block_mask_triton(
     nk_pad = topcdf_width(nk)
     rows = topcdf_rows(nk) if rows is None else rows
     grid = (triton.cdiv(nq, rows), shape.batch * shape.heads)
-    _topcdf_block_mask_kernel[grid](
+    launch(_topcdf_block_mask_kernel, grid,
         scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
         shape.heads, shape.heads // shape.kv_heads, nq, nk, shape.kv_len,
         ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible
+from ._launch import launch
 from . import attention
 from .attention import (LOG2E, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile, _store_output,
                         _walk_blocks)
@@ -220,7 +221,7 @@ def _visit_order_triton(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.
     index = torch.empty(B, H, nq, nk, device=scores.device, dtype=torch.int32)
     n_unmasked, n_forced, count = (torch.empty(B, H, nq, device=scores.device, dtype=torch.int32) for _ in range(3))
     nk_pad = max(triton.next_power_of_2(nk), 16)
-    _visit_order_kernel[(nq, B * H)](
+    launch(_visit_order_kernel, (nq, B * H),
         scores.contiguous(), q_sim.contiguous(), k_sim.contiguous(), simthreshd1, index, n_unmasked, n_forced,
         count, H, H // shape.kv_heads, nq, nk, shape.kv_len, segment,
         NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
@@ -287,7 +288,7 @@ def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: Vi
     visited = torch.empty(B, H, nq, device=qh.device, dtype=torch.int32) if return_counts else unused
     pv_count = torch.empty_like(visited) if return_counts else unused
     index, n_unmasked, n_forced, count = order
-    _ordered_attention_kernel[(nq, B * H)](
+    launch(_ordered_attention_kernel, (nq, B * H),
         qh, kh, vh, out_h, index, n_unmasked, n_forced, count,
         tau if tau is not None else unused_f, pvthreshd if pvthreshd is not None else unused_f,
         visited, pv_count, scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk,

@@ -29,11 +29,14 @@ def _gather_rows_kernel(X, INDEX, OUT, N, H,
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, seq_dim: int) -> torch.Tensor:
-    """``x.index_select(seq_dim, index)`` for a 4-D tensor whose sequence dim is 1 or 2 and last dim is dense."""
+    """``x.index_select(seq_dim, index)`` for a 4-D tensor whose sequence dim is 1 or 2 and last dim is dense.
+
+    On CUDA the result has x's strides where x is dense (diffusers' (B, H, N, D) views of (B, N, H*D) projections
+    stay so, and the caller's transpose back is free, as with SDPA's output), else it is contiguous."""
     if x.device.type != "cuda" or x.stride(-1) != 1 or torch.compiler.is_compiling():
         return x.index_select(seq_dim, index)  # (compiled: inductor generates its own gather)
     xh = x if seq_dim == 2 else x.transpose(1, 2)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty_like(x)  # preserve_format: x's strides when x is dense and non-overlapping
     oh = out if seq_dim == 2 else out.transpose(1, 2)
     B, H, N, D = xh.shape
     rows = max(1, min(64, 8192 // triton.next_power_of_2(D)))

@@ -1,0 +1,155 @@
+"""Kernel launches with less host time than ``kernel[grid](...)``.
+
+Why: an eager diffusion step calls attention once per layer, and at 1024px image sizes a call's host time is of
+the order of its GPU time (benchmarks/host_time.py): a step whose host time exceeds its GPU time runs at the
+host's pace. Per launch, ``JITFunction.run`` binds and specialises every argument, turns the options into a
+string key, looks up the device and stream, checks the kernel's globals and builds launch metadata before it
+calls the compiled kernel's launcher; on an H100 host that is 15-45 us per launch of ours, four per call.
+
+:func:`launch` keeps, per kernel, the compiled kernel that each *launch key* ran and calls its launcher
+directly, through ``CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
+launch_metadata, enter_hook, exit_hook, *args)`` (the entry point PyTorch's inductor calls too).
+
+Correctness rests on the key being at least as fine as Triton's specialisation, so that one key never stands
+for two kernels Triton would compile apart. Triton specialises tensors on dtype and 16-byte alignment, Python
+scalars on type, value 1 and divisibility by 16, tensor descriptors on their block shape, layout and dtype; the
+key holds each tensor's dtype and address modulo 128, each scalar's type and exact value, every field of a
+descriptor but its base plus the base's dtype and address modulo 128, the launch options, Triton's debug and
+instrumentation switches, and the device.
+A key not seen before runs the normal path (which compiles, or finds Triton's cached kernel) and records the
+kernel it returned. The normal path also runs whenever launch hooks or pre-run hooks are set (profilers),
+under the interpreter, and when ``ENABLED`` is False.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+try:  # absent or renamed in other Triton versions: then every launch takes the normal path
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+    from triton.runtime.jit import JITFunction as _JITFunction
+except ImportError:  # pragma: no cover
+    _knobs = _driver = _JITFunction = None
+
+# Tests and benchmarks set this to False to compare with the normal path.
+ENABLED = True
+# Keys kept per kernel; past this the table is cleared (a workload uses a handful of shapes).
+MAX_KEYS = 256
+# Address bits in the key: Triton specialises on 16-byte alignment; 128 leaves room for a finer rule.
+ADDRESS_BITS = 127
+
+
+class _Kernel:
+    """What :func:`launch` keeps per kernel: its parameters, its key function, and the compiled kernels by key."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        params = inspect.signature(fn.fn).parameters
+        self.names = tuple(params)
+        self.name_set = frozenset(self.names)
+        self.defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+        self.key_of: Callable[..., tuple] | None = None  # generated from the first launch's argument types
+        self.kinds: tuple[str, ...] | None = None
+        self.compiled: dict[tuple, tuple] = {}
+
+
+_KERNELS: dict[int, _Kernel] = {}
+
+
+def _kind(x) -> str:
+    """How an argument enters the key: 'tensor', 'descriptor' or 'value' (hashable Python values)."""
+    if isinstance(x, torch.Tensor):
+        return "tensor"
+    if hasattr(x, "base") and hasattr(x, "block_shape") and isinstance(getattr(x, "base"), torch.Tensor):
+        return "descriptor"
+    return "value"
+
+
+def _frozen(x):
+    return tuple(x) if isinstance(x, list) else x
+
+
+def _descriptor_key(d) -> tuple:
+    """Every field of a tensor descriptor but its base (lists as tuples), plus the base's dtype and alignment."""
+    fields = tuple(_frozen(v) for name, v in vars(d).items() if name != "base")
+    return (type(d), d.base.dtype, d.base.data_ptr() & ADDRESS_BITS) + fields
+
+
+def _key_function(kinds: tuple[str, ...]) -> Callable[..., tuple]:
+    """A function of the positional arguments returning the launch key, written out per argument kind (one
+    expression each, no per-argument call: the key is computed on every launch)."""
+    args = [f"a{i}" for i in range(len(kinds))]
+    parts = []
+    for a, kind in zip(args, kinds):
+        if kind == "tensor":
+            parts.append(f"{a}.dtype, {a}.data_ptr() & {ADDRESS_BITS}")
+        elif kind == "descriptor":
+            parts.append(f"_descriptor_key({a})")
+        else:  # type and value: True and 1, or 1 and 1.0, differ in type
+            parts.append(f"{a}.__class__, {a}")
+    source = f"def launch_key({', '.join(args)}):\n    return ({', '.join(parts)},)\n"
+    namespace = {"_descriptor_key": _descriptor_key}
+    exec(source, namespace)
+    return namespace["launch_key"]
+
+
+def _no_hook(hook) -> bool:
+    return hook is None or getattr(hook, "calls", None) == []  # Triton 3.9 holds an empty HookChain, 3.6 None
+
+
+def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """``fn[grid](*args, **kwargs)``, the compiled kernel's launcher called directly once this key has run."""
+    runtime = _knobs.runtime if _knobs is not None else None
+    if not (ENABLED and _JITFunction is not None and isinstance(fn, _JITFunction) and not fn.pre_run_hooks
+            and _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
+        fn[grid](*args, **kwargs)
+        return
+    state = _KERNELS.get(id(fn))  # by id: a JITFunction hashes its source on every lookup
+    if state is None or state.fn is not fn:
+        state = _KERNELS[id(fn)] = _Kernel(fn)
+    bound = list(args)
+    for name in state.names[len(args):]:
+        bound.append(kwargs[name] if name in kwargs else state.defaults[name])
+    # in the call's order: another order at another call site is only another key
+    options = tuple([(k, v) for k, v in kwargs.items() if k not in state.name_set])
+    device = _driver.active.get_current_device()
+    # Triton's compile switches, read from the environment at each launch as JITFunction.run reads them
+    switches = (runtime.debug, getattr(_knobs.compilation, "instrumentation_mode", None))
+    if state.key_of is None:
+        state.kinds = tuple(_kind(x) for x in bound)
+        state.key_of = _key_function(state.kinds)
+    try:
+        key = (device, switches, options, state.key_of(*bound))
+        entry = state.compiled.get(key)
+    except (AttributeError, TypeError):  # an argument of another kind than the first launch's, or unhashable
+        key, entry = None, None
+    if entry is not None and (not fn.used_global_vals or _globals_unchanged(fn)):
+        run, function, packed_metadata = entry
+        stream = _driver.active.get_current_stream(device)
+        g = tuple(grid) + (1, 1)
+        run(g[0], g[1], g[2], stream, function, packed_metadata, None, runtime.launch_enter_hook,
+            runtime.launch_exit_hook, *bound)
+        return
+    kernel = fn[grid](*args, **kwargs)
+    # Recorded only for arguments of the kinds the key function was written for: its key then determines
+    # every input of Triton's specialisation (a tensor where a scalar was would key on the object instead).
+    if key is not None and kernel is not None and tuple(_kind(x) for x in bound) == state.kinds:
+        if len(state.compiled) >= MAX_KEYS:
+            state.compiled.clear()
+        state.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+
+def _globals_unchanged(fn) -> bool:
+    """Triton's own check that the globals a kernel read at compile time still hold their values (it raises
+    where they changed; the normal path then says so)."""
+    missing = object()
+    return all(g.get(name, missing) == val for (name, _), (val, g) in fn.used_global_vals.items())
+
+
+def clear() -> None:
+    """Forget every recorded kernel (tests)."""
+    _KERNELS.clear()
