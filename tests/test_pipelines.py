@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -254,3 +255,67 @@ def test_a_native_processor_that_never_calls_sdpa_is_reported_not_silently_dense
         assert strict.stats == []
     finally:
         _AttentionBackendRegistry.set_active_backend(active)
+
+
+class _FakeSeam:
+    """Answers with a marker and records the SDPA it was handed."""
+
+    def __init__(self):
+        self.handed = []
+
+    def answer(self, sdpa, args, kwargs):
+        self.handed.append(sdpa)
+        inner = F.scaled_dot_product_attention(*args, **kwargs)  # inside an answer: plain SDPA, no recursion
+        return inner + 1000
+
+
+def test_eager_router_answers_this_thread_only_and_is_removed_afterwards():
+    import threading
+
+    from sparge_diffusers.pipelines import processor as P
+
+    q = torch.randn(1, 2, 16, 8)
+    exact = F.scaled_dot_product_attention(q, q, q)
+    seam, seen_elsewhere = _FakeSeam(), []
+    with P._sdpa_answered_by(seam):
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q), exact + 1000)
+        assert torch._C._len_torch_function_stack() == 0  # no mode: the native processor's other calls pay nothing
+        other = threading.Thread(target=lambda: seen_elsewhere.append(F.scaled_dot_product_attention(q, q, q)))
+        other.start()
+        other.join()
+        with P._sdpa_answered_by(_FakeSeam()):  # nested: the inner seam answers, then the outer one again
+            F.scaled_dot_product_attention(q, q, q)
+        F.scaled_dot_product_attention(q, q, q)
+    assert torch.equal(seen_elsewhere[0], exact)
+    assert seam.handed == [P._NATIVE_SDPA, P._NATIVE_SDPA]
+    assert F.scaled_dot_product_attention is P._NATIVE_SDPA
+    with pytest.raises(RuntimeError, match="boom"):
+        with P._sdpa_answered_by(seam):
+            raise RuntimeError("boom")
+    assert F.scaled_dot_product_attention is P._NATIVE_SDPA and P._routed_calls == 0
+
+
+def test_eager_router_leaves_a_later_replacement_in_place():
+    from sparge_diffusers.pipelines import processor as P
+
+    def someone_elses(*args, **kwargs):
+        return P._NATIVE_SDPA(*args, **kwargs)
+
+    try:
+        with P._sdpa_answered_by(_FakeSeam()):
+            F.scaled_dot_product_attention = someone_elses
+        assert F.scaled_dot_product_attention is someone_elses  # not reset to what we displaced
+    finally:
+        F.scaled_dot_product_attention = P._NATIVE_SDPA
+
+
+def test_processor_call_routes_eagerly_and_restores_sdpa():
+    torch.manual_seed(1)
+    model, inputs = MODELS["sd3"]()
+    native = run(model, inputs)
+    processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None))
+    original = F.scaled_dot_product_attention
+    out = run(model, inputs)
+    assert F.scaled_dot_product_attention is original
+    assert len(processor.stats) == 2  # both layers answered sparse
+    assert relative_l1(out, native) < 1e-5
