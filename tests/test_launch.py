@@ -198,3 +198,30 @@ def test_direct_launches_equal_normal_ones_on_the_gpu(monkeypatch, head_dim):
             if skipped is not None:
                 torch.testing.assert_close(skipped, runs[0][1], rtol=0, atol=0)
     assert sum(len(state.compiled) for state in _launch._KERNELS.values()) >= 5
+
+
+def test_descriptors_from_cached_fields_equal_built_ones_and_keep_no_tensor():
+    import gc
+    import weakref
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _launch.clear()
+
+    def made(t):
+        box = (1, 1, 16, t.shape[-1])
+        return _launch.tensor_descriptor(TensorDescriptor, t, box, lambda: TensorDescriptor(
+            t, list(t.shape), list(t.stride()), list(box)))
+
+    first = torch.randn(2, 3, 40, 64)
+    alive = weakref.ref(first)
+    made(first)
+    del first
+    gc.collect()
+    assert alive() is None, "the cache keeps no tensor alive"
+    for t in (torch.randn(2, 3, 40, 64), torch.randn(2, 40, 3, 64).transpose(1, 2)):
+        got = made(t)
+        want = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, 64])
+        assert got.base is t and vars(got) == vars(want)
+    assert len(_launch._DESCRIPTOR_FIELDS) == 2  # one per (shape, strides, dtype, box)
+    _launch.clear()

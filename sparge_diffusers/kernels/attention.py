@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import attention_hopper
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
-from ._launch import launch
+from ._launch import launch, tensor_descriptor
 
 LOG2E = 1.4426950408889634
 
@@ -355,10 +355,13 @@ def use_tma_io(qh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, is_
 
 
 def _tma_descriptor(t: torch.Tensor):
-    """A (B, H, N, D) tensor descriptor whose box is one query tile of one head."""
+    """A (B, H, N, D) tensor descriptor whose box is one query tile of one head (from cached fields:
+    ``_launch.tensor_descriptor``; ``use_tma_io`` checked the alignment)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_Q, t.shape[-1]])
+    box = (1, 1, BLOCK_Q, t.shape[-1])
+    return tensor_descriptor(TensorDescriptor, t, box,
+                             lambda: TensorDescriptor(t, list(t.shape), list(t.stride()), list(box)))
 
 
 @functools.lru_cache(maxsize=16)

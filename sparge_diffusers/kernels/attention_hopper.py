@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
-from ._launch import launch
+from ._launch import launch, tensor_descriptor
 
 try:  # Gluon is experimental: its module layout and names move between Triton releases
     from triton.experimental import gluon
@@ -524,27 +524,12 @@ def _shared_layout(rows: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, PANEL], _GL_DTYPES[dtype])
 
 
-_DESCRIPTOR_FIELDS: dict[tuple, dict] = {}
-
-
 def _descriptor(t: torch.Tensor, rows: int):
-    """A [1, 1, rows, PANEL]-box descriptor of ``t``. Building one checks every field (~13 us of host time on an
-    H100 host, four per call); for given sizes, strides, dtype and box descriptors differ only in their base, so
-    one is built per such key, its fields but the base kept (no tensor kept alive), and later ones are made from
-    those fields with ``t`` as base. The one base-dependent check, 16-byte alignment, is ``why_not_usable``'s,
-    which every launch passes first."""
-    key = (t.shape, t.stride(), t.dtype, rows)
-    fields = _DESCRIPTOR_FIELDS.get(key)
-    if fields is None:
-        built = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, PANEL], _shared_layout(rows, t.dtype))
-        fields = {name: value for name, value in vars(built).items() if name != "base"}
-        if len(_DESCRIPTOR_FIELDS) >= 64:
-            _DESCRIPTOR_FIELDS.clear()
-        _DESCRIPTOR_FIELDS[key] = fields
-    descriptor = object.__new__(TensorDescriptor)
-    descriptor.__dict__["base"] = t
-    descriptor.__dict__.update(fields)
-    return descriptor
+    """A [1, 1, rows, PANEL]-box descriptor of ``t`` (from cached fields: ``_launch.tensor_descriptor``; the
+    alignment it leaves to its callers is ``why_not_usable``'s check, which every launch passes first)."""
+    box = (1, 1, rows, PANEL)
+    return tensor_descriptor(TensorDescriptor, t, box, lambda: TensorDescriptor(
+        t, list(t.shape), list(t.stride()), list(box), _shared_layout(rows, t.dtype)))
 
 
 @functools.lru_cache(maxsize=8)
