@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import save_report  # noqa: E402
 
 from sparge_diffusers import block_sparse_attention, compact_block_mask, predict_block_mask, sparge_attention  # noqa: E402
-from sparge_diffusers.kernels import _launch  # noqa: E402
+from sparge_diffusers import _launch  # noqa: E402
 
 WARMUP, ROUNDS, CALLS = 20, 5, 40
 AB_REPEATS = 3

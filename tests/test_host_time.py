@@ -20,7 +20,7 @@ def test_every_entry_point_runs_and_is_timed():
 
 
 def test_launch_paths_are_timed_alternately_and_the_default_restored(monkeypatch):
-    from sparge_diffusers.kernels import _launch
+    from sparge_diffusers import _launch
 
     seen = []
     fns = {"probe": lambda: seen.append(_launch.ENABLED)}

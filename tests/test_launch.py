@@ -1,4 +1,4 @@
-"""kernels._launch: the direct launch path takes a recorded kernel only for a key it recorded, and the normal
+"""sparge_diffusers._launch: the direct launch path takes a recorded kernel only for a key it recorded, and the normal
 path in every other case. CPU: a JITFunction whose normal path and compiled kernel are stubs; the GPU test runs
 real kernels both ways and compares the outputs."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from triton.runtime.jit import JITFunction
 
-from sparge_diffusers.kernels import _launch
+from sparge_diffusers import _launch
 
 
 def _kernel_source(X, Y, n, scale, FLAG, BLOCK=16):  # the parameters are what matter here

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import attention_hopper
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
-from ._launch import launch, tensor_descriptor
+from .._launch import launch, tensor_descriptor
 
 LOG2E = 1.4426950408889634
 

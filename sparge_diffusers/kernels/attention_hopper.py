@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
-from ._launch import launch, tensor_descriptor
+from .._launch import launch, tensor_descriptor
 
 try:  # Gluon is experimental: its module layout and names move between Triton releases
     from triton.experimental import gluon

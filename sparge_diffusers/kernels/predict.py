@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
-from ._launch import launch
+from .._launch import launch
 from . import attention_hopper
 from .attention import LOG2E, _key_block_flags, _record_tail_tiles, tail_kernel_args
 

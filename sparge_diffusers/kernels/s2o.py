@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible
-from ._launch import launch
+from .._launch import launch
 from . import attention
 from .attention import (LOG2E, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile, _store_output,
                         _walk_blocks)

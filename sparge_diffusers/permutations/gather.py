@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import launch
+
 
 @triton.jit
 def _gather_rows_kernel(X, INDEX, OUT, N, H,
@@ -40,7 +42,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, seq_dim: int) -> torch.Ten
     oh = out if seq_dim == 2 else out.transpose(1, 2)
     B, H, N, D = xh.shape
     rows = max(1, min(64, 8192 // triton.next_power_of_2(D)))
-    _gather_rows_kernel[(triton.cdiv(N, rows), B * H)](
+    launch(_gather_rows_kernel, (triton.cdiv(N, rows), B * H),
         xh, index, oh, N, H, xh.stride(0), xh.stride(1), xh.stride(2), oh.stride(0), oh.stride(1), oh.stride(2),
         D=D, D_PAD=triton.next_power_of_2(D), ROWS=rows, num_warps=4)
     return out

@@ -19,6 +19,8 @@ instrumentation switches, and the device.
 A key not seen before runs the normal path (which compiles, or finds Triton's cached kernel) and records the
 kernel it returned. The normal path also runs whenever launch hooks or pre-run hooks are set (profilers),
 under the interpreter, and when ``ENABLED`` is False.
+
+Used by the attention kernels and by the permutations' row gather; it knows neither.
 """
 
 from __future__ import annotations
