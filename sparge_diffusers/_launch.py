@@ -17,7 +17,8 @@ key holds each tensor's dtype and address modulo 128, each scalar's type and exa
 descriptor but its base plus the base's dtype and address modulo 128, the launch options, Triton's debug and
 instrumentation switches, and the device.
 A key not seen before runs the normal path (which compiles, or finds Triton's cached kernel) and records the
-kernel it returned. The normal path also runs whenever launch hooks or pre-run hooks are set (profilers),
+kernel it returned. The key function is written for the argument kinds (tensor, descriptor, value) of a kernel's
+first launch; a later launch with other kinds takes the normal path, unrecorded. The normal path also runs whenever launch hooks or pre-run hooks are set (profilers),
 under the interpreter, and when ``ENABLED`` is False.
 
 Used by the attention kernels and by the permutations' row gather; it knows neither.
@@ -163,8 +164,8 @@ def tensor_descriptor(cls: type, t: torch.Tensor, block_shape: tuple[int, ...], 
     Building one validates every field (~13 us of host time on the H100 host). For given sizes, strides, dtype
     and box two descriptors differ only in their base, so ``build()`` runs once per such key, the fields but
     the base are kept (no tensor kept alive), and later calls copy them under ``t`` as base. The one
-    base-dependent check, 16-byte alignment, is the caller's: both kernels' users test it before choosing
-    the descriptor path.
+    base-dependent check, 16-byte alignment, is left to the callers, which make it before they take the
+    descriptor path (attention.use_tma_io, attention_hopper.why_not_usable).
     """
     key = (cls, t.shape, t.stride(), t.dtype, block_shape)
     fields = _DESCRIPTOR_FIELDS.get(key)
