@@ -17,8 +17,9 @@ key holds each tensor's dtype and address modulo 128, each scalar's type and exa
 descriptor but its base plus the base's dtype and address modulo 128, the launch options, Triton's debug and
 instrumentation switches, and the device.
 A key not seen before runs the normal path (which compiles, or finds Triton's cached kernel) and records the
-kernel it returned. The key function is written for the argument kinds (tensor, descriptor, value) of a kernel's
-first launch; a later launch with other kinds takes the normal path, unrecorded. The normal path also runs whenever launch hooks or pre-run hooks are set (profilers),
+kernel it returned. A key function is written per tuple of argument kinds (tensor, descriptor, value) and tried
+first with the kinds of a kernel's first launch; a value where a tensor was keys on the object, and such a
+launch takes the normal path unrecorded. The normal path also runs whenever launch hooks or pre-run hooks are set (profilers),
 under the interpreter, and when ``ENABLED`` is False.
 
 Used by the attention kernels and by the permutations' row gather; it knows neither.
@@ -55,9 +56,16 @@ class _Kernel:
         self.names = tuple(params)
         self.name_set = frozenset(self.names)
         self.defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
-        self.key_of: Callable[..., tuple] | None = None  # generated from the first launch's argument types
-        self.kinds: tuple[str, ...] | None = None
+        # one key function per tuple of argument kinds, numbered in the order met (the first launch's is 0)
+        self.key_functions: dict[tuple[str, ...], tuple[int, Callable[..., tuple]]] = {}
+        self.first: tuple[tuple[str, ...], int, Callable[..., tuple]] | None = None
         self.compiled: dict[tuple, tuple] = {}
+
+    def key_function(self, kinds: tuple[str, ...]) -> tuple[int, Callable[..., tuple]]:
+        found = self.key_functions.get(kinds)
+        if found is None:
+            found = self.key_functions[kinds] = (len(self.key_functions), _key_function(kinds))
+        return found
 
 
 _KERNELS: dict[int, _Kernel] = {}
@@ -122,13 +130,20 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
     device = _driver.active.get_current_device()
     # Triton's compile switches, read from the environment at each launch as JITFunction.run reads them
     switches = (runtime.debug, getattr(_knobs.compilation, "instrumentation_mode", None))
-    if state.key_of is None:
-        state.kinds = tuple(_kind(x) for x in bound)
-        state.key_of = _key_function(state.kinds)
+    if state.first is None:
+        kinds = tuple(_kind(x) for x in bound)
+        state.first = (kinds, *state.key_function(kinds))
+    kinds, number, key_of = state.first
     try:
-        key = (device, switches, options, state.key_of(*bound))
+        values = key_of(*bound)
+    except (AttributeError, TypeError):  # an argument of another kind than the first launch's: its own function
+        kinds = tuple(_kind(x) for x in bound)
+        number, key_of = state.key_function(kinds)
+        values = key_of(*bound)
+    try:
+        key = (device, switches, options, number, values)  # the number: keys of two functions never meet
         entry = state.compiled.get(key)
-    except (AttributeError, TypeError):  # an argument of another kind than the first launch's, or unhashable
+    except TypeError:  # an unhashable value
         key, entry = None, None
     if entry is not None and (not fn.used_global_vals or _globals_unchanged(fn)):
         run, function, packed_metadata = entry
@@ -140,7 +155,7 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
     kernel = fn[grid](*args, **kwargs)
     # Recorded only for arguments of the kinds the key function was written for: its key then determines
     # every input of Triton's specialisation (a tensor where a scalar was would key on the object instead).
-    if key is not None and kernel is not None and tuple(_kind(x) for x in bound) == state.kinds:
+    if key is not None and kernel is not None and tuple(_kind(x) for x in bound) == kinds:
         if len(state.compiled) >= MAX_KEYS:
             state.compiled.clear()
         state.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)

@@ -102,16 +102,18 @@ def test_a_changed_key_takes_the_normal_path(stub, change, monkeypatch):
     assert _paths(calls) == ["normal", "normal", "direct"]
 
 
-def test_an_argument_of_another_kind_is_never_recorded(stub):
+def test_arguments_of_other_kinds_get_their_own_keys_or_none(stub):
     fn, calls = stub
     x = torch.zeros(8)
     _launch.launch(fn, (1,), x, x, 4, 1.0, FLAG=True)
-    for _ in range(2):  # a tensor where an int was: keyed on the object, so neither recorded nor matched
+    for _ in range(2):  # a tensor where an int was: it would key on the object, so it is never recorded
         _launch.launch(fn, (1,), x, x, x, 1.0, FLAG=True)
-    for _ in range(2):  # an int where a tensor was: no data_ptr, the key function cannot run
+    for _ in range(2):  # an int where a tensor was: a key function of its own kinds, recorded
         _launch.launch(fn, (1,), 3, x, 4, 1.0, FLAG=True)
-    assert _paths(calls) == ["normal"] * 5
-    assert len(_launch._KERNELS[id(fn)].compiled) == 1
+    _launch.launch(fn, (1,), x, x, 4, 1.0, FLAG=True)  # the first kinds still hit
+    assert _paths(calls) == ["normal"] * 4 + ["direct", "direct"]
+    state = _launch._KERNELS[id(fn)]
+    assert len(state.compiled) == 2 and len(state.key_functions) == 2
 
 
 def test_hooks_disabled_and_changed_globals_take_the_normal_path(stub, monkeypatch):
