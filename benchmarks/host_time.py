@@ -4,7 +4,7 @@ attention layer, and where it exceeds the GPU time of the layer the GPU waits.
 
 Each entry: 20 warm-up calls, then 5 rounds of 40 calls issued while the GPU sleeps (``torch.cuda._sleep``), so
 the host never waits on the GPU; per-call time = round time / 40; min and median of the rounds. Every entry is
-timed with our kernels launched directly (``kernels._launch``, the default) and through Triton's
+timed with our kernels launched directly (``sparge_diffusers._launch``, the default) and through Triton's
 ``kernel[grid](...)`` path, alternately (``AB_REPEATS`` times each, min of the mins and median of the medians):
 the host's speed swings between runs, so only figures of one run compare.
 
