@@ -65,7 +65,8 @@ def test_stage_1_fills_a_tail_schedule_only_where_the_hopper_kernel_can_run(monk
     assert predict(96).tail is None  # a head dim the Hopper kernel does not take
 
 
-def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False) -> None:
+def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False,
+                    permuted_keys: bool = False) -> None:
     """Compile the kernel for sm90 without a GPU; run in a process without TRITON_INTERPRET (under the
     interpreter, gluon.jit makes functions that cannot be compiled)."""
     import triton
@@ -82,11 +83,12 @@ def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, us
 
     sig = {"q_desc": desc(BLOCK_Q), "k_desc": desc(BLOCK_K), "v_desc": desc(BLOCK_K), "o_desc": desc(BLOCK_Q // 2),
            "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "TAIL_SIZES": "*i32",
-           "TAIL_TILES": "*i32",
+           "TAIL_TILES": "*i32", "KPOS": "*i32",
            "qk_scale": "fp32"}
-    sig.update({name: "i32" for name in ("tail_start", "H", "GROUP", "NQ", "NK", "kv_len", "n_tiles")})
+    sig.update({name: "i32" for name in ("stride_pb", "stride_ph", "tail_start", "H", "GROUP", "NQ", "NK", "kv_len",
+                                         "n_tiles")})
     consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
-              "IS_CAUSAL": causal, "USE_TAIL": use_tail, "BUCKETS": attention_hopper.TAIL_BUCKETS,
+              "IS_CAUSAL": causal, "PERMUTED_KEYS": permuted_keys, "USE_TAIL": use_tail, "BUCKETS": attention_hopper.TAIL_BUCKETS,
               "NUM_WARPS": attention_hopper.NUM_WARPS,
               "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
     sig.update({name: "constexpr" for name in consts})
@@ -99,9 +101,10 @@ def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, us
     print("compiled", kernel.metadata.shared)
 
 
-@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail",
-                         [(False, True, "bf16", 128, True), (True, False, "fp16", 64, False)])
-def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail):
+@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail,permuted_keys",
+                         [(False, True, "bf16", 128, True, False), (True, False, "fp16", 64, False, False),
+                          (True, True, "bf16", 128, True, True)])
+def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail, permuted_keys):
     """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
     import os
     import subprocess
@@ -115,7 +118,7 @@ def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, us
         pytest.skip(f"this Triton has no offline Gluon compile: {e}")
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_attention_hopper as t; "
-            f"t.compile_offline({causal}, {use_index}, {dtype!r}, {head_dim}, {use_tail})")
+            f"t.compile_offline({causal}, {use_index}, {dtype!r}, {head_dim}, {use_tail}, {permuted_keys})")
     env = dict(os.environ, TRITON_INTERPRET="0")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]

@@ -66,6 +66,26 @@ def test_sparse_prefill_reports_its_sparsity_and_error_grows_with_it(tiny_llama)
     assert 0 < errors[0] < errors[1] < 0.5, errors
 
 
+def test_pbs_segment_permutes_keys_and_keeps_causal_attention(tiny_llama):
+    """pbs_segment: keys sorted within segments (PBS-Attn) before the sparse prefill. Keeping every block it is
+    causal attention (the SDPA model's logits); with TopCdf skipping blocks it runs sparse and differs from the
+    unpermuted call, whose blocks hold other keys. (At 700 tokens 256-position segments would keep most blocks:
+    the segments a query block overlaps are computed in full.)"""
+    ids = prompt(700)
+    keep_all = register("sparge_test_pbs_keep", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, pbs_segment=256)
+    dense = logits(load(tiny_llama, "sdpa"), ids)
+    assert relative_l1(logits(load(tiny_llama, "sparge_test_pbs_keep"), ids), dense) < 1e-5
+    assert keep_all.sparse_calls == 2
+    pbs = register("sparge_test_pbs", simthreshd1=-1.0, cdfthreshd=0.9, pbs_segment=128, collect_stats=True)
+    plain = register("sparge_test_pbs_plain", simthreshd1=-1.0, cdfthreshd=0.9)
+    ours = logits(load(tiny_llama, "sparge_test_pbs"), ids)
+    assert pbs.sparse_calls == 2 and all(s.sparsity > 0 for s in pbs.stats)
+    assert 0 < relative_l1(ours, dense) < 0.5
+    assert not torch.equal(ours, logits(load(tiny_llama, "sparge_test_pbs_plain"), ids))
+    with pytest.raises(ValueError, match="pbs_segment"):
+        SpargeLLMAttention(pbs_segment=100)
+
+
 def test_generate_runs_prefill_sparse_and_decode_on_sdpa(tiny_llama):
     attention = register("sparge_test_generate", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
     ids = prompt(200)

@@ -1,6 +1,6 @@
 """Triton sparse attention kernels (SpargeAttn) and their float32 references. Knows nothing of diffusers."""
 
-from ._inputs import BLOCK_K, BLOCK_Q
+from ._inputs import BLOCK_K, BLOCK_Q, PermutedKeys
 from .compact import CompactBlockMask, compact_block_mask
 from .api import block_sparse_attention, predict_block_mask, relative_l1, s2o_attention, sparge_attention
 from .library import sparge_attention_op
@@ -11,6 +11,7 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_Q",
     "CompactBlockMask",
+    "PermutedKeys",
     "compact_block_mask",
     "SparsityStats",
     "block_sparse_attention",

@@ -192,15 +192,90 @@ def check_kernel_dtype(dtype: torch.dtype) -> None:
                          "cast the inputs (e.g. q.to(torch.bfloat16)) or use backend='reference'")
 
 
-def causal_block_visible(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_blocks, k_blocks] bool: key block j holds at least one key that some query of block i may see."""
+def _key_segment_start(k_blocks: int, key_segment: int, device: torch.device) -> torch.Tensor:
+    """First position of the segment holding each key block: the smallest original position its keys may have
+    (``key_segment`` = BLOCK_K: keys in order, the block's own first position)."""
+    return torch.arange(k_blocks, device=device) * BLOCK_K // key_segment * key_segment
+
+
+def causal_block_visible(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device,
+                         key_segment: int = BLOCK_K) -> torch.Tensor:
+    """[q_blocks, k_blocks] bool: key block j may hold a key that some query of block i sees (with keys permuted
+    within segments of ``key_segment`` positions: its segment starts at or before the block's last query)."""
     last_q = torch.clamp(torch.arange(q_blocks, device=device) * BLOCK_Q + BLOCK_Q - 1, max=kv_len - 1)
-    first_k = torch.arange(k_blocks, device=device) * BLOCK_K
-    return first_k[None, :] <= last_q[:, None]
+    return _key_segment_start(k_blocks, key_segment, device)[None, :] <= last_q[:, None]
 
 
-def causal_block_straddles(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_blocks, k_blocks] bool: visible key blocks that some query of block i may not fully see (the diagonal)."""
+def causal_block_straddles(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device,
+                           key_segment: int = BLOCK_K) -> torch.Tensor:
+    """[q_blocks, k_blocks] bool: visible key blocks that some query of block i may not fully see (the diagonal;
+    with permuted keys, every block of the segments the query block overlaps)."""
     first_q = torch.arange(q_blocks, device=device) * BLOCK_Q
-    last_k = torch.arange(k_blocks, device=device) * BLOCK_K + BLOCK_K - 1
-    return causal_block_visible(q_blocks, k_blocks, kv_len, device) & (last_k[None, :] > first_q[:, None])
+    last_k = _key_segment_start(k_blocks, key_segment, device) + key_segment - 1
+    return (causal_block_visible(q_blocks, k_blocks, kv_len, device, key_segment)
+            & (last_k[None, :] > first_q[:, None]))
+
+
+@dataclass(frozen=True, eq=False)
+class PermutedKeys:
+    """Keys and values stored in a permuted order for causal attention (PBS-Attn's segmented permutation).
+
+    The sequence is cut into aligned segments of ``segment`` positions ([0, S), [S, 2S), ...; the last one may
+    be shorter), and each segment's keys (with their values) may be reordered within it; queries stay in
+    order. A query at position i sees the key in slot r when ``positions[..., r] <= i``. Blocks of earlier
+    segments are then wholly visible and blocks of later ones wholly hidden, so block skipping works as in
+    plain causal attention; only the blocks of the segments a query block overlaps need element masking.
+
+    Attributes:
+        positions: (B or 1, H_kv or 1, N) integer tensor: the original position of the key in each slot. It
+            must be a permutation within each segment (checked on CPU calls and by :meth:`verify`; a CUDA call
+            checks only its shape, dtype and device, to stay free of a device sync).
+        segment: positions per segment, a positive multiple of 64 (the key block); 64 means keys in order.
+    """
+
+    positions: torch.Tensor
+    segment: int
+
+    def __post_init__(self):
+        if not isinstance(self.segment, int) or isinstance(self.segment, bool) or self.segment <= 0 \
+                or self.segment % BLOCK_K:
+            raise ValueError(f"PermutedKeys.segment must be a positive multiple of {BLOCK_K}, got {self.segment!r}")
+        p = self.positions
+        if not isinstance(p, torch.Tensor) or p.dim() != 3 or p.dtype not in (torch.int32, torch.int64):
+            raise ValueError("PermutedKeys.positions must be a 3-D (B|1, H_kv|1, N) int32/int64 tensor, got "
+                             f"{type(p).__name__ if not isinstance(p, torch.Tensor) else (tuple(p.shape), p.dtype)}")
+
+    def verify(self) -> None:
+        """Raise ValueError unless ``positions`` permutes keys within their segments (reads the tensor back:
+        a device sync on CUDA)."""
+        p = self.positions.long()
+        n = p.shape[-1]
+        slots = torch.arange(n, device=p.device)
+        segment_of = slots // self.segment
+        if not bool(((p >= 0) & (p < n) & (p // self.segment == segment_of)).all()):
+            raise ValueError(f"PermutedKeys.positions moves a key out of its segment of {self.segment} positions "
+                             f"(or out of [0, {n}))")
+        if not bool((p.sort(dim=-1).values == slots).all()):
+            raise ValueError("PermutedKeys.positions repeats a position: it must be a permutation")
+
+
+def check_permuted_keys(permuted_keys: PermutedKeys | None, shape: AttentionShape, device: torch.device,
+                        is_causal: bool) -> int:
+    """The key segment of a call (``BLOCK_K`` without permuted keys); raises ValueError naming the problem."""
+    if permuted_keys is None:
+        return BLOCK_K
+    if not isinstance(permuted_keys, PermutedKeys):
+        raise ValueError(f"permuted_keys must be a PermutedKeys, got {type(permuted_keys).__name__}")
+    if not is_causal:
+        raise ValueError("permuted_keys needs is_causal=True (without causal masking the order of the keys does "
+                         "not change the result: permute k and v and leave this argument out)")
+    p = permuted_keys.positions
+    b, h, n = p.shape
+    if n != shape.kv_len or b not in (1, shape.batch) or h not in (1, shape.kv_heads):
+        raise ValueError(f"permuted_keys.positions has shape {tuple(p.shape)}, expected ({shape.batch} or 1, "
+                         f"{shape.kv_heads} or 1, {shape.kv_len})")
+    if p.device != device:
+        raise ValueError(f"permuted_keys.positions is on {p.device}, q on {device}")
+    if device.type == "cpu":
+        permuted_keys.verify()
+    return permuted_keys.segment

@@ -17,8 +17,10 @@ from ._inputs import (
     BLOCK_Q,
     Backend,
     PerHead,
+    PermutedKeys,
     TensorLayout,
     check_attention_inputs,
+    check_permuted_keys,
     check_kernel_dtype,
     pick_backend,
     per_head,
@@ -81,35 +83,37 @@ def _stage2_thresholds(values: tuple[float, ...], heads: int, device: str, backe
     return _python_per_head(values, heads, "pvthreshd", device, 0.0, math.inf)
 
 
-def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend
-             ) -> CompactBlockMask:
+def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend,
+             permuted_keys=None) -> CompactBlockMask:
     """Stage 1 with its input checks; the kernel walk is None on the reference path."""
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
+    key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     return _predict_checked(q, k, shape, is_causal=is_causal, scale=resolve_scale(scale, shape.head_dim),
                             simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, attention_sink=attention_sink,
-                            tensor_layout=tensor_layout, chosen=pick_backend(backend, q.device))[0]
+                            tensor_layout=tensor_layout, chosen=pick_backend(backend, q.device),
+                            key_segment=key_segment)[0]
 
 
 def _predict_checked(q, k, shape: AttentionShape, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
-                     tensor_layout, chosen, with_ticket: bool = False
+                     tensor_layout, chosen, with_ticket: bool = False, key_segment: int = BLOCK_K
                      ) -> tuple[CompactBlockMask, torch.Tensor | None]:
     """Stage 1 on checked inputs. With ``with_ticket`` (one sparse call follows) also returns the Hopper kernel's
     zeroed ticket counter, taken from the allocation that holds the tail order's buckets (no memset of its own);
-    None where no Hopper launch will read it."""
+    None where no Hopper launch will read it. ``key_segment``: that of the call's ``PermutedKeys``."""
     theta, tau = _thresholds(shape, q.device, simthreshd1, cdfthreshd)
     if chosen == "reference":
         mask = reference_predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=theta,
                                             cdfthreshd=tau, attention_sink=attention_sink,
-                                            tensor_layout=tensor_layout)
-        return from_kernel_walk(mask, None, shape, is_causal), None
+                                            tensor_layout=tensor_layout, key_segment=key_segment)
+        return from_kernel_walk(mask, None, shape, is_causal, key_segment=key_segment), None
     check_kernel_dtype(q.dtype)
     # the Hopper kernel's tail order, filled by the same stage-1 kernel
     tail, ticket = (attention_hopper.new_tail_schedule(shape, q.device, with_counter=with_ticket)
                     if attention_hopper.wants_tail_schedule(shape, q.device) else (None, None))
     mask, walk = predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
                                            is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
-                                           attention_sink=attention_sink, tail=tail)
-    return from_kernel_walk(mask, walk, shape, is_causal, tail), ticket
+                                           attention_sink=attention_sink, tail=tail, key_segment=key_segment)
+    return from_kernel_walk(mask, walk, shape, is_causal, tail, key_segment), ticket
 
 
 def predict_block_mask(
@@ -123,6 +127,7 @@ def predict_block_mask(
     attention_sink: bool = False,
     tensor_layout: TensorLayout = "HND",
     backend: Backend = "auto",
+    permuted_keys: PermutedKeys | None = None,
 ) -> torch.Tensor:
     """Stage 1 of SpargeAttn: predict which (128-query, 64-key) blocks of the attention map to compute.
 
@@ -137,11 +142,14 @@ def predict_block_mask(
             compressed scores, until their cumulative probability reaches tau (TopCdf).
         attention_sink: always keep the first key block.
         backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference".
+        permuted_keys: with ``is_causal``, k is stored permuted within segments (:class:`PermutedKeys`,
+            PBS-Attn): the causal rule and the always-kept diagonal follow the segments.
     Returns:
         (B, H, ceil(Nq/128), ceil(Nkv/64)) bool mask; every query block keeps at least one key block.
     """
     return _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
-                    attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend).mask
+                    attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend,
+                    permuted_keys=permuted_keys).mask
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -174,6 +182,7 @@ def block_sparse_attention(
     return_sparsity: bool = False,
     backend: Backend = "auto",
     out: torch.Tensor | None = None,
+    permuted_keys: PermutedKeys | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Block-sparse attention for any block mask (stage 2 of SpargeAttn, usable alone).
 
@@ -192,13 +201,18 @@ def block_sparse_attention(
             then count no stage-2 skips.
         return_sparsity: also return a :class:`SparsityStats`.
         out: optional output buffer with q's shape, dtype and device (written in full).
+        permuted_keys: with ``is_causal``, k and v are stored permuted within segments (:class:`PermutedKeys`,
+            PBS-Attn's segmented permutation; queries stay in order): a query at position i sees the key in
+            slot r when ``permuted_keys.positions[..., r] <= i``. A dense call (``block_mask=None``) then walks
+            an all-ones mask.
     Returns:
         The output in q's layout and dtype, with q's strides where q's last dim is contiguous (as SDPA's
         output has), else contiguous; query rows that see no key (an empty mask row) are zero.
     """
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     if isinstance(block_mask, CompactBlockMask):
-        block_mask.check_matches(shape, is_causal, q.device)
+        block_mask.check_matches(shape, is_causal, q.device, key_segment)
     elif block_mask is not None:
         check_block_mask(block_mask, shape, q.device)
     chosen = pick_backend(backend, q.device)
@@ -206,21 +220,29 @@ def block_sparse_attention(
     return _block_sparse_checked(q, k, v, block_mask, shape, is_causal=is_causal,
                                  scale=resolve_scale(scale, shape.head_dim),
                                  thr=_pv_thresholds(pvthreshd, shape, q.device, chosen), tensor_layout=tensor_layout,
-                                 return_sparsity=return_sparsity, chosen=chosen, out=out)
+                                 return_sparsity=return_sparsity, chosen=chosen, out=out, permuted_keys=permuted_keys)
 
 
 def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_causal, scale, thr, tensor_layout,
-                          return_sparsity, chosen, out, ticket: torch.Tensor | None = None):
-    """:func:`block_sparse_attention` on checked inputs (``block_mask`` checked against them). ``ticket``: a zeroed
-    counter for a Hopper launch (from ``_predict_checked``), saving the launch its own memset."""
+                          return_sparsity, chosen, out, ticket: torch.Tensor | None = None,
+                          permuted_keys: PermutedKeys | None = None):
+    """:func:`block_sparse_attention` on checked inputs (``block_mask`` and ``permuted_keys`` checked against
+    them). ``ticket``: a zeroed counter for a Hopper launch (from ``_predict_checked``), saving the launch its own
+    memset."""
     compact = None
     if isinstance(block_mask, CompactBlockMask):
         compact, block_mask = block_mask, block_mask.mask
+    key_segment = permuted_keys.segment if permuted_keys is not None else BLOCK_K
+    if permuted_keys is not None and block_mask is None:
+        # the dense mode's contiguous walk follows plain causal extents; walk every block through an index
+        block_mask = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
     if chosen == "reference":
         if block_mask is None:
             block_mask = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
-        result, stats = reference_block_sparse_attention(q, k, v, block_mask, shape=shape, is_causal=is_causal,
-                                                         scale=scale, pvthreshd=thr, tensor_layout=tensor_layout)
+        result, stats = reference_block_sparse_attention(
+            q, k, v, block_mask, shape=shape, is_causal=is_causal, scale=scale, pvthreshd=thr,
+            tensor_layout=tensor_layout, key_positions=None if permuted_keys is None else permuted_keys.positions,
+            key_segment=key_segment)
         if out is not None:
             result = out.copy_(result)
         return (result, stats) if return_sparsity else result
@@ -232,23 +254,29 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
     out_h = to_hnd(out, tensor_layout)
     index = compact.kernel_walk if compact is not None else None
     tail = compact.tail if compact is not None else None
+    key_positions = None
+    if permuted_keys is not None:
+        key_positions = permuted_keys.positions
+        if key_positions.dtype != torch.int32 or key_positions.stride(-1) != 1:
+            key_positions = key_positions.to(torch.int32).contiguous()
+        key_positions = key_positions.expand(shape.batch, shape.kv_heads, shape.kv_len)  # stride 0 where broadcast
     on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=thr is not None, dense=block_mask is None)
     if index is None and block_mask is not None:
         if on_hopper:
             # the same compaction kernel fills the Hopper kernel's tail order; one zeroed allocation serves
             # its buckets and the kernel's ticket counter
             tail, ticket = attention_hopper.new_tail_schedule(shape, q.device, with_counter=True)
-        index = block_mask_to_index(block_mask, shape, is_causal, tail=tail)
+        index = block_mask_to_index(block_mask, shape, is_causal, tail=tail, key_segment=key_segment)
     pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
                                        pvthreshd=thr, return_counts=return_sparsity, tail=tail, ticket=ticket,
-                                       on_hopper=on_hopper)
+                                       on_hopper=on_hopper, key_positions=key_positions)
     if not return_sparsity:
         return out
     if index is not None:
         qk_count = index[1]
     else:
         full = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
-        qk_count = block_mask_to_index(full, shape, is_causal)[1]
+        qk_count = block_mask_to_index(full, shape, is_causal, key_segment=key_segment)[1]
     if pv_count is None:  # no stage-2 test: every visited block's P.V product computed
         pv_count = qk_count
     return out, sparsity_stats(qk_count, pv_count, shape, is_causal)
@@ -269,12 +297,15 @@ def sparge_attention(
     return_sparsity: bool = False,
     backend: Backend = "auto",
     out: torch.Tensor | None = None,
+    permuted_keys: PermutedKeys | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """SpargeAttn: predict a block mask (stage 1) and run sparse attention with the PV filter (stage 2).
 
     Defaults and names follow upstream SpargeAttn: ``simthreshd1`` is the paper's theta, ``cdfthreshd`` its
     tau and ``pvthreshd`` its lambda as -pvthreshd in log2 units (50 skips almost nothing; 5-20 skips
-    more). See :func:`predict_block_mask` and :func:`block_sparse_attention` for each argument.
+    more). See :func:`predict_block_mask` and :func:`block_sparse_attention` for each argument
+    (``permuted_keys``: PBS-Attn's keys permuted within segments for causal prefill; ``sparge_diffusers.llm.
+    pbs_sparge_attention`` builds them).
 
     Example:
         >>> out = sparge_attention(q, k, v, tensor_layout="NHD")                # (B, N, H, D) bf16 on CUDA
@@ -284,16 +315,18 @@ def sparge_attention(
     # Checked once here and handed down: each check and each small allocation is host time that every layer
     # of an eager pipeline pays (benchmarks/host_time.py).
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
     _check_out(out, q)
     compact, ticket = _predict_checked(q, k, shape, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
                                        cdfthreshd=cdfthreshd, attention_sink=attention_sink,
-                                       tensor_layout=tensor_layout, chosen=chosen, with_ticket=True)
+                                       tensor_layout=tensor_layout, chosen=chosen, with_ticket=True,
+                                       key_segment=key_segment)
     return _block_sparse_checked(q, k, v, compact, shape, is_causal=is_causal, scale=scale, thr=thr,
                                  tensor_layout=tensor_layout, return_sparsity=return_sparsity, chosen=chosen, out=out,
-                                 ticket=ticket)
+                                 ticket=ticket, permuted_keys=permuted_keys)
 
 
 def s2o_attention(

@@ -29,15 +29,22 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _key_block_flags(first_q, cols, valid, KV_LEN, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, KEY_SEGMENT: tl.constexpr):
     """(visible, needs_masking) of key blocks ``cols`` for the query block(s) starting at row ``first_q``
     (shapes broadcast): visible = ``valid`` and, under causal masking, not wholly in the future; needs element
-    masking = the ragged last block and, under causal masking, the diagonal blocks."""
+    masking = the ragged last block and, under causal masking, the diagonal blocks. With keys permuted within
+    segments of KEY_SEGMENT positions (``_inputs.PermutedKeys``; BLOCK_K = keys in order), a block's keys may
+    come from anywhere in its segment, so the rule applies to the segment's extent (``_inputs.
+    causal_block_visible`` restates it for the reference; change both together)."""
     needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
     visible = valid
     if IS_CAUSAL:
-        visible = visible & (cols * BLOCK_K <= tl.minimum(first_q + BLOCK_Q - 1, KV_LEN - 1))
-        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1) > first_q)
+        if KEY_SEGMENT == BLOCK_K:
+            first_k = cols * BLOCK_K
+        else:
+            first_k = cols * BLOCK_K // KEY_SEGMENT * KEY_SEGMENT
+        visible = visible & (first_k <= tl.minimum(first_q + BLOCK_Q - 1, KV_LEN - 1))
+        needs_masking = needs_masking | ((first_k + KEY_SEGMENT - 1) > first_q)
     return visible, needs_masking
 
 
@@ -63,7 +70,7 @@ def _block_mask_to_index_kernel(
     MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width, H, NQ, NK, KV_LEN,
     stride_mb, stride_mh, stride_mq, stride_mk,
     NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
+    KEY_SEGMENT: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -74,7 +81,7 @@ def _block_mask_to_index_kernel(
     keep = tl.load(MASK + b * stride_mb + h * stride_mh + pid_q * stride_mq + cols * stride_mk,
                    mask=cvalid, other=0) != 0
     keep, needs_masking = _key_block_flags(pid_q * BLOCK_Q, cols, keep & cvalid, KV_LEN, IS_CAUSAL=IS_CAUSAL,
-                                           BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K)
+                                           BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=KEY_SEGMENT)
     kept = keep.to(tl.int32)
     position = tl.cumsum(kept, axis=0) - 1
     row = pid_bh.to(tl.int64) * NQ + pid_q
@@ -89,12 +96,13 @@ def _block_mask_to_index_kernel(
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, pv_count, q, cols, K_base, V_base,
+    acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
     stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False,
 ):
-    """One key tile (the keys at positions ``cols``) folded into the online-softmax state."""
+    """One key tile (the keys in slots ``cols``) folded into the online-softmax state. With PERMUTED_KEYS the
+    causal test of a masked tile compares each slot's original position (``KPOS_base[cols]``) with the row."""
     kv_mask = d_mask[None, :]
     if MASKED:
         kv_mask = kv_mask & (cols < kv_len)[:, None]
@@ -103,7 +111,11 @@ def _attend_tile(
     if MASKED:
         visible = (cols < kv_len)[None, :]
         if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None])
+            if PERMUTED_KEYS:
+                key_pos = tl.load(KPOS_base + cols, mask=cols < kv_len, other=0)
+            else:
+                key_pos = cols
+            visible = visible & (key_pos[None, :] <= offs_m[:, None])
         qk = tl.where(visible, qk, float("-inf"))
     # Scores stay unscaled; the scale (with log2 e) enters the row max and, fused as one FMA, the exponent.
     m_local = tl.max(qk, axis=1) * qk_scale
@@ -132,10 +144,10 @@ def _attend_tile(
 
 @triton.jit
 def _walk_blocks(
-    acc, l_i, m_i, pv_count, j_next, start, end, index, count, q, offs_n, K_base, V_base,
+    acc, l_i, m_i, pv_count, j_next, start, end, index, count, q, offs_n, K_base, V_base, KPOS_base,
     stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
-    USE_INDEX: tl.constexpr,
+    USE_INDEX: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False,
 ):
     """Tiles start .. end-1 of a row's walk: key block index[it], whose index the caller loaded one step ahead
     into ``j_next`` (returned one step further), or key block ``it`` itself without an index."""
@@ -144,9 +156,9 @@ def _walk_blocks(
         if USE_INDEX:
             j_next = tl.load(index + tl.minimum(it + 1, count - 1))
         acc, l_i, m_i, pv_count = _attend_tile(
-            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
+            acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, KPOS_base,
             stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
-            pv_threshold, qk_scale, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
+            pv_threshold, qk_scale, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, PERMUTED_KEYS=PERMUTED_KEYS)
     return acc, l_i, m_i, pv_count, j_next
 
 
@@ -211,20 +223,23 @@ def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
 
 @triton.jit
 def _sparse_attention_kernel(
-    Q, K, V, O, INDEX, COUNT, NFULL, PV_THRESHOLD, PV_COUNT,
-    qk_scale, H, GROUP, q_len, kv_len, NK,
+    Q, K, V, O, INDEX, COUNT, NFULL, PV_THRESHOLD, PV_COUNT, KPOS,
+    qk_scale, H, GROUP, q_len, kv_len, NK, stride_pb, stride_ph,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_INDEX: tl.constexpr, PV_SKIP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
-    PAIR_TILES: tl.constexpr, TMA_IO: tl.constexpr,
+    PAIR_TILES: tl.constexpr, TMA_IO: tl.constexpr, PERMUTED_KEYS: tl.constexpr,
 ):
     b, h, row, offs_m, offs_d, d_mask, row_valid, q, K_base, V_base = _query_tile(
         Q, K, V, H, GROUP, q_len, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
         stride_vh, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_M=BLOCK_M, TMA_IO=TMA_IO)
     offs_n = tl.arange(0, BLOCK_N)
+    # original key positions of this K/V head (PERMUTED_KEYS; always walked through an index, whose
+    # compaction put every block of the segments this query block overlaps among the masked tiles)
+    KPOS_base = KPOS + b * stride_pb + (h // GROUP) * stride_ph
 
     m_i, l_i, acc, pv_count, pv_threshold = _empty_softmax_state(PV_THRESHOLD, h, BLOCK_M=BLOCK_M, D_PAD=D_PAD,
                                                                  PV_SKIP=PV_SKIP)
@@ -259,18 +274,19 @@ def _sparse_attention_kernel(
             j_next = tl.load(index + tl.minimum(2 * p + 2, count - 1))
             j_second = tl.load(index + tl.minimum(2 * p + 3, count - 1))
             acc, l_i, m_i, pv_count = _attend_tile(
-                acc, l_i, m_i, pv_count, q, cols, K_base, V_base,
+                acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
                 pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
         first_single = 2 * n_pairs
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
-        acc, l_i, m_i, pv_count, j_next, first_single, n_full, index, count, q, offs_n, K_base, V_base,
+        acc, l_i, m_i, pv_count, j_next, first_single, n_full, index, count, q, offs_n, K_base, V_base, KPOS_base,
         stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
-        acc, l_i, m_i, pv_count, j_next, n_full, count, index, count, q, offs_n, K_base, V_base,
+        acc, l_i, m_i, pv_count, j_next, n_full, count, index, count, q, offs_n, K_base, V_base, KPOS_base,
         stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
-        qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX)
+        qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
+        PERMUTED_KEYS=PERMUTED_KEYS)
 
     _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od,
                   TMA_IO=TMA_IO, OUT_DTYPE=q.dtype)
@@ -279,12 +295,13 @@ def _sparse_attention_kernel(
 
 
 def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_causal: bool,
-                        tail: attention_hopper.TailSchedule | None = None
+                        tail: attention_hopper.TailSchedule | None = None, key_segment: int = BLOCK_K
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compact each row of a (B|1, H|1, nq, nk) mask into ascending key-block indices.
 
     Returns (index (B, H, nq, nk) int32, count (B, H, nq) int32, n_full (B, H, nq) int32), where the first
-    n_full indices of a row need no element masking. Blocks that causal masking hides are dropped. With
+    n_full indices of a row need no element masking. Blocks that causal masking hides are dropped (for keys
+    permuted within segments of ``key_segment`` positions, by the segments' extents: ``_key_block_flags``). With
     ``tail`` (an empty ``attention_hopper.new_tail_schedule``) the same kernel also fills the Hopper
     kernel's tail order.
     """
@@ -297,7 +314,7 @@ def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_caus
     launch(_block_mask_to_index_kernel, (nq, B * H),
         m, index, count, n_full, *tail_kernel_args(tail, count), H, nq, nk, shape.kv_len, *m.stride(),
         NK_PAD=max(triton.next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
-        RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
+        KEY_SEGMENT=key_segment, RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
     )
     return index, count, n_full
 
@@ -374,7 +391,7 @@ def sparse_attention_triton(
     qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, *,
     is_causal: bool, scale: float, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     pvthreshd: torch.Tensor | None, return_counts: bool, tail: attention_hopper.TailSchedule | None = None,
-    ticket: torch.Tensor | None = None, on_hopper: bool | None = None,
+    ticket: torch.Tensor | None = None, on_hopper: bool | None = None, key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Launch the attention kernel on (B, H, N, D) views, writing ``out_h``.
 
@@ -387,13 +404,20 @@ def sparse_attention_triton(
     with this index) then reorders the end of its schedule, and ``ticket`` (zeroed, from the same allocation)
     saves it a memset. The Triton kernel reads neither. ``on_hopper``: that rule's answer if the caller already
     has it (None: decided here).
+
+    ``key_positions``: (B, H_kv, N) int32 (stride 0 where broadcast, unit last stride) original positions of
+    keys permuted within segments (``_inputs.PermutedKeys``; causal calls with an index compacted for that
+    segment only); both kernels read them in their masked tiles.
     """
+    if key_positions is not None and (index is None or not is_causal):
+        raise ValueError("key_positions needs a causal call with an index compacted for its key segment")
     if on_hopper is None:
         on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None,
                                             dense=index is None)
     if on_hopper:
         attention_hopper.hopper_block_sparse_attention(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale,
-                                                       index=index, tail=tail, ticket=ticket)
+                                                       index=index, tail=tail, ticket=ticket,
+                                                       key_positions=key_positions)
         return None
     B, H = shape.batch, shape.heads
     nq = shape.q_blocks
@@ -406,13 +430,15 @@ def sparse_attention_triton(
     pv_thr = pvthreshd if pvthreshd is not None else _placeholder(qh.device, torch.float32)
     tma_io = use_tma_io(qh, out_h, shape, is_causal)
     q_arg, out_arg = (_tma_descriptor(qh), _tma_descriptor(out_h)) if tma_io else (qh, out_h)
+    kpos = key_positions if key_positions is not None else unused
+    kpos_strides = (kpos.stride(0), kpos.stride(1)) if key_positions is not None else (0, 0)
     launch(_sparse_attention_kernel, (nq, B * H),
-        q_arg, kh, vh, out_arg, idx, count, n_full, pv_thr, pv_count,
-        scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk,
+        q_arg, kh, vh, out_arg, idx, count, n_full, pv_thr, pv_count, kpos,
+        scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, *kpos_strides,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,
         RETURN_COUNTS=return_counts, PAIR_TILES=pair_tiles(shape.head_dim, index is not None, pvthreshd is not None),
-        TMA_IO=tma_io, **_launch_config(shape.head_dim),
+        TMA_IO=tma_io, PERMUTED_KEYS=key_positions is not None, **_launch_config(shape.head_dim),
     )
     return pv_count if return_counts else None

@@ -282,11 +282,13 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                  INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
+                  INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
                   STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
+                  PERMUTED_KEYS: gl.constexpr, NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
         """Rows HALF * 64 .. HALF * 64 + 63 of each tile: both consumers wait on the same stage barriers and
-        each releases every stage and Q buffer once (the empty barriers count two arrivals)."""
+        each releases every stage and Q buffer once (the empty barriers count two arrivals). With PERMUTED_KEYS
+        (keys permuted within segments, always with an index), the causal test of a masked stage compares the
+        keys' original positions (KPOS) with the rows, as the Triton kernel's ``_attend_tile`` does."""
         BLOCK_M: gl.constexpr = o_desc.block_type.shape[2]  # this consumer's rows: half ``HALF`` of the tile
         O_COLS: gl.constexpr = o_desc.block_type.shape[3]
         D: gl.constexpr = o_smem.type.shape[1]
@@ -333,7 +335,10 @@ if GLUON_IMPORT_ERROR is None:
                     # a stage holding the ragged last block, a causal diagonal block or a repeated odd block
                     j0, j1 = _stage_blocks(INDEX, row, NK, p, count, USE_INDEX)
                     cols = gl.where(first_half, j0 * BLOCK_K, j1 * BLOCK_K - BLOCK_K) + offs_n
-                    qk = _mask_scores(qk, cols, (cols < kv_len) & (first_half | (2 * p + 1 < count)),
+                    key_pos = cols
+                    if PERMUTED_KEYS:
+                        key_pos = gl.load(KPOS + b * stride_pb + hk * stride_ph + cols, mask=cols < kv_len, other=0)
+                    qk = _mask_scores(qk, key_pos, (cols < kv_len) & (first_half | (2 * p + 1 < count)),
                                       (2 * m + HALF) * BLOCK_M + offs_r, IS_CAUSAL)
                 probs, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, qk_scale, rows_o)
                 acc = warpgroup_mma(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs.index(s), acc,
@@ -354,7 +359,10 @@ if GLUON_IMPORT_ERROR is None:
                                        is_async=True)
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
                     cols = j0 * BLOCK_K + offs_h
-                    qk = _mask_scores(qk, cols, cols < kv_len, (2 * m + HALF) * BLOCK_M + offs_rh, IS_CAUSAL)
+                    key_pos = cols
+                    if PERMUTED_KEYS:
+                        key_pos = gl.load(KPOS + b * stride_pb + hk * stride_ph + cols, mask=cols < kv_len, other=0)
+                    qk = _mask_scores(qk, key_pos, cols < kv_len, (2 * m + HALF) * BLOCK_M + offs_rh, IS_CAUSAL)
                     probs, m_h, l_h, acc = _softmax_step(qk, gl.convert_layout(m_i, rows_h),
                                                          gl.convert_layout(l_i, rows_h), acc, qk_scale, rows_o)
                     m_i = gl.convert_layout(m_h, rows_s)
@@ -383,9 +391,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES,
+                                 KPOS, stride_pb, stride_ph,
                                  tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr,
                                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                                 USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr, NUM_WARPS: gl.constexpr,
+                                 PERMUTED_KEYS: gl.constexpr, USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr, NUM_WARPS: gl.constexpr,
                                  CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
@@ -408,11 +417,11 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(kv_empty.index(j), count=2)
         gl.warp_specialize([
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
-                         kv_empty, INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
-                         STAGES, USE_INDEX, IS_CAUSAL, NUM_WARPS, 0)),
+                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,
+                         kv_len, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, PERMUTED_KEYS, NUM_WARPS, 0)),
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(1), tile_ids, q_ready, q_empty, kv_ready,
-                         kv_empty, INDEX, COUNT, NFULL, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
-                         STAGES, USE_INDEX, IS_CAUSAL, NUM_WARPS, 1)),
+                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,
+                         kv_len, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, PERMUTED_KEYS, NUM_WARPS, 1)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
                        kv_empty, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK,
                        kv_len, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL, BUCKETS)),
@@ -601,11 +610,16 @@ def tail_tickets(schedule: TailSchedule) -> list[int]:
 def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                                   shape: AttentionShape, *, is_causal: bool, scale: float,
                                   index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                                  tail: TailSchedule | None = None, ticket: torch.Tensor | None = None) -> None:
+                                  tail: TailSchedule | None = None, ticket: torch.Tensor | None = None,
+                                  key_positions: torch.Tensor | None = None) -> None:
     """Write ``out_h`` (B, H, N, D views) = attention over the kept blocks of ``index`` (index, count, n_full
     from ``block_mask_to_index``), or over every visible block when ``index`` is None (the dense mode).
     ``tail`` (filled with the same index) reorders the last tickets; the result is the same. ``ticket``: a
-    zeroed int32 counter for this call (``new_tail_schedule(with_counter=True)``); by default one is made."""
+    zeroed int32 counter for this call (``new_tail_schedule(with_counter=True)``); by default one is made.
+    ``key_positions``: (B, H_kv, N) int32 with unit last stride, the original positions of keys permuted within
+    segments (causal calls with an index compacted for that segment; see ``attention.sparse_attention_triton``)."""
+    if key_positions is not None and (index is None or not is_causal):
+        raise ValueError("key_positions needs a causal call with an index compacted for its key segment")
     n_tiles = shape.batch * shape.heads * shape.q_blocks
     if tail is not None and tail.start + tail.width != n_tiles:
         raise ValueError(f"the tail schedule covers tickets {tail.start}..{tail.start + tail.width - 1}, this call "
@@ -618,10 +632,12 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     use_tail = tail is not None and index is not None
     sizes, tiles, tail_start = (tail.sizes, tail.tiles, tail.start) if use_tail else (ticket, ticket, n_tiles)
     grid = (min(_sm_count(qh.device), n_tiles),)
+    kpos = key_positions if key_positions is not None else ticket
+    kpos_strides = (kpos.stride(0), kpos.stride(1)) if key_positions is not None else (0, 0)
     launch(_hopper_attention_kernel, grid,
         _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
-        idx, count, n_full, ticket, sizes, tiles, tail_start, scale * LOG2E, shape.heads,
+        idx, count, n_full, ticket, sizes, tiles, kpos, *kpos_strides, tail_start, scale * LOG2E, shape.heads,
         shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
-        USE_TAIL=use_tail, BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS, CONSUMER_REGS=CONSUMER_REGS,
+        PERMUTED_KEYS=key_positions is not None, USE_TAIL=use_tail, BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=NUM_WARPS, maxnreg=MAXNREG)

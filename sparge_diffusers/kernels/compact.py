@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._inputs import AttentionShape, Backend, TensorLayout, check_attention_inputs, pick_backend
+from ._inputs import (BLOCK_K, AttentionShape, Backend, PermutedKeys, TensorLayout, check_attention_inputs,
+                      check_permuted_keys, pick_backend)
 from .attention import block_mask_to_index
 from .attention_hopper import TailSchedule, new_tail_schedule, wants_tail_schedule
 
@@ -29,6 +30,8 @@ class CompactBlockMask:
         count: (B, H, nq) int32, kept blocks per row (blocks hidden by causal masking excluded).
         n_full: (B, H, nq) int32.
         batch, heads, q_len, kv_len, is_causal: the calls it is valid for.
+        key_segment: the segment of the calls' ``PermutedKeys`` (BLOCK_K = keys in order), whose causal rule
+            decided which blocks are hidden and which need element masking.
         tail: the Hopper kernel's schedule end, longest tiles first (``attention_hopper.TailSchedule``), filled
             with the walk for a CUDA mask; None elsewhere.
     """
@@ -43,13 +46,16 @@ class CompactBlockMask:
     kv_len: int
     is_causal: bool
     tail: TailSchedule | None = None
+    key_segment: int = BLOCK_K
 
     @property
     def kernel_walk(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         return None if self.index is None else (self.index, self.count, self.n_full)
 
-    def check_matches(self, shape: AttentionShape, is_causal: bool, device: torch.device) -> None:
-        """Raise ValueError unless this mask was built for calls of this shape, causality and device."""
+    def check_matches(self, shape: AttentionShape, is_causal: bool, device: torch.device,
+                      key_segment: int = BLOCK_K) -> None:
+        """Raise ValueError unless this mask was built for calls of this shape, causality, device and key
+        segment."""
         built = (self.batch, self.heads, self.q_len, self.kv_len)
         given = (shape.batch, shape.heads, shape.q_len, shape.kv_len)
         if built != given:
@@ -60,6 +66,9 @@ class CompactBlockMask:
                              f"is_causal={is_causal}")
         if self.mask.device != device:
             raise ValueError(f"CompactBlockMask is on {self.mask.device}, q on {device}")
+        if is_causal and self.key_segment != key_segment:
+            raise ValueError(f"CompactBlockMask was built for keys permuted within segments of {self.key_segment} "
+                             f"positions ({BLOCK_K}: keys in order), the call has {key_segment}")
 
 
 def check_block_mask(block_mask: torch.Tensor, shape: AttentionShape, device: torch.device) -> None:
@@ -87,9 +96,10 @@ def compact_block_mask(
     is_causal: bool = False,
     tensor_layout: TensorLayout = "HND",
     backend: Backend = "auto",
+    permuted_keys: PermutedKeys | None = None,
 ) -> CompactBlockMask:
     """Compact ``block_mask`` once for repeated :func:`block_sparse_attention` calls on inputs shaped like
-    ``q`` and ``k`` (only their shapes and device are read).
+    ``q`` and ``k`` (only their shapes and device are read), and with ``permuted_keys`` of the same segment.
 
     Example:
         >>> cm = compact_block_mask(mask, q, k)             # mask: (B|1, H|1, ceil(N/128), ceil(N/64)) bool
@@ -98,16 +108,20 @@ def compact_block_mask(
     """
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
     check_block_mask(block_mask, shape, q.device)
+    key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     walk, tail = None, None
     if pick_backend(backend, q.device) == "triton":
-        tail = new_tail_schedule(shape, q.device)[0] if wants_tail_schedule(shape, q.device) else None
-        walk = block_mask_to_index(block_mask, shape, is_causal, tail=tail)
-    return from_kernel_walk(block_mask, walk, shape, is_causal, tail)
+        # no tail order with permuted keys: those calls run on the Triton kernel, which reads none
+        tail = (new_tail_schedule(shape, q.device)[0]
+                if permuted_keys is None and wants_tail_schedule(shape, q.device) else None)
+        walk = block_mask_to_index(block_mask, shape, is_causal, tail=tail, key_segment=key_segment)
+    return from_kernel_walk(block_mask, walk, shape, is_causal, tail, key_segment)
 
 
 def from_kernel_walk(mask: torch.Tensor, walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                     shape: AttentionShape, is_causal: bool, tail: TailSchedule | None = None) -> CompactBlockMask:
+                     shape: AttentionShape, is_causal: bool, tail: TailSchedule | None = None,
+                     key_segment: int = BLOCK_K) -> CompactBlockMask:
     """Wrap a mask and a walk built elsewhere (stage 1 writes both, and fills ``tail``, in one kernel)."""
     index, count, n_full = walk if walk is not None else (None, None, None)
     return CompactBlockMask(mask, index, count, n_full, shape.batch, shape.heads, shape.q_len, shape.kv_len,
-                            is_causal, tail if walk is not None else None)
+                            is_causal, tail if walk is not None else None, key_segment)

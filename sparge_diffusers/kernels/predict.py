@@ -123,7 +123,7 @@ def _topcdf_block_mask_kernel(
     H, GROUP, NQ, NK, KV_LEN,
     ROWS: tl.constexpr, NK_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    BITS_ABOVE_ONE: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
+    KEY_SEGMENT: tl.constexpr, BITS_ABOVE_ONE: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -143,7 +143,8 @@ def _topcdf_block_mask_kernel(
     q_similar = tl.load(QSIM + pid_bh * NQ + rows, mask=rvalid, other=1.0) > theta
     k_similar = tl.load(KSIM + bhk * NK + cols, mask=cvalid, other=1.0) > theta
     valid, needs_masking = _key_block_flags((rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :],
-                                            KV_LEN, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K)
+                                            KV_LEN, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+                                            KEY_SEGMENT=KEY_SEGMENT)
     live = valid & k_similar[None, :]
     s = tl.where(live, s, float("-inf"))
     row_max = tl.max(s, axis=1)
@@ -167,7 +168,7 @@ def _topcdf_block_mask_kernel(
     if SINK:
         keep = keep | (cols == 0)[None, :]
     if IS_CAUSAL:
-        keep = keep | ((cols * BLOCK_K + BLOCK_K - 1)[None, :] > (rows * BLOCK_Q)[:, None])
+        keep = keep | needs_masking  # the diagonal (with permuted keys, the segments the query block overlaps)
     keep = keep & valid
     tl.store(MASK + row_offset[:, None] + cols[None, :], keep.to(tl.int8), mask=rvalid[:, None] & cvalid[None, :])
 
@@ -266,7 +267,7 @@ def topcdf_rows(nk: int) -> int:
 def topcdf_block_mask_triton(
     scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor, shape: AttentionShape, *, is_causal: bool,
     simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
-    tail: attention_hopper.TailSchedule | None = None, rows: int | None = None,
+    tail: attention_hopper.TailSchedule | None = None, rows: int | None = None, key_segment: int = BLOCK_K,
     num_warps: int = TOPCDF_NUM_WARPS,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """TopCdf over (B, H, nq, nk) compressed scores with the block similarities' forced rows and columns.
@@ -286,7 +287,7 @@ def topcdf_block_mask_triton(
         scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
         shape.heads, shape.heads // shape.kv_heads, nq, nk, shape.kv_len,
         ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
-        BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
+        BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=key_segment, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
         RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=num_warps,
     )
     return mask, (index, count, n_full)
@@ -295,9 +296,9 @@ def topcdf_block_mask_triton(
 def predict_block_mask_triton(
     qh: torch.Tensor, kh: torch.Tensor, shape: AttentionShape, *, is_causal: bool, scale: float,
     simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
-    tail: attention_hopper.TailSchedule | None = None,
+    tail: attention_hopper.TailSchedule | None = None, key_segment: int = BLOCK_K,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Launch stage 1 on (B, H, N, D) views.
+    """Launch stage 1 on (B, H, N, D) views (``key_segment``: see ``_inputs.PermutedKeys``).
 
     Returns the (B, H, nq, nk) bool block mask and its compacted form (index, count, n_full) as
     :func:`attention.block_mask_to_index` builds it, so the attention kernel needs no extra pass; fills
@@ -306,5 +307,6 @@ def predict_block_mask_triton(
     (q_means, q_sim), (k_means, k_sim) = qk_block_statistics_triton(qh, kh)
     scores = compressed_scores_triton(q_means, k_means, shape, scale)
     mask, walk = topcdf_block_mask_triton(scores, q_sim, k_sim, shape, is_causal=is_causal, simthreshd1=simthreshd1,
-                                          cdfthreshd=cdfthreshd, attention_sink=attention_sink, tail=tail)
+                                          cdfthreshd=cdfthreshd, attention_sink=attention_sink, tail=tail,
+                                          key_segment=key_segment)
     return mask.view(torch.bool), walk

@@ -67,8 +67,10 @@ def reference_prediction_details(
     cdfthreshd: torch.Tensor,
     attention_sink: bool,
     tensor_layout: TensorLayout = "HND",
+    key_segment: int = BLOCK_K,
 ) -> dict[str, torch.Tensor]:
-    """Stage 1 with every intermediate exposed (used by tests to locate borderline decisions)."""
+    """Stage 1 with every intermediate exposed (used by tests to locate borderline decisions).
+    ``key_segment``: keys permuted within segments of that many positions (``_inputs.PermutedKeys``)."""
     qh, kh = to_hnd(q, tensor_layout), to_hnd(k, tensor_layout)
     B, H, Nq, D = qh.shape
     HK, Nkv = kh.shape[1], kh.shape[2]
@@ -85,7 +87,7 @@ def reference_prediction_details(
     scores = (q_means @ k_means.transpose(-1, -2)) * scale  # compressed Q.K^T, (B, H, nq, nk)
     visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     if is_causal:
-        visible = causal_block_visible(nq, nk, Nkv, q.device)
+        visible = causal_block_visible(nq, nk, Nkv, q.device, key_segment)
     # Non-self-similar key blocks are not represented by their mean: keep them out of the softmax.
     scores = scores.masked_fill(~k_similar[:, :, None, :] | ~visible, -math.inf)
     row_max = scores.amax(-1, keepdim=True)
@@ -104,8 +106,9 @@ def reference_prediction_details(
     if attention_sink:
         mask[..., 0] = True
     if is_causal:
-        # Departure: the diagonal key blocks are always kept, so every query row sees at least itself.
-        mask |= causal_block_straddles(nq, nk, Nkv, q.device)
+        # Departure: the diagonal key blocks are always kept, so every query row sees at least itself (with
+        # permuted keys: every block of the segments the query block overlaps, as PBS-Attn computes them).
+        mask |= causal_block_straddles(nq, nk, Nkv, q.device, key_segment)
         mask &= visible
     return {
         "mask": mask,
@@ -133,8 +136,13 @@ def reference_block_sparse_attention(
     scale: float,
     pvthreshd: torch.Tensor | None,
     tensor_layout: TensorLayout = "HND",
+    key_positions: torch.Tensor | None = None,
+    key_segment: int = BLOCK_K,
 ) -> tuple[torch.Tensor, SparsityStats]:
     """Block-sparse FlashAttention with the sparse online softmax (stage 2), tile by tile, in float32.
+
+    ``key_positions`` (B|1, H_kv|1, Nkv) and ``key_segment``: keys stored permuted within segments
+    (``_inputs.PermutedKeys``); the causal test then compares each key's original position with the query's.
 
     Key blocks of each query block are visited in ascending order, as the kernel does. For each tile the
     running max, normaliser and output rescale are updated as in Eq. 1; the P.V product is skipped when
@@ -148,10 +156,14 @@ def reference_block_sparse_attention(
     group = H // kh.shape[1]
     kh = kh.repeat_interleave(group, dim=1)
     vh = vh.repeat_interleave(group, dim=1)
+    if key_positions is None:
+        key_positions = torch.arange(shape.kv_len, device=q.device).view(1, 1, -1)
+    key_positions = key_positions.to(q.device).long().expand(B, kh.shape[1] // group, -1)
+    key_positions = key_positions.repeat_interleave(group, dim=1)  # (B, H, Nkv)
     nq, nk = shape.q_blocks, shape.k_blocks
     mask = block_mask.to(torch.bool).expand(B, H, nq, nk)
     if is_causal:
-        mask = mask & causal_block_visible(nq, nk, shape.kv_len, q.device)
+        mask = mask & causal_block_visible(nq, nk, shape.kv_len, q.device, key_segment)
     thr = None if pvthreshd is None else pvthreshd.view(1, H).to(q.device)
     out = torch.zeros_like(qh)
     qk_counts = mask.sum(-1).to(torch.int64)
@@ -171,8 +183,8 @@ def reference_block_sparse_attention(
             cols = slice(j * BLOCK_K, min((j + 1) * BLOCK_K, shape.kv_len))
             s = (qi @ kh[:, :, cols].transpose(-1, -2)) * (scale * LOG2E)  # log2 domain, like the kernel
             if is_causal:
-                k_pos = torch.arange(cols.start, cols.stop, device=q.device)
-                s = s.masked_fill(k_pos[None, :] > q_pos[:, None], -math.inf)
+                k_pos = key_positions[:, :, cols]  # (B, H, keys): original positions
+                s = s.masked_fill(k_pos[:, :, None, :] > q_pos[:, None], -math.inf)
             m_local = s.amax(-1)
             m_new = torch.maximum(m, m_local)
             m_use = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that have seen no key yet

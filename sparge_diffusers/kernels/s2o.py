@@ -73,11 +73,11 @@ def _ordered_attention_kernel(
     j_next = tl.load(index, mask=count > 0, other=0)
     # forced blocks: those needing no element masking, then the diagonal / ragged ones
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
-        acc, l_i, m_i, pv_count, j_next, 0, n_unmasked, index, count, q, offs_n, K_base, V_base,
+        acc, l_i, m_i, pv_count, j_next, 0, n_unmasked, index, count, q, offs_n, K_base, V_base, K_base,
         stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
-        acc, l_i, m_i, pv_count, j_next, n_unmasked, n_forced, index, count, q, offs_n, K_base, V_base,
+        acc, l_i, m_i, pv_count, j_next, n_unmasked, n_forced, index, count, q, offs_n, K_base, V_base, K_base,
         stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True)
 
@@ -109,7 +109,7 @@ def _ordered_attention_kernel(
                 m_old = tl.where(last, m_i, m_old)
                 l_old = tl.where(last, l_i, l_old)
             acc, l_i, m_i, pv_count = _attend_tile(
-                acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base,
+                acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, K_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
                 pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
         visited = tl.where(go, end, visited)
@@ -166,7 +166,7 @@ def _visit_order_kernel(
                         tl.load(QSIM + row)) <= theta
     first_q = i * BLOCK_Q
     visible, needs_masking = _key_block_flags(first_q, cols, cvalid, KV_LEN, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q,
-                                              BLOCK_K=BLOCK_K)
+                                              BLOCK_K=BLOCK_K, KEY_SEGMENT=BLOCK_K)
     forced = forced | needs_masking  # the ragged last block (a causal diagonal block lies in its own segment)
     if SINK:
         forced = forced | (cols == 0)

@@ -13,7 +13,9 @@ class SparsityStats:
     """Per-head fractions of skipped block products (averaged over the batch).
 
     The denominators are the block products dense attention computes: every (query block, key block)
-    pair, or under causal masking only the pairs with at least one visible key.
+    pair, or under causal masking only the pairs with at least one visible key. With keys permuted within
+    segments (``_inputs.PermutedKeys``) the denominator stays plain causal attention's: the blocks of the
+    diagonal segment are all computed, so a mask that keeps almost everything can skip a negative fraction.
 
     Building one costs a single reduction on the device (the per-(batch, head) sums of the kernel's counts);
     the fractions below are computed when first read. Every call of a pipeline layer builds one when stats

@@ -1,0 +1,219 @@
+"""PBS-Attn's segmented key permutation: the order, the kernels' causal test on original key positions
+(Triton in the interpreter against the float32 reference), and the LLM path's composition."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, relative_l1
+from sparge_diffusers import compact_block_mask, sparge_attention
+from sparge_diffusers.kernels import PermutedKeys
+from sparge_diffusers.kernels._inputs import check_attention_inputs
+from sparge_diffusers.llm import pbs_sparge_attention
+from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
+from sparge_diffusers.permutations import segmented as segmented_module
+from sparge_diffusers.testing import llm_like_qkv
+
+L1_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+
+
+def make_qkv(B, H, HK, N, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, h, N, D, generator=g).to(dtype) for h in (H, HK, HK))
+
+
+def random_segment_order(B, HK, N, segment, seed):
+    """Keys shuffled at random within each segment (the harshest order for the causal test)."""
+    g = torch.Generator().manual_seed(seed)
+    return segmented_key_order(torch.rand(B, HK, N, generator=g), segment)
+
+
+def causal_sdpa(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
+                                          v.float().repeat_interleave(g, 1), is_causal=True)
+
+
+def to_layout(t, layout):
+    return t if layout == "HND" else t.transpose(1, 2)
+
+
+def test_segmented_key_order_sorts_within_segments_only():
+    importance = torch.tensor([[[0.1, 0.9, 0.5, 0.3, 0.8, 0.2, 0.7]]])
+    order = segmented_key_order(importance, 3)
+    assert order.tolist() == [[[1, 2, 0, 4, 3, 5, 6]]]  # segments [0, 3), [3, 6), [6, 7)
+    big = random_segment_order(2, 3, 1000, 256, seed=0)
+    PermutedKeys(big.int(), 256).verify()
+    assert ((big // 256) == (torch.arange(1000) // 256)).all()
+    with pytest.raises(ValueError, match="segment"):
+        segmented_key_order(importance, 0)
+
+
+def test_last_block_key_importance_matches_the_softmax_it_averages(monkeypatch):
+    q, k, _ = make_qkv(2, 4, 2, 300, 32, torch.float32, seed=1)
+    monkeypatch.setattr(segmented_module, "_KEY_CHUNK", 64)  # several key chunks, a ragged last one
+    got = last_block_key_importance(q, k, queries=128)
+    scores = (q[:, :, -128:] @ k.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(32)
+    rows, cols = torch.arange(300 - 128, 300), torch.arange(300)
+    probs = scores.masked_fill(cols[None, :] > rows[:, None], -math.inf).softmax(-1)  # (B, H, 128, N)
+    expected = probs.mean(-2).view(2, 2, 2, 300).mean(2)  # mean over the queries, then over the group
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.sum(-1), torch.ones(2, 2))
+    assert last_block_key_importance(q[:, :, :50], k[:, :, :50]).shape == (2, 2, 50)  # shorter than a block
+    with pytest.raises(ValueError, match="H_kv"):
+        last_block_key_importance(q, k[:, :1, :10])
+
+
+@pytest.mark.parametrize("B,H,HK,N,D,dtype", [(1, 4, 2, 300, 64, torch.float16), (2, 2, 1, 1500, 32, torch.bfloat16),
+                                               (1, 3, 3, 70, 128, torch.float16)])
+def test_importance_kernels_match_the_pytorch_path(B, H, HK, N, D, dtype):
+    """The two Triton passes (interpreter) against the float32 PyTorch path: GQA, several key chunks (N > 1024),
+    fewer than 128 queries, ragged key blocks."""
+    q, k, _ = make_qkv(B, H, HK, N, D, dtype, seed=N)
+    got = last_block_key_importance(q, k, backend="triton")
+    expected = last_block_key_importance(q, k, backend="torch")
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-3)
+    torch.testing.assert_close(got.sum(-1), torch.ones(B, HK), atol=1e-4, rtol=0)
+
+
+def test_permuted_keys_are_checked():
+    q, k, v = make_qkv(1, 2, 2, 300, 64, torch.float32, seed=2)
+    order = random_segment_order(1, 2, 300, 128, seed=3)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        PermutedKeys(order, 100)
+    with pytest.raises(ValueError, match="3-D"):
+        PermutedKeys(order[0], 128)
+    with pytest.raises(ValueError, match="is_causal=True"):
+        block_sparse_attention(q, k, v, None, permuted_keys=PermutedKeys(order, 128))
+    with pytest.raises(ValueError, match="shape"):
+        sparge_attention(q, k, v, is_causal=True, permuted_keys=PermutedKeys(order[..., :200], 128))
+    crossing = order.clone()
+    crossing[..., [0, 200]] = crossing[..., [200, 0]]  # two keys swapped across segments
+    with pytest.raises(ValueError, match="out of its segment"):
+        sparge_attention(q, k, v, is_causal=True, permuted_keys=PermutedKeys(crossing, 128))
+    repeated = order.clone()
+    repeated[..., 1] = repeated[..., 0]
+    with pytest.raises(ValueError, match="repeats"):
+        predict_block_mask(q, k, is_causal=True, permuted_keys=PermutedKeys(repeated, 128))
+    cm = compact_block_mask(torch.ones(1, 1, 3, 5, dtype=torch.bool), q, k, is_causal=True)
+    with pytest.raises(ValueError, match="segments of 64"):
+        block_sparse_attention(q, k, v, cm, is_causal=True, permuted_keys=PermutedKeys(order, 128))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("N,segment", [(300, 128), (700, 256), (90, 256)])
+def test_dense_walk_on_permuted_keys_equals_causal_attention(layout, backend, N, segment):
+    """Every block kept: causal attention over the keys' original positions, whatever their order in a segment
+    (random shuffles; odd lengths; a sequence shorter than one segment)."""
+    dtype = torch.float16
+    q, k, v = make_qkv(2, 4, 2, N, 64, dtype, seed=N)
+    order = random_segment_order(2, 2, N, segment, seed=N + 1)
+    kp, vp = gather_keys(k, order), gather_keys(v, order)
+    pk = PermutedKeys(order.int(), segment)
+    out = block_sparse_attention(*(to_layout(t, layout) for t in (q, kp, vp)), None, is_causal=True,
+                                 permuted_keys=pk, tensor_layout=layout, backend=backend)
+    assert relative_l1(to_layout(out, layout).float(), causal_sdpa(q, k, v)) < L1_TOL[dtype]
+
+
+PBS_CASES = [
+    # B, H, HK, N, D, segment
+    (2, 4, 2, 300, 64, 128),  # GQA, ragged last block and segment
+    (1, 2, 1, 650, 128, 256),  # D = 128: paired unmasked tiles before the masked diagonal segments
+    (1, 2, 2, 1000, 64, 192),  # a segment that is not a multiple of the query block
+]
+
+
+@pytest.mark.parametrize("B,H,HK,N,D,segment", PBS_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pvthreshd", [None, 4.0])
+def test_block_sparse_attention_on_permuted_keys_matches_reference(B, H, HK, N, D, segment, dtype, pvthreshd):
+    q, k, v = make_qkv(B, H, HK, N, D, dtype, seed=N + D)
+    order = random_segment_order(B, HK, N, segment, seed=N)
+    kp, vp = gather_keys(k, order), gather_keys(v, order)
+    pk = PermutedKeys(order.int(), segment)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(B, H, math.ceil(N / BLOCK_Q), math.ceil(N / BLOCK_K), generator=g) < 0.5
+    kw = dict(is_causal=True, pvthreshd=pvthreshd, return_sparsity=True, permuted_keys=pk)
+    out, stats = block_sparse_attention(q, kp, vp, mask, backend="triton", out=torch.full_like(q, math.nan), **kw)
+    ref, ref_stats = block_sparse_attention(q, kp, vp, mask, backend="reference", **kw)
+    assert not torch.isnan(out).any(), "every output element must be written, and never NaN"
+    assert relative_l1(out, ref) < L1_TOL[dtype]
+    torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
+    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped)
+    # the same mask compacted once
+    cm = compact_block_mask(mask, q, kp, is_causal=True, permuted_keys=pk)
+    again = block_sparse_attention(q, kp, vp, cm, backend="triton", is_causal=True, pvthreshd=pvthreshd,
+                                   permuted_keys=pk)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("segment", [128, 256])
+def test_stage_one_on_permuted_keys_matches_reference(dtype, segment):
+    q, k, v = llm_like_qkv(700, heads=4, kv_heads=2, head_dim=64, dtype=dtype, seed=5)
+    order = segmented_key_order(last_block_key_importance(q, k), segment)
+    pk = PermutedKeys(order.int(), segment)
+    kp = gather_keys(k, order)
+    kw = dict(is_causal=True, cdfthreshd=0.6, permuted_keys=pk)
+    mask = predict_block_mask(q, kp, backend="triton", **kw)
+    ref = predict_block_mask(q, kp, backend="reference", **kw)
+    assert (mask != ref).float().mean() < 0.01  # a rare borderline TopCdf decision may differ
+    # every block of the segments a query block overlaps is kept (the diagonal of PBS-Attn)
+    for i in range(mask.shape[2]):
+        first, last = i * BLOCK_Q, min(i * BLOCK_Q + BLOCK_Q, 700) - 1
+        segs = range(first // segment * segment // BLOCK_K, min(math.ceil((last // segment + 1) * segment / BLOCK_K),
+                                                                  mask.shape[3]))
+        assert mask[:, :, i, list(segs)].all()
+        hidden = (torch.arange(mask.shape[3]) * BLOCK_K // segment * segment) > last
+        assert not mask[:, :, i, hidden].any()
+
+
+def test_pbs_sparge_attention_keeping_every_block_equals_causal_attention():
+    q, k, v = llm_like_qkv(500, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, seed=7)
+    out = pbs_sparge_attention(q, k, v, segment=256, cdfthreshd=1.0, pvthreshd=None)
+    assert relative_l1(out, causal_sdpa(q, k, v)) < 1e-5
+    with pytest.raises(ValueError, match="always causal"):
+        pbs_sparge_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pbs_sparge_attention_triton_matches_reference(dtype):
+    q, k, v = llm_like_qkv(600, heads=4, kv_heads=2, head_dim=64, dtype=dtype, seed=8)
+    kw = dict(segment=256, cdfthreshd=0.7, pvthreshd=8, return_sparsity=True)
+    out, stats = pbs_sparge_attention(q, k, v, backend="triton", **kw)
+    ref, ref_stats = pbs_sparge_attention(q, k, v, backend="reference", **kw)
+    assert not torch.isnan(out).any()
+    assert relative_l1(out, ref) < L1_TOL[dtype]
+    assert stats.sparsity > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("pvthreshd", [8, None])  # None: the Hopper kernel on an sm90 GPU, else the Triton kernel
+def test_gpu_pbs_matches_reference(dtype, D, pvthreshd):
+    from sparge_diffusers.kernels import attention_hopper
+
+    q, k, v = llm_like_qkv(3000, heads=8, kv_heads=2, head_dim=D, dtype=dtype, device="cuda", seed=2)
+    order = segmented_key_order(last_block_key_importance(q, k), 256)
+    pk = PermutedKeys(order.int(), 256)
+    kp, vp = gather_keys(k, order), gather_keys(v, order)
+    shape = check_attention_inputs(q, kp, vp, tensor_layout="HND", is_causal=True)
+    on_hopper = attention_hopper.usable(q, kp, vp, q, shape, pv_test=pvthreshd is not None)
+    assert on_hopper == (pvthreshd is None and torch.cuda.get_device_capability() == (9, 0))
+    mask = predict_block_mask(q, kp, is_causal=True, permuted_keys=pk, cdfthreshd=0.9)
+    out, stats = sparge_attention(q, kp, vp, is_causal=True, pvthreshd=pvthreshd, return_sparsity=True,
+                                  permuted_keys=pk, cdfthreshd=0.9, out=torch.full_like(q, math.nan))
+    cpu_pk = PermutedKeys(pk.positions.cpu(), 256)
+    ref, ref_stats = block_sparse_attention(q.cpu(), kp.cpu(), vp.cpu(), mask.cpu(), is_causal=True,
+                                            pvthreshd=pvthreshd, return_sparsity=True, backend="reference",
+                                            permuted_keys=cpu_pk)
+    assert not torch.isnan(out).any()
+    assert relative_l1(out.cpu(), ref) < L1_TOL[dtype]
+    torch.testing.assert_close(stats.qk_skipped.cpu(), ref_stats.qk_skipped)
+    dense = block_sparse_attention(q, kp, vp, None, is_causal=True, permuted_keys=pk)
+    assert relative_l1(dense.float(), causal_sdpa(q, k, v)) < L1_TOL[dtype]
