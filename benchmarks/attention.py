@@ -108,17 +108,25 @@ def random_block_mask(B, H, nq, nk, density, causal, N, device, seed=0):
     return mask
 
 
-def flex_fn(q, k, v, mask, causal, shape):
-    """Compiled FlexAttention over the same blocks: kept blocks that need no masking are 'full' blocks."""
+def flex_fn(q, k, v, mask, causal, shape, key_positions=None, key_segment=BLOCK_K):
+    """Compiled FlexAttention over the same blocks: kept blocks that need no masking are 'full' blocks.
+    ``key_positions`` / ``key_segment``: keys permuted within segments (``PermutedKeys``); the mask_mod then
+    tests each key's original position."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    index, count, n_full = block_mask_to_index(mask, shape, causal)
+    index, count, n_full = block_mask_to_index(mask, shape, causal, key_segment=key_segment)
     nk = index.shape[-1]
     positions = (torch.arange(nk, device=q.device) + n_full[..., None]).clamp(max=nk - 1)
     partial_index = torch.gather(index, -1, positions.long())
 
-    def causal_mod(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+    if key_positions is None:
+        def causal_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+    else:
+        group, pos = q.shape[1] // k.shape[1], key_positions.long()
+
+        def causal_mod(b, h, q_idx, kv_idx):  # permuted keys: their original positions
+            return pos[b, h // group, kv_idx] <= q_idx
 
     def noop_mod(b, h, q_idx, kv_idx):
         return q_idx >= 0

@@ -28,37 +28,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import save_report  # noqa: E402
 from attention import bench_rounds, flex_fn  # noqa: E402
 
-from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, compact_block_mask  # noqa: E402
+from sparge_diffusers import block_sparse_attention, compact_block_mask  # noqa: E402
 from sparge_diffusers import predict_block_mask, sparge_attention  # noqa: E402
 from sparge_diffusers.kernels import PermutedKeys, attention_hopper  # noqa: E402
 from sparge_diffusers.kernels._inputs import check_attention_inputs  # noqa: E402
-from sparge_diffusers.kernels.attention import block_mask_to_index  # noqa: E402
 from sparge_diffusers.kernels.stats import dense_block_count  # noqa: E402
 from sparge_diffusers.llm import pbs_sparge_attention  # noqa: E402
 from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
 from sparge_diffusers.workloads import cudnn_attention_fn, sampled_relative_l1  # noqa: E402
-
-
-def flex_permuted_fn(q, k, v, mask, shape, positions, segment):
-    """FlexAttention over the same blocks of permuted keys: its mask_mod tests each key's original position."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-    index, count, n_full = block_mask_to_index(mask, shape, True, key_segment=segment)
-    nk = index.shape[-1]
-    partial = torch.gather(index, -1, (torch.arange(nk, device=q.device) + n_full[..., None]).clamp(max=nk - 1).long())
-    group = q.shape[1] // k.shape[1]
-    pos = positions.long()
-
-    def permuted_causal(b, h, q_idx, kv_idx):
-        return pos[b, h // group, kv_idx] <= q_idx
-
-    block_mask = BlockMask.from_kv_blocks(
-        (count - n_full).contiguous(), partial.contiguous(), n_full.contiguous(), index.contiguous(),
-        BLOCK_SIZE=(BLOCK_Q, BLOCK_K), mask_mod=permuted_causal, seq_lengths=(q.shape[2], k.shape[2]))
-    compiled = torch.compile(flex_attention, dynamic=False)
-    options = {"BLOCK_M": BLOCK_Q, "BLOCK_N": BLOCK_K}
-    return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
 
 
 def on_triton(fn):
@@ -104,8 +82,8 @@ def run_length(n, taus, segments, with_flex, log):
             fns["prebuilt_triton"] = on_triton(fns["prebuilt"])
             if with_flex:
                 try:
-                    fns["flex"] = (flex_fn(q, kk, vv, mask, True, shape) if pk is None
-                                   else flex_permuted_fn(q, kk, vv, mask, shape, pk.positions, pk.segment))
+                    fns["flex"] = (flex_fn(q, kk, vv, mask, True, shape) if pk is None else
+                                   flex_fn(q, kk, vv, mask, True, shape, pk.positions, pk.segment))
                     fns["flex"]()  # compile outside the timed rounds
                 except Exception as e:  # report, never hide
                     fns.pop("flex", None)

@@ -215,5 +215,9 @@ def test_gpu_pbs_matches_reference(dtype, D, pvthreshd):
     assert not torch.isnan(out).any()
     assert relative_l1(out.cpu(), ref) < L1_TOL[dtype]
     torch.testing.assert_close(stats.qk_skipped.cpu(), ref_stats.qk_skipped)
+    # the same mask compacted once (on an sm90 GPU with the Hopper kernel's tail order): the same output
+    cm = compact_block_mask(mask, q, kp, is_causal=True, permuted_keys=pk)
+    again = block_sparse_attention(q, kp, vp, cm, is_causal=True, pvthreshd=pvthreshd, permuted_keys=pk)
+    assert torch.equal(again, out)
     dense = block_sparse_attention(q, kp, vp, None, is_causal=True, permuted_keys=pk)
     assert relative_l1(dense.float(), causal_sdpa(q, k, v)) < L1_TOL[dtype]

@@ -233,12 +233,11 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
     if isinstance(block_mask, CompactBlockMask):
         compact, block_mask = block_mask, block_mask.mask
     key_segment = permuted_keys.segment if permuted_keys is not None else BLOCK_K
-    if permuted_keys is not None and block_mask is None:
-        # the dense mode's contiguous walk follows plain causal extents; walk every block through an index
+    if block_mask is None and (chosen == "reference" or permuted_keys is not None):
+        # the reference walks a mask; with permuted keys so does the kernel (its dense mode's contiguous walk
+        # follows plain causal extents)
         block_mask = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
     if chosen == "reference":
-        if block_mask is None:
-            block_mask = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
         result, stats = reference_block_sparse_attention(
             q, k, v, block_mask, shape=shape, is_causal=is_causal, scale=scale, pvthreshd=thr,
             tensor_layout=tensor_layout, key_positions=None if permuted_keys is None else permuted_keys.positions,

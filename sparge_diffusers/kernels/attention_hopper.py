@@ -394,8 +394,8 @@ if GLUON_IMPORT_ERROR is None:
                                  KPOS, stride_pb, stride_ph,
                                  tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr,
                                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                                 PERMUTED_KEYS: gl.constexpr, USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr, NUM_WARPS: gl.constexpr,
-                                 CONSUMER_REGS: gl.constexpr):
+                                 PERMUTED_KEYS: gl.constexpr, USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr,
+                                 NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
@@ -639,5 +639,5 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
         idx, count, n_full, ticket, sizes, tiles, kpos, *kpos_strides, tail_start, scale * LOG2E, shape.heads,
         shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
-        PERMUTED_KEYS=key_positions is not None, USE_TAIL=use_tail, BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        PERMUTED_KEYS=key_positions is not None, USE_TAIL=use_tail, BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS,
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
