@@ -5,6 +5,7 @@ from .compact import CompactBlockMask, compact_block_mask
 from .api import block_sparse_attention, predict_block_mask, relative_l1, s2o_attention, sparge_attention
 from .library import sparge_attention_op
 from .s2o import VisitOrder, s2o_visit_order
+from .selected import SelectionIndex, build_selection_index, select_key_blocks, selected_block_attention
 from .stats import SparsityStats
 
 __all__ = [
@@ -19,6 +20,10 @@ __all__ = [
     "relative_l1",
     "s2o_attention",
     "s2o_visit_order",
+    "SelectionIndex",
+    "build_selection_index",
+    "select_key_blocks",
+    "selected_block_attention",
     "VisitOrder",
     "sparge_attention",
     "sparge_attention_op",

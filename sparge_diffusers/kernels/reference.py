@@ -264,3 +264,30 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                 visited[b, h, i] = n
                 out[b, h, rows] = torch.where(l[:, None] > 0, acc / l.clamp(min=1e-30)[:, None], 0.0)
     return out, visited, pv_count
+
+
+def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, shape: AttentionShape,
+                                       block_size: int, is_causal: bool, scale: float,
+                                       tensor_layout: TensorLayout = "HND") -> torch.Tensor:
+    """Attention of each query over the keys of its own selected blocks (``kernels/selected.py``), in float32.
+
+    The selection becomes a dense (Nq, Nkv) key mask per KV head (indices < 0 or past the last block select
+    nothing; repeats are harmless), intersected with the causal mask; a query that sees no key gets a zero row.
+    """
+    qh, kh, vh = (to_hnd(t, tensor_layout).float() for t in (q, k, v))
+    B, H, Nq, D = qh.shape
+    HK, Nkv = kh.shape[1], kh.shape[2]
+    group = H // HK
+    n_blocks = math.ceil(Nkv / block_size)
+    idx = block_indices.to(q.device).long()
+    chosen = torch.zeros(B, HK, Nq, n_blocks + 1, dtype=torch.bool, device=q.device)
+    chosen.scatter_(-1, torch.where((idx >= 0) & (idx < n_blocks), idx, n_blocks), True)
+    keys = chosen[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :Nkv]  # (B, HK, Nq, Nkv)
+    if is_causal:
+        keys = keys & torch.ones(Nq, Nkv, dtype=torch.bool, device=q.device).tril()
+    keys = keys.repeat_interleave(group, dim=1)
+    s = (qh @ kh.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+    s = s.masked_fill(~keys, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: all -inf -> NaN -> 0
+    out = (p @ vh.repeat_interleave(group, dim=1)).to(q.dtype)
+    return out if tensor_layout == "HND" else out.transpose(1, 2)

@@ -1,0 +1,431 @@
+"""Per-query block selection with FSA's loop order: key blocks outside, the queries that chose them inside.
+
+In Native Sparse Attention's selection branch every query token attends to its own ``top_k`` key blocks of
+``block_size`` keys (NSA shares one selection across the query heads of a GQA group). A FlashAttention-style
+kernel that walks queries outside and their blocks inside (vanilla NSA) must batch the few heads of a group
+into one tile, padding them to the 16 rows a tensor-core product needs. FSA (Yan et al., "FSA: An Alternative
+Efficient Implementation of Native Sparse Attention Kernel", Sec. 3) swaps the loops: a program loads one key
+block once and computes every query that selected it, in tiles of ``BLOCK_M`` such queries gathered through
+an index list; each (query, block) pair leaves a partial result, and a second kernel merges a query's
+partials. Here:
+
+1. :func:`build_selection_index` (PyTorch, on the device, no host sync) turns the per-query selection into
+   per-block query lists (one stable sort by block: queries stay ascending inside a block, so gathers stay
+   near-contiguous and causal masking touches only the rows near the diagonal), each pair's slot in those lists,
+   and a work list of chunks of at most ``QUERY_CHUNK`` queries of one block.
+2. ``_kv_outer_kernel``: one program per chunk and KV head loads its key/value block once and, for each tile of
+   ``BLOCK_M`` listed queries and each query head of the group, computes the tile's softmax over the block and
+   writes the normalised partial output and its log-sum-exp to the pair's slot.
+3. ``_merge_kernel``: one program per ``BLOCK_R`` queries and query head merges the partials of each query by
+   their log-sum-exps and writes the output row (every row, including rows that see no key: zero).
+
+Departures from the paper, each for a reason:
+* One online-softmax pass, not two: FSA precomputes each query's statistics with a separate Q.K^T kernel so that
+  partials can be summed; storing each partial normalised with its own log-sum-exp needs no second Q.K^T pass,
+  and the merge weights them exactly (the partial is rounded to the input dtype before the merge, like the
+  kernel's P in the P.V product).
+* A program serves all query heads of its KV head's group (the key/value block is loaded once for the group;
+  FSA's program holds one query head).
+* Selections are deduplicated and, under causal masking, blocks wholly after the query are dropped before the
+  kernel runs (they add nothing); NSA's compression and sliding-window branches and its gates are not here:
+  this is the selection branch, over any selection (:func:`select_key_blocks` gives one from block means).
+
+Memory: the partial buffer holds one output row per (query, selected block, query head) in the input dtype,
+``top_k`` times the output (FSA, Appendix D, has the same bound); the index is O(N * top_k) int32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._launch import launch
+from ._inputs import (
+    AttentionShape,
+    Backend,
+    TensorLayout,
+    check_attention_inputs,
+    check_kernel_dtype,
+    pick_backend,
+    resolve_scale,
+    to_hnd,
+)
+
+LOG2E = 1.4426950408889634
+# Key-block sizes the kernel takes (a tile of the block is one tensor-core product's N dimension).
+SELECT_BLOCK_SIZES = (32, 64, 128)
+# Queries per work item: a program loads its key block once for up to this many queries of that block.
+QUERY_CHUNK = 256
+# Query rows per tensor-core product in the KV-outer kernel, and queries per program in the merge.
+BLOCK_M = 64
+BLOCK_R = 32
+# Launch options of the KV-outer kernel; None = the defaults in selected_attention_triton (sweeps set this).
+KV_OUTER_LAUNCH: dict | None = None
+MERGE_LAUNCH = {"num_warps": 4, "num_stages": 2}
+
+
+@dataclass(frozen=True, eq=False)
+class SelectionIndex:
+    """Per-block query lists of a selection, for the KV-outer kernel (from :func:`build_selection_index`).
+
+    Attributes (BH = batch * KV heads, P = query length * top_k, NB = key blocks, C = work items):
+        query_list: (BH, P) int32: the queries of block 0 (ascending), then those of block 1, ...; the tail past
+            ``block_start[:, NB]`` is unused.
+        block_start: (BH, NB + 1) int32: where each block's queries begin in ``query_list``.
+        slot: (BH, Nq, top_k) int32: the place in ``query_list`` (and in the partial buffers) of each kept
+            (query, selection) pair; -1 for an empty, repeated or (causal) wholly hidden selection.
+        chunk_block, chunk_begin: (BH, C) int32: work item c covers ``query_list[chunk_begin : chunk_begin +
+            QUERY_CHUNK]`` clipped to block ``chunk_block``'s list; -1 marks an unused item (C is an upper bound,
+            ceil(P / QUERY_CHUNK) + NB, so the grid needs no host sync).
+    """
+
+    query_list: torch.Tensor
+    block_start: torch.Tensor
+    slot: torch.Tensor
+    chunk_block: torch.Tensor
+    chunk_begin: torch.Tensor
+    block_size: int
+    is_causal: bool
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size not in SELECT_BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {SELECT_BLOCK_SIZES}, got {block_size!r}")
+
+
+def check_block_indices(block_indices: torch.Tensor, shape: AttentionShape, block_size: int, device: torch.device,
+                        *, validate: bool) -> None:
+    """Shape, dtype and device of a selection; with ``validate`` also its range (reads it back: a device sync)."""
+    if not isinstance(block_indices, torch.Tensor):
+        raise ValueError(f"block_indices must be a torch.Tensor, got {type(block_indices).__name__}")
+    expected = (shape.batch, shape.kv_heads, shape.q_len)
+    if block_indices.dim() != 4 or tuple(block_indices.shape[:3]) != expected or block_indices.shape[3] == 0:
+        raise ValueError(f"block_indices must have shape (B, H_kv, Nq, top_k) = ({expected[0]}, {expected[1]}, "
+                         f"{expected[2]}, top_k >= 1), got {tuple(block_indices.shape)}")
+    if block_indices.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"block_indices must be an integer tensor (int16/int32/int64), got {block_indices.dtype}")
+    if block_indices.device != device:
+        raise ValueError(f"block_indices is on {block_indices.device}, q on {device}")
+    if validate:
+        n_blocks = math.ceil(shape.kv_len / block_size)
+        if bool((block_indices >= n_blocks).any()):
+            raise ValueError(f"block_indices holds a block index >= {n_blocks} (the number of {block_size}-key "
+                             f"blocks of {shape.kv_len} keys); use -1 for 'no block'")
+
+
+def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: int, block_size: int,
+                          is_causal: bool) -> SelectionIndex:
+    """Invert a per-query selection into per-block query lists (device ops only, no host sync).
+
+    Args:
+        block_indices: (B, H_kv, Nq, top_k) integer key-block indices; negative = none, repeats count once,
+            indices >= the number of blocks count as none (:func:`selected_block_attention` rejects them first).
+        is_causal: drop blocks whose first key comes after the query (the kernel would mask all of them).
+    """
+    B, HK, Nq, T = block_indices.shape
+    device = block_indices.device
+    n_blocks = math.ceil(kv_len / block_size)
+    none = n_blocks  # sorts after every real block
+    x = block_indices.reshape(B * HK, Nq, T).to(torch.int32)
+    x = torch.where((x >= 0) & (x < n_blocks), x, none)
+    if is_causal:
+        query = torch.arange(Nq, device=device, dtype=torch.int32).view(1, Nq, 1)
+        x = torch.where(x * block_size <= query, x, none)
+    x = x.sort(dim=-1).values
+    repeated = torch.zeros_like(x, dtype=torch.bool)
+    repeated[..., 1:] = x[..., 1:] == x[..., :-1]
+    x = torch.where(repeated, none, x).reshape(B * HK, Nq * T)
+
+    # stable: pairs are laid out query-major, so each block's queries come out ascending
+    keys, order = torch.sort(x, dim=-1, stable=True)
+    del keys
+    pairs = Nq * T
+    query_list = (order // T).to(torch.int32)
+    counts = torch.zeros(B * HK, n_blocks + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, x.long(), torch.ones_like(x))
+    counts = counts[:, :n_blocks]
+    block_start = torch.zeros(B * HK, n_blocks + 1, dtype=torch.int32, device=device)
+    block_start[:, 1:] = counts.cumsum(-1)
+    slot = torch.empty(B * HK, pairs, dtype=torch.int32, device=device)
+    slot.scatter_(1, order, torch.arange(pairs, device=device, dtype=torch.int32).expand(B * HK, pairs))
+    slot = torch.where(x == none, -1, slot).reshape(B * HK, Nq, T)
+
+    # work items: block j has ceil(count_j / QUERY_CHUNK) of them; sum <= P / QUERY_CHUNK + NB bounds the grid
+    n_chunks = (counts.long() + QUERY_CHUNK - 1) // QUERY_CHUNK
+    chunk_end = n_chunks.cumsum(-1)
+    items = triton.cdiv(pairs, QUERY_CHUNK) + n_blocks
+    c = torch.arange(items, device=device).expand(B * HK, items).contiguous()
+    block = torch.searchsorted(chunk_end, c, right=True)  # (BH, C) in [0, NB]; NB = past the last item
+    safe = block.clamp(max=n_blocks - 1)
+    first_item = (chunk_end - n_chunks).gather(1, safe)
+    chunk_begin = block_start.gather(1, safe) + (c - first_item) * QUERY_CHUNK
+    chunk_block = torch.where(block < n_blocks, safe, -1).to(torch.int32)
+    return SelectionIndex(query_list.contiguous(), block_start, slot.contiguous(), chunk_block.contiguous(),
+                          chunk_begin.to(torch.int32).contiguous(), block_size, is_causal)
+
+
+@triton.jit
+def _kv_outer_kernel(
+    Q, K, V, QUERY_LIST, BLOCK_START, CHUNK_BLOCK, CHUNK_BEGIN, O_PART, LSE_PART,
+    qk_scale, HK, GROUP, kv_len, n_items, pairs, n_blocks,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUERY_CHUNK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    item = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    block = tl.load(CHUNK_BLOCK + bh * n_items + item)
+    if block < 0:
+        return
+    begin = tl.load(CHUNK_BEGIN + bh * n_items + item)
+    end = tl.minimum(begin + QUERY_CHUNK, tl.load(BLOCK_START + bh * (n_blocks + 1) + block + 1))
+    b = bh // HK
+    hk = bh % HK
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_valid = offs_n < kv_len
+    # the block's keys and values, loaded once for every query (and query head) that selected it
+    kv_mask = key_valid[:, None] & d_mask[None, :]
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    for start in range(begin, end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_valid = rows < end
+        query = tl.load(QUERY_LIST + bh * pairs + rows, mask=row_valid, other=0)
+        visible = key_valid[None, :] & row_valid[:, None]
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= query[:, None])
+        q_rows = Q + b * stride_qb + query[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
+        part_row = (bh * pairs + rows) * GROUP  # (pair, head) rows of the partial buffers
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            q = tl.load(q_rows + h * stride_qh, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+            s = tl.where(visible, s, float("-inf"))
+            m = tl.max(s, 1)
+            # every listed query sees a key of its block (hidden blocks were dropped); padding rows see none
+            m = tl.where(m == float("-inf"), 0.0, m)
+            p = tl.math.exp2(s - m[:, None])
+            l = tl.sum(p, 1)
+            l_safe = tl.where(l > 0, l, 1.0)
+            o = tl.dot(p.to(v.dtype), v) / l_safe[:, None]
+            tl.store(O_PART + (part_row + g)[:, None] * HEAD_DIM + offs_d[None, :], o.to(O_PART.dtype.element_ty),
+                     mask=row_valid[:, None] & d_mask[None, :])
+            tl.store(LSE_PART + part_row + g, m + tl.math.log2(l_safe), mask=row_valid)
+
+
+@triton.jit
+def _merge_kernel(
+    O_PART, LSE_PART, SLOT, OUT,
+    H, GROUP, q_len, pairs, TOP_K,
+    stride_ob, stride_oh, stride_on, stride_od,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    bhq = tl.program_id(1).to(tl.int64)
+    b = bhq // H
+    h = bhq % H
+    HK = H // GROUP
+    bh = b * HK + h // GROUP
+    g = h % GROUP
+    rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_valid = rows < q_len
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
+    for t in range(TOP_K):
+        slot = tl.load(SLOT + (bh * q_len + rows) * TOP_K + t, mask=row_valid, other=-1)
+        kept = slot >= 0
+        part_row = (bh * pairs + slot) * GROUP + g
+        lse = tl.load(LSE_PART + part_row, mask=kept, other=float("-inf"))
+        o = tl.load(O_PART + part_row[:, None] * HEAD_DIM + offs_d[None, :], mask=kept[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no partial yet
+        alpha = tl.math.exp2(m - m_use)
+        w = tl.math.exp2(lse - m_use)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        den = den * alpha + w
+        m = m_new
+    out = tl.where(den[:, None] > 0, acc / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    out_rows = OUT + b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_on
+    tl.store(out_rows + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
+             mask=row_valid[:, None] & d_mask[None, :])
+
+
+def selected_attention_triton(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
+                              shape: AttentionShape, index: SelectionIndex, *, scale: float) -> None:
+    """Launch the KV-outer kernel and the merge on (B, H, N, D) views; writes every element of ``out_h``."""
+    BH = shape.batch * shape.kv_heads
+    group = shape.heads // shape.kv_heads
+    pairs = index.query_list.shape[1]
+    n_items = index.chunk_block.shape[1]
+    n_blocks = index.block_start.shape[1] - 1
+    d_pad = triton.next_power_of_2(shape.head_dim)
+    o_part = torch.empty(BH, pairs, group, shape.head_dim, device=qh.device, dtype=qh.dtype)
+    lse_part = torch.empty(BH, pairs, group, device=qh.device, dtype=torch.float32)
+    # H100, Llama-3.1-8B's 32K prefill shape (benchmarks/fsa.py's inputs), prebuilt index: 4 warps against 8 took
+    # 4.79 / 6.95 ms at block 64, top_k 16 (with 3 stages) and 3.02 / 4.30 ms at block 128, top_k 8 (2 stages);
+    # the other stage count was 5.04 and 3.53 ms
+    config = KV_OUTER_LAUNCH if KV_OUTER_LAUNCH is not None else {
+        "num_warps": 4, "num_stages": 3 if index.block_size <= 64 else 2}
+    launch(_kv_outer_kernel, (n_items, BH),
+           qh, kh, vh, index.query_list, index.block_start, index.chunk_block, index.chunk_begin, o_part, lse_part,
+           scale * LOG2E, shape.kv_heads, group, shape.kv_len, n_items, pairs, n_blocks,
+           *qh.stride(), *kh.stride(), *vh.stride(),
+           HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_M=BLOCK_M, BLOCK_N=index.block_size,
+           QUERY_CHUNK=QUERY_CHUNK, IS_CAUSAL=index.is_causal, **config)
+    launch(_merge_kernel, (triton.cdiv(shape.q_len, BLOCK_R), shape.batch * shape.heads),
+           o_part, lse_part, index.slot, out_h, shape.heads, group, shape.q_len, pairs, index.slot.shape[-1],
+           *out_h.stride(), HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_R=BLOCK_R, **MERGE_LAUNCH)
+
+
+def selected_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor | SelectionIndex,
+    *,
+    block_size: int = 64,
+    is_causal: bool = True,
+    scale: float | None = None,
+    tensor_layout: TensorLayout = "HND",
+    backend: Backend = "auto",
+    validate: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each query token over its own selected key blocks (NSA's selection branch), FSA's way.
+
+    Args:
+        q: (B, H, Nq, D) for ``tensor_layout="HND"`` or (B, Nq, H, D) for ``"NHD"``; fp16/bf16 (fp32 on CPU).
+        k, v: the same layout with H_kv heads (H_kv divides H) and Nkv tokens.
+        block_indices: (B, H_kv, Nq, top_k) integer indices of ``block_size``-key blocks, one list per query
+            token, shared by the query heads of a KV head's group (as NSA shares them); -1 = none, repeats count
+            once, the order does not matter. Or a :class:`SelectionIndex` from :func:`build_selection_index`
+            (built with this call's block size and causality), to reuse one across calls.
+        block_size: keys per block: 32, 64 or 128.
+        is_causal: a query at position i sees keys at positions <= i (needs Nq == Nkv); a selected block wholly
+            after the query adds nothing.
+        validate: check that no index is >= the number of blocks (reads the indices back: a device sync on CUDA;
+            benchmarks turn it off). Unchecked, such an index counts as none.
+        backend: "auto" (Triton on CUDA, the float32 reference on CPU), "triton" or "reference". The reference
+            builds a dense (Nq, Nkv) mask per KV head: for tests and small inputs.
+        out: optional output buffer with q's shape, dtype and device (written in full).
+    Returns:
+        The output in q's layout and dtype; a query whose selection holds no visible key gets a zero row.
+    """
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    _check_block_size(block_size)
+    scale = resolve_scale(scale, shape.head_dim)
+    chosen = pick_backend(backend, q.device)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; got "
+                         f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+    if isinstance(block_indices, SelectionIndex):
+        index = block_indices
+        if chosen == "reference":
+            raise ValueError("a SelectionIndex runs on the Triton backend only; pass block_indices to the reference")
+        if (index.block_size, index.is_causal) != (block_size, is_causal) or index.slot.shape != (
+                shape.batch * shape.kv_heads, shape.q_len, index.slot.shape[-1]) or index.slot.device != q.device:
+            raise ValueError(f"the SelectionIndex was built for block_size={index.block_size}, "
+                             f"is_causal={index.is_causal}, slot shape {tuple(index.slot.shape)} on "
+                             f"{index.slot.device}; this call has block_size={block_size}, is_causal={is_causal}, "
+                             f"(B*H_kv, Nq) = ({shape.batch * shape.kv_heads}, {shape.q_len}) on {q.device}")
+        if index.block_start.shape[1] - 1 != math.ceil(shape.kv_len / block_size):
+            raise ValueError("the SelectionIndex was built for a different key length")
+    else:
+        check_block_indices(block_indices, shape, block_size, q.device, validate=validate or chosen == "reference")
+        index = None
+    if chosen == "reference":
+        from .reference import reference_selected_block_attention
+
+        result = reference_selected_block_attention(q, k, v, block_indices, shape=shape, block_size=block_size,
+                                                    is_causal=is_causal, scale=scale, tensor_layout=tensor_layout)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+    check_kernel_dtype(q.dtype)
+    if index is None:
+        index = build_selection_index(block_indices, q_len=shape.q_len, kv_len=shape.kv_len, block_size=block_size,
+                                      is_causal=is_causal)
+    if out is None:
+        out = torch.empty_like(q) if q.stride(-1) == 1 else torch.empty_like(q, memory_format=torch.contiguous_format)
+    selected_attention_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), to_hnd(v, tensor_layout),
+                              to_hnd(out, tensor_layout), shape, index, scale=scale)
+    return out
+
+
+def select_key_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    top_k: int,
+    block_size: int = 64,
+    is_causal: bool = True,
+    scale: float | None = None,
+    sink_blocks: int = 1,
+    local_blocks: int = 1,
+    tensor_layout: TensorLayout = "HND",
+    query_chunk: int = 2048,
+) -> torch.Tensor:
+    """A per-query selection of ``top_k`` key blocks, NSA-style, from block-mean keys (PyTorch, any device).
+
+    Each query token scores the key blocks by the softmax of ``scale * q . mean(K_block)`` over the blocks it may
+    see, summed over the query heads of its KV head's group (NSA, Eq. 9-10, shares one selection per group), and
+    keeps the ``top_k`` best, always including the first ``sink_blocks`` blocks and, under causal masking, its own
+    block and the ``local_blocks - 1`` before it (NSA's fixed initial and local blocks). Departure: NSA scores
+    with its learned compressed keys; block means (SpargeAttn's compression) need no training.
+
+    Returns:
+        (B, H_kv, Nq, top_k) int32 block indices (in no particular order); -1 where fewer than ``top_k`` blocks
+        are visible.
+    """
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
+    _check_block_size(block_size)
+    scale = resolve_scale(scale, shape.head_dim)
+    for name, value, low in (("top_k", top_k, 1), ("sink_blocks", sink_blocks, 0), ("local_blocks", local_blocks, 0),
+                             ("query_chunk", query_chunk, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    qh, kh = to_hnd(q, tensor_layout), to_hnd(k, tensor_layout)
+    B, H, Nq, D = qh.shape
+    HK, group = shape.kv_heads, H // shape.kv_heads
+    n_blocks = math.ceil(shape.kv_len / block_size)
+    pad = n_blocks * block_size - shape.kv_len
+    keys = torch.nn.functional.pad(kh.float(), (0, 0, 0, pad)).view(B, HK, n_blocks, block_size, D)
+    counts = torch.full((n_blocks,), float(block_size), device=q.device)
+    counts[-1] = block_size - pad
+    k_means = keys.sum(3) / counts[:, None]  # (B, HK, NB, D)
+    blocks = torch.arange(n_blocks, device=q.device)
+    picks = min(top_k, n_blocks)
+    result = torch.full((B, HK, Nq, top_k), -1, dtype=torch.int32, device=q.device)
+    for start in range(0, Nq, query_chunk):
+        stop = min(start + query_chunk, Nq)
+        qc = qh[:, :, start:stop].float().reshape(B, HK, group, stop - start, D)
+        scores = torch.einsum("bkgnd,bkjd->bkgnj", qc, k_means) * scale
+        positions = torch.arange(start, stop, device=q.device)
+        visible = (blocks[None, :] * block_size <= positions[:, None]) if is_causal else \
+            torch.ones(stop - start, n_blocks, dtype=torch.bool, device=q.device)
+        scores = scores.masked_fill(~visible, -math.inf)
+        importance = torch.softmax(scores, dim=-1).sum(2)  # (B, HK, n, NB), in [0, group]
+        forced = (blocks[None, :] < sink_blocks) & visible
+        if is_causal:
+            own = positions // block_size
+            forced |= (blocks[None, :] <= own[:, None]) & (blocks[None, :] > own[:, None] - local_blocks)
+        importance = torch.where(forced, group + 1.0, importance)  # above any softmax sum
+        importance = importance.masked_fill(~visible, -1.0)
+        values, chosen = importance.topk(picks, dim=-1)
+        result[:, :, start:stop, :picks] = torch.where(values >= 0, chosen, -1).to(torch.int32)
+    return result

@@ -1,0 +1,219 @@
+"""Per-query block selection with FSA's KV-outer loop (kernels/selected.py): the Triton kernels in the interpreter
+against the float32 reference, the selection index, the NSA-style block choice, input errors, and the GPU."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparge_diffusers import build_selection_index, relative_l1, select_key_blocks, selected_block_attention
+from sparge_diffusers.kernels import selected as selected_module
+
+L1_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+
+
+def make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, HK, Nkv, D, generator=g).to(dtype) for _ in range(2))
+    if layout == "NHD":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    return q.to(device), k.to(device), v.to(device)
+
+
+def random_selection(B, HK, Nq, n_blocks, top_k, seed, device="cpu"):
+    """-1 (none), repeats and any order: what callers may pass."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, n_blocks, (B, HK, Nq, top_k), generator=g, dtype=torch.int32).to(device)
+
+
+def poisoned_like(q):
+    return torch.full_like(q, float("nan"))
+
+
+CASES = [
+    # B, H, HK, Nq, Nkv, D, block, top_k, causal
+    (1, 4, 2, 200, 200, 64, 32, 3, True),
+    (2, 2, 1, 130, 167, 32, 64, 4, False),
+    (1, 3, 3, 77, 77, 16, 64, 2, True),     # shorter than a query chunk's first tile, one ragged block
+    (1, 2, 1, 300, 300, 32, 128, 2, True),
+    (1, 2, 2, 45, 260, 32, 32, 5, False),   # Nq < Nkv, several work items per block
+    (1, 2, 1, 100, 100, 24, 32, 3, True),   # a head dim that is not a power of two
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_kernel_matches_reference(case, dtype, layout, monkeypatch):
+    B, H, HK, Nq, Nkv, D, block, top_k, causal = case
+    monkeypatch.setattr(selected_module, "QUERY_CHUNK", 64)  # blocks split over several work items
+    q, k, v = make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed=Nq + D)
+    idx = random_selection(B, HK, Nq, math.ceil(Nkv / block), top_k, seed=Nkv)
+    ref = selected_block_attention(q, k, v, idx, block_size=block, is_causal=causal, tensor_layout=layout,
+                                   backend="reference")
+    out = poisoned_like(q)
+    got = selected_block_attention(q, k, v, idx, block_size=block, is_causal=causal, tensor_layout=layout,
+                                   backend="triton", out=out)
+    assert got is out and got.dtype == dtype and got.shape == q.shape
+    assert not torch.isnan(got).any()
+    assert relative_l1(got.float(), ref.float()) < L1_TOL[dtype]
+    assert (got.float() - ref.float()).abs().max() < (0.05 if dtype == torch.bfloat16 else 0.01)
+
+
+def test_every_block_selected_equals_sdpa_and_empty_rows_are_zero():
+    B, H, HK, N, D, block = 1, 4, 2, 150, 32, 32
+    q, k, v = make_qkv(B, H, HK, N, N, D, torch.float16, "HND", seed=3)
+    n_blocks = math.ceil(N / block)
+    every = torch.arange(n_blocks, dtype=torch.int32).expand(B, HK, N, n_blocks).contiguous()
+    dense = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                           v.float().repeat_interleave(2, 1), is_causal=True)
+    for backend in ("triton", "reference"):
+        got = selected_block_attention(q, k, v, every, block_size=block, backend=backend)
+        assert relative_l1(got.float(), dense) < 2e-3
+    # under causal masking a query whose only selection lies after it sees no key: a zero row, not NaN
+    late = torch.full((B, HK, N, 1), n_blocks - 1, dtype=torch.int32)
+    got = selected_block_attention(q, k, v, late, block_size=block, backend="triton", out=poisoned_like(q))
+    first_seen = (n_blocks - 1) * block
+    assert (got[:, :, :first_seen] == 0).all()
+    assert not torch.isnan(got).any() and (got[:, :, first_seen:].abs().sum(-1) > 0).all()
+
+
+def test_one_block_each_is_softmax_over_that_block():
+    """Independent of the reference: a query choosing block j alone attends to j's keys only."""
+    B, H, HK, N, D, block = 1, 2, 1, 96, 16, 32
+    q, k, v = make_qkv(B, H, HK, N, N, D, torch.float16, "HND", seed=5)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 3, (B, HK, N, 1), generator=g, dtype=torch.int32)
+    got = selected_block_attention(q, k, v, idx, block_size=block, is_causal=False, backend="triton").float()
+    for n in (0, 31, 50, 95):
+        j = int(idx[0, 0, n, 0])
+        keys = slice(j * block, (j + 1) * block)
+        for h in range(H):
+            p = torch.softmax(q[0, h, n].float() @ k[0, 0, keys].float().T / math.sqrt(D), -1)
+            assert torch.allclose(got[0, h, n], p @ v[0, 0, keys].float(), atol=2e-3)
+
+
+def test_selection_index_lists_each_blocks_queries_once_in_order():
+    idx = torch.tensor([[[[0, 0, 2], [1, -1, 0], [2, 1, 5], [1, 1, 1]]]], dtype=torch.int32)  # 4 queries
+    index = build_selection_index(idx, q_len=4, kv_len=4 * 32, block_size=32, is_causal=False)
+    starts = index.block_start[0].tolist()
+    assert starts == [0, 2, 5, 7, 7]  # block 0: queries 0, 1; block 1: 1, 2, 3; block 2: 0, 2; block 3: none
+    lists = [index.query_list[0, starts[j]:starts[j + 1]].tolist() for j in range(4)]
+    assert lists == [[0, 1], [1, 2, 3], [0, 2], []]
+    slots = index.slot[0]
+    kept = slots >= 0
+    assert kept.sum(-1).tolist() == [2, 2, 2, 1]  # repeats once, -1 and out-of-range (5) dropped
+    for n in range(4):  # each kept slot points back at its query
+        assert (index.query_list[0, slots[n][kept[n]].long()] == n).all()
+    items = index.chunk_block[0]
+    assert sorted(items[items >= 0].tolist()) == [0, 1, 2]
+    causal = build_selection_index(idx, q_len=4, kv_len=4, block_size=32, is_causal=True)
+    assert causal.block_start[0].tolist() == [0, 2]  # one block of 4 keys: only queries 0 and 1 chose it
+
+
+def test_select_key_blocks_forces_sink_and_local_and_stays_visible():
+    B, H, HK, N, D, block, top_k = 1, 4, 2, 400, 32, 32, 4
+    q, k, _ = make_qkv(B, H, HK, N, N, D, torch.float32, "HND", seed=7)
+    sel = select_key_blocks(q, k, top_k=top_k, block_size=block, query_chunk=150)
+    assert sel.shape == (B, HK, N, top_k) and sel.dtype == torch.int32
+    pos = torch.arange(N).view(1, 1, N, 1)
+    valid = sel >= 0
+    assert ((sel * block <= pos) | ~valid).all()  # never a hidden block
+    assert (sel == 0).any(-1).all()  # the sink
+    assert (sel == pos // block).any(-1).all()  # the own block
+    assert (valid.sum(-1) == torch.clamp(pos[..., 0] // block + 1, max=top_k)).all()  # all it can, up to top_k
+    rows = sel.sort(-1).values
+    assert not ((rows[..., 1:] == rows[..., :-1]) & (rows[..., 1:] >= 0)).any()  # no repeats
+    # the choice follows the scores: a block whose mean key aligns with every query is picked first
+    shared = torch.randn(D, generator=torch.Generator().manual_seed(1))
+    q2, k2 = q + 2 * shared, k.clone()
+    k2[:, :, 5 * block:6 * block] = 2 * shared
+    sel2 = select_key_blocks(q2, k2, top_k=3, block_size=block)
+    assert (sel2[:, :, 6 * block:] == 5).any(-1).float().mean() > 0.95
+    free = select_key_blocks(q, k, top_k=top_k, block_size=block, is_causal=False, sink_blocks=0)
+    assert (free >= 0).all()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v, i: dict(block_indices=i[..., :0]), "top_k >= 1"),
+    (lambda q, k, v, i: dict(block_indices=i[:, :, :-1]), "shape"),
+    (lambda q, k, v, i: dict(block_indices=i.float()), "integer"),
+    (lambda q, k, v, i: dict(block_indices=i + 100), r"block index >= 5"),
+    (lambda q, k, v, i: dict(block_indices=i, block_size=48), "block_size"),
+])
+def test_input_errors(bad, match):
+    q, k, v = make_qkv(1, 2, 1, 140, 140, 16, torch.float16, "HND", seed=0)
+    idx = random_selection(1, 1, 140, 5, 2, seed=0)
+    kwargs = dict(block_size=32, backend="triton")
+    kwargs.update(bad(q, k, v, idx))
+    with pytest.raises(ValueError, match=match):
+        selected_block_attention(q, k, v, **kwargs)
+
+
+def test_selection_index_reuse_is_checked():
+    q, k, v = make_qkv(1, 2, 1, 140, 140, 16, torch.float16, "HND", seed=0)
+    idx = random_selection(1, 1, 140, 5, 2, seed=0)
+    index = build_selection_index(idx, q_len=140, kv_len=140, block_size=32, is_causal=True)
+    fresh = selected_block_attention(q, k, v, idx, block_size=32, backend="triton")
+    assert torch.equal(selected_block_attention(q, k, v, index, block_size=32, backend="triton"), fresh)
+    with pytest.raises(ValueError, match="built for"):
+        selected_block_attention(q, k, v, index, block_size=64, backend="triton")
+    with pytest.raises(ValueError, match="built for"):
+        selected_block_attention(q, k, v, index, block_size=32, is_causal=False, backend="triton")
+
+
+def test_cpu_auto_runs_reference_and_fp32_only_there():
+    q, k, v = make_qkv(1, 2, 1, 70, 70, 16, torch.float32, "HND", seed=2)
+    idx = random_selection(1, 1, 70, 3, 2, seed=2)
+    out = selected_block_attention(q, k, v, idx, block_size=32)  # auto on CPU: the reference takes fp32
+    assert out.dtype == torch.float32
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        selected_block_attention(q, k, v, idx, block_size=32, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_matches_reference(layout, dtype):
+    for B, H, HK, N, D, block, top_k in [(1, 8, 2, 1000, 128, 64, 6), (2, 4, 4, 777, 64, 128, 3),
+                                         (1, 4, 1, 3001, 128, 32, 16)]:
+        q, k, v = make_qkv(B, H, HK, N, N, D, dtype, layout, seed=N, device="cuda")
+        sel = select_key_blocks(q, k, top_k=top_k, block_size=block, tensor_layout=layout)
+        out = poisoned_like(q)
+        got = selected_block_attention(q, k, v, sel, block_size=block, tensor_layout=layout, out=out)
+        ref = selected_block_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), sel.cpu(),
+                                       block_size=block, tensor_layout=layout)
+        assert not torch.isnan(got).any()
+        assert relative_l1(got.cpu().float(), ref) < L1_TOL[dtype], (B, H, HK, N, D, block, top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(24))
+def test_gpu_random_calls(seed):
+    """One random call per seed: shape, GQA, layout (incl. non-contiguous views), dtype, block, top_k, causality,
+    a reused index, against the float32 reference on the CPU; every output element written."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
+    B, HK, group = pick([1, 2]), pick([1, 2, 4]), pick([1, 2, 4, 8])
+    D, block, dtype = pick([32, 64, 96, 128]), pick([32, 64, 128]), pick([torch.bfloat16, torch.float16])
+    causal, layout = pick([True, False]), pick(["HND", "NHD"])
+    Nq = int(torch.randint(1, 2500, (1,), generator=g))
+    Nkv = Nq if causal else int(torch.randint(1, 2500, (1,), generator=g))
+    top_k = int(torch.randint(1, 20, (1,), generator=g))
+    H = HK * group
+    q, k, v = make_qkv(B, H, HK, Nq, Nkv, D, dtype, "HND", seed=seed, device="cuda")
+    if layout == "NHD":  # non-contiguous (B, N, H, D) views of (B, H, N, D) tensors
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    sel = random_selection(B, HK, Nq, math.ceil(Nkv / block), top_k, seed=seed, device="cuda")
+    kwargs = dict(block_size=block, is_causal=causal, tensor_layout=layout)
+    got = selected_block_attention(q, k, v, sel, out=poisoned_like(q), **kwargs)
+    ref = selected_block_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), sel.cpu(), **kwargs)
+    assert not torch.isnan(got).any()
+    if ref.abs().sum() == 0:  # every selection empty (a tiny Nq): zero rows
+        assert (got == 0).all()
+    else:
+        assert relative_l1(got.cpu().float(), ref) < L1_TOL[dtype], (B, H, HK, Nq, Nkv, D, block, top_k, causal)
+    index = build_selection_index(sel, q_len=Nq, kv_len=Nkv, block_size=block, is_causal=causal)
+    assert torch.equal(selected_block_attention(q, k, v, index, **kwargs), got)
