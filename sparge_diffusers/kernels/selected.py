@@ -140,9 +140,10 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     repeated[..., 1:] = x[..., 1:] == x[..., :-1]
     x = torch.where(repeated, none, x).reshape(B * HK, Nq * T)
 
-    # stable: pairs are laid out query-major, so each block's queries come out ascending
-    keys, order = torch.sort(x, dim=-1, stable=True)
-    del keys
+    # stable: pairs are laid out query-major, so each block's queries come out ascending; 16-bit keys halve the
+    # radix sort's passes where the block count allows
+    narrow = x.to(torch.int16) if n_blocks < 2 ** 15 else x
+    order = torch.sort(narrow, dim=-1, stable=True).indices
     pairs = Nq * T
     query_list = (order // T).to(torch.int32)
     counts = torch.zeros(B * HK, n_blocks + 1, dtype=torch.int32, device=device)
@@ -413,8 +414,11 @@ def select_key_blocks(
     result = torch.full((B, HK, Nq, top_k), -1, dtype=torch.int32, device=q.device)
     for start in range(0, Nq, query_chunk):
         stop = min(start + query_chunk, Nq)
-        qc = qh[:, :, start:stop].float().reshape(B, HK, group, stop - start, D)
-        scores = torch.einsum("bkgnd,bkjd->bkgnj", qc, k_means) * scale
+        # scores in the inputs' precision on the GPU (a tensor-core GEMM), float32 accumulation either way
+        qc = qh[:, :, start:stop].reshape(B, HK, group * (stop - start), D)
+        means = k_means if q.device.type == "cpu" else k_means.to(q.dtype)
+        qc = qc.float() if q.device.type == "cpu" else qc
+        scores = (qc @ means.transpose(-1, -2)).float().view(B, HK, group, stop - start, n_blocks) * scale
         positions = torch.arange(start, stop, device=q.device)
         visible = (blocks[None, :] * block_size <= positions[:, None]) if is_causal else \
             torch.ones(stop - start, n_blocks, dtype=torch.bool, device=q.device)
