@@ -152,6 +152,21 @@ def test_input_errors(bad, match):
         selected_block_attention(q, k, v, **kwargs)
 
 
+def test_query_chunks_give_the_one_piece_output():
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 32, torch.bfloat16, "NHD", seed=4)
+    idx = random_selection(1, 2, 300, 10, 3, seed=4)
+    kwargs = dict(block_size=32, tensor_layout="NHD", backend="triton")
+    whole = selected_block_attention(q, k, v, idx, **kwargs)
+    per_query = 3 * 4 * (32 * 2 + 4)
+    chunked = selected_block_attention(q, k, v, idx, max_partial_bytes=per_query * 70, out=poisoned_like(q), **kwargs)
+    assert torch.equal(chunked, whole)  # 5 chunks of 60 queries; rows are computed independently
+    with pytest.raises(ValueError, match="outside"):
+        build_selection_index(idx, q_len=300, kv_len=300, block_size=32, is_causal=True, q_start=10)
+    part = build_selection_index(idx[:, :, 100:], q_len=300, kv_len=300, block_size=32, is_causal=True, q_start=100)
+    with pytest.raises(ValueError, match="q_start"):
+        selected_block_attention(q, k, v, part, **kwargs)
+
+
 def test_selection_index_reuse_is_checked():
     q, k, v = make_qkv(1, 2, 1, 140, 140, 16, torch.float16, "HND", seed=0)
     idx = random_selection(1, 1, 140, 5, 2, seed=0)
@@ -208,7 +223,8 @@ def test_gpu_random_calls(seed):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     sel = random_selection(B, HK, Nq, math.ceil(Nkv / block), top_k, seed=seed, device="cuda")
     kwargs = dict(block_size=block, is_causal=causal, tensor_layout=layout)
-    got = selected_block_attention(q, k, v, sel, out=poisoned_like(q), **kwargs)
+    budget = pick([selected_module.MAX_PARTIAL_BYTES, 1 << 20])  # one piece, or query chunks
+    got = selected_block_attention(q, k, v, sel, out=poisoned_like(q), max_partial_bytes=budget, **kwargs)
     ref = selected_block_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), sel.cpu(), **kwargs)
     assert not torch.isnan(got).any()
     if ref.abs().sum() == 0:  # every selection empty (a tiny Nq): zero rows

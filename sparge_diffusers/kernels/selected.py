@@ -31,7 +31,8 @@ Departures from the paper, each for a reason:
   this is the selection branch, over any selection (:func:`select_key_blocks` gives one from block means).
 
 Memory: the partial buffer holds one output row per (query, selected block, query head) in the input dtype,
-``top_k`` times the output (FSA, Appendix D, has the same bound); the index is O(N * top_k) int32.
+``top_k`` times the output (FSA, Appendix D, has the same bound); the index is O(N * top_k) int32. Above
+``max_partial_bytes`` (4 GiB by default) a call runs in query chunks, each with its own index and buffers.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ QUERY_CHUNK = 256
 # Query rows per tensor-core product in the KV-outer kernel, and queries per program in the merge.
 BLOCK_M = 64
 BLOCK_R = 32
+# Default cap on the partial buffers of one launch: a call whose partials would exceed it runs in query chunks.
+MAX_PARTIAL_BYTES = 4 * 2 ** 30
 # Launch options of the KV-outer kernel; None = the defaults in selected_attention_triton (sweeps set this).
 KV_OUTER_LAUNCH: dict | None = None
 MERGE_LAUNCH = {"num_warps": 4, "num_stages": 2}
@@ -76,8 +79,9 @@ class SelectionIndex:
         query_list: (BH, P) int32: the queries of block 0 (ascending), then those of block 1, ...; the tail past
             ``block_start[:, NB]`` is unused.
         block_start: (BH, NB + 1) int32: where each block's queries begin in ``query_list``.
-        slot: (BH, Nq, top_k) int32: the place in ``query_list`` (and in the partial buffers) of each kept
-            (query, selection) pair; -1 for an empty, repeated or (causal) wholly hidden selection.
+        slot: (BH, n, top_k) int32: the place in ``query_list`` (and in the partial buffers) of each kept
+            (query, selection) pair of queries ``q_start .. q_start + n - 1``; -1 for an empty, repeated or
+            (causal) wholly hidden selection.
         chunk_block, chunk_begin: (BH, C) int32: work item c covers ``query_list[chunk_begin : chunk_begin +
             QUERY_CHUNK]`` clipped to block ``chunk_block``'s list; -1 marks an unused item (C is an upper bound,
             ceil(P / QUERY_CHUNK) + NB, so the grid needs no host sync).
@@ -90,6 +94,7 @@ class SelectionIndex:
     chunk_begin: torch.Tensor
     block_size: int
     is_causal: bool
+    q_start: int = 0
 
 
 def _check_block_size(block_size: int) -> None:
@@ -118,22 +123,25 @@ def check_block_indices(block_indices: torch.Tensor, shape: AttentionShape, bloc
 
 
 def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: int, block_size: int,
-                          is_causal: bool) -> SelectionIndex:
+                          is_causal: bool, q_start: int = 0) -> SelectionIndex:
     """Invert a per-query selection into per-block query lists (device ops only, no host sync).
 
     Args:
-        block_indices: (B, H_kv, Nq, top_k) integer key-block indices; negative = none, repeats count once,
-            indices >= the number of blocks count as none (:func:`selected_block_attention` rejects them first).
+        block_indices: (B, H_kv, n, top_k) integer key-block indices of queries ``q_start .. q_start + n - 1`` (all
+            ``q_len`` queries by default); negative = none, repeats count once, indices >= the number of blocks
+            count as none (:func:`selected_block_attention` rejects them first).
         is_causal: drop blocks whose first key comes after the query (the kernel would mask all of them).
     """
     B, HK, Nq, T = block_indices.shape
+    if not 0 <= q_start or q_start + Nq > q_len:
+        raise ValueError(f"queries {q_start}..{q_start + Nq - 1} of the selection lie outside the {q_len} queries")
     device = block_indices.device
     n_blocks = math.ceil(kv_len / block_size)
     none = n_blocks  # sorts after every real block
     x = block_indices.reshape(B * HK, Nq, T).to(torch.int32)
     x = torch.where((x >= 0) & (x < n_blocks), x, none)
     if is_causal:
-        query = torch.arange(Nq, device=device, dtype=torch.int32).view(1, Nq, 1)
+        query = torch.arange(q_start, q_start + Nq, device=device, dtype=torch.int32).view(1, Nq, 1)
         x = torch.where(x * block_size <= query, x, none)
     x = x.sort(dim=-1).values
     repeated = torch.zeros_like(x, dtype=torch.bool)
@@ -145,7 +153,7 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     narrow = x.to(torch.int16) if n_blocks < 2 ** 15 else x
     order = torch.sort(narrow, dim=-1, stable=True).indices
     pairs = Nq * T
-    query_list = (order // T).to(torch.int32)
+    query_list = (order // T + q_start).to(torch.int32)
     counts = torch.zeros(B * HK, n_blocks + 1, dtype=torch.int32, device=device)
     counts.scatter_add_(1, x.long(), torch.ones_like(x))
     counts = counts[:, :n_blocks]
@@ -166,7 +174,7 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     chunk_begin = block_start.gather(1, safe) + (c - first_item) * QUERY_CHUNK
     chunk_block = torch.where(block < n_blocks, safe, -1).to(torch.int32)
     return SelectionIndex(query_list.contiguous(), block_start, slot.contiguous(), chunk_block.contiguous(),
-                          chunk_begin.to(torch.int32).contiguous(), block_size, is_causal)
+                          chunk_begin.to(torch.int32).contiguous(), block_size, is_causal, q_start)
 
 
 @triton.jit
@@ -227,7 +235,7 @@ def _kv_outer_kernel(
 @triton.jit
 def _merge_kernel(
     O_PART, LSE_PART, SLOT, OUT,
-    H, GROUP, q_len, pairs, TOP_K,
+    H, GROUP, n_rows, q_start, pairs, TOP_K,
     stride_ob, stride_oh, stride_on, stride_od,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -239,14 +247,14 @@ def _merge_kernel(
     bh = b * HK + h // GROUP
     g = h % GROUP
     rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_valid = rows < q_len
+    row_valid = rows < n_rows
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
     for t in range(TOP_K):
-        slot = tl.load(SLOT + (bh * q_len + rows) * TOP_K + t, mask=row_valid, other=-1)
+        slot = tl.load(SLOT + (bh * n_rows + rows) * TOP_K + t, mask=row_valid, other=-1)
         kept = slot >= 0
         part_row = (bh * pairs + slot) * GROUP + g
         lse = tl.load(LSE_PART + part_row, mask=kept, other=float("-inf"))
@@ -260,14 +268,15 @@ def _merge_kernel(
         den = den * alpha + w
         m = m_new
     out = tl.where(den[:, None] > 0, acc / tl.where(den > 0, den, 1.0)[:, None], 0.0)
-    out_rows = OUT + b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_on
+    out_rows = OUT + b * stride_ob + h * stride_oh + (q_start + rows[:, None]).to(tl.int64) * stride_on
     tl.store(out_rows + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
              mask=row_valid[:, None] & d_mask[None, :])
 
 
 def selected_attention_triton(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                               shape: AttentionShape, index: SelectionIndex, *, scale: float) -> None:
-    """Launch the KV-outer kernel and the merge on (B, H, N, D) views; writes every element of ``out_h``."""
+    """Launch the KV-outer kernel and the merge on (B, H, N, D) views; writes every element of the rows of
+    ``out_h`` that the index covers."""
     BH = shape.batch * shape.kv_heads
     group = shape.heads // shape.kv_heads
     pairs = index.query_list.shape[1]
@@ -287,8 +296,9 @@ def selected_attention_triton(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tens
            *qh.stride(), *kh.stride(), *vh.stride(),
            HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_M=BLOCK_M, BLOCK_N=index.block_size,
            QUERY_CHUNK=QUERY_CHUNK, IS_CAUSAL=index.is_causal, **config)
-    launch(_merge_kernel, (triton.cdiv(shape.q_len, BLOCK_R), shape.batch * shape.heads),
-           o_part, lse_part, index.slot, out_h, shape.heads, group, shape.q_len, pairs, index.slot.shape[-1],
+    n_rows = index.slot.shape[1]
+    launch(_merge_kernel, (triton.cdiv(n_rows, BLOCK_R), shape.batch * shape.heads),
+           o_part, lse_part, index.slot, out_h, shape.heads, group, n_rows, index.q_start, pairs, index.slot.shape[-1],
            *out_h.stride(), HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_R=BLOCK_R, **MERGE_LAUNCH)
 
 
@@ -305,6 +315,7 @@ def selected_block_attention(
     backend: Backend = "auto",
     validate: bool = True,
     out: torch.Tensor | None = None,
+    max_partial_bytes: int = MAX_PARTIAL_BYTES,
 ) -> torch.Tensor:
     """Attention of each query token over its own selected key blocks (NSA's selection branch), FSA's way.
 
@@ -323,6 +334,9 @@ def selected_block_attention(
         backend: "auto" (Triton on CUDA, the float32 reference on CPU), "triton" or "reference". The reference
             builds a dense (Nq, Nkv) mask per KV head: for tests and small inputs.
         out: optional output buffer with q's shape, dtype and device (written in full).
+        max_partial_bytes: the partial outputs take ``top_k * H * (D * 2 + 4)`` bytes per query; above this cap the
+            call runs in equal query chunks (each builds its own index), which bounds the extra memory. A
+            prebuilt ``SelectionIndex`` runs in one piece.
     Returns:
         The output in q's layout and dtype; a query whose selection holds no visible key gets a zero row.
     """
@@ -337,6 +351,8 @@ def selected_block_attention(
         index = block_indices
         if chosen == "reference":
             raise ValueError("a SelectionIndex runs on the Triton backend only; pass block_indices to the reference")
+        if index.q_start != 0:
+            raise ValueError("a SelectionIndex of a query chunk (q_start > 0) covers only part of the output")
         if (index.block_size, index.is_causal) != (block_size, is_causal) or index.slot.shape != (
                 shape.batch * shape.kv_heads, shape.q_len, index.slot.shape[-1]) or index.slot.device != q.device:
             raise ValueError(f"the SelectionIndex was built for block_size={index.block_size}, "
@@ -358,13 +374,22 @@ def selected_block_attention(
             return out
         return result
     check_kernel_dtype(q.dtype)
-    if index is None:
-        index = build_selection_index(block_indices, q_len=shape.q_len, kv_len=shape.kv_len, block_size=block_size,
-                                      is_causal=is_causal)
+    if not isinstance(max_partial_bytes, int) or max_partial_bytes <= 0:
+        raise ValueError(f"max_partial_bytes must be a positive int, got {max_partial_bytes!r}")
     if out is None:
         out = torch.empty_like(q) if q.stride(-1) == 1 else torch.empty_like(q, memory_format=torch.contiguous_format)
-    selected_attention_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), to_hnd(v, tensor_layout),
-                              to_hnd(out, tensor_layout), shape, index, scale=scale)
+    views = [to_hnd(t, tensor_layout) for t in (q, k, v, out)]
+    if index is not None:
+        selected_attention_triton(*views, shape, index, scale=scale)
+        return out
+    top_k = block_indices.shape[-1]
+    per_query = top_k * shape.heads * (shape.head_dim * q.element_size() + 4)
+    pieces = math.ceil(shape.q_len * per_query / max_partial_bytes)
+    rows = math.ceil(shape.q_len / pieces)
+    for start in range(0, shape.q_len, rows):
+        index = build_selection_index(block_indices[:, :, start:start + rows], q_len=shape.q_len,
+                                      kv_len=shape.kv_len, block_size=block_size, is_causal=is_causal, q_start=start)
+        selected_attention_triton(*views, shape, index, scale=scale)
     return out
 
 
