@@ -329,8 +329,9 @@ def selected_block_attention(
         block_size: keys per block: 32, 64 or 128.
         is_causal: a query at position i sees keys at positions <= i (needs Nq == Nkv); a selected block wholly
             after the query adds nothing.
-        validate: check that no index is >= the number of blocks (reads the indices back: a device sync on CUDA;
-            benchmarks turn it off). Unchecked, such an index counts as none.
+        validate: check that no index is >= the number of blocks (reads the indices back: a device sync on CUDA,
+            which CUDA-graph capture does not allow; benchmarks turn it off). Unchecked, such an index counts as
+            none.
         backend: "auto" (Triton on CUDA, the float32 reference on CPU), "triton" or "reference". The reference
             builds a dense (Nq, Nkv) mask per KV head: for tests and small inputs.
         out: optional output buffer with q's shape, dtype and device (written in full).
@@ -339,6 +340,8 @@ def selected_block_attention(
             prebuilt ``SelectionIndex`` runs in one piece.
     Returns:
         The output in q's layout and dtype; a query whose selection holds no visible key gets a zero row.
+
+    Not registered as a custom operator (unlike ``sparge_attention``): call it outside ``torch.compile``d code.
     """
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
     _check_block_size(block_size)
