@@ -1,4 +1,4 @@
-"""sparge_attention as a PyTorch custom operator (``torch.ops.sparge_diffusers.sparge_attention``).
+"""sparge_attention and selected_block_attention as PyTorch custom operators (``torch.ops.sparge_diffusers.*``).
 
 torch.compile cannot trace :func:`sparge_attention` itself: it checks its inputs in Python, picks kernels by
 shape, launches Triton and Gluon kernels and caches tensors by value. Behind a custom operator the whole call is
@@ -13,6 +13,7 @@ import torch
 
 from ._inputs import PerHead, TensorLayout, _is_number, check_attention_inputs, resolve_scale
 from .api import new_output, sparge_attention
+from .selected import MAX_PARTIAL_BYTES, _check_block_size, selected_block_attention
 
 
 @torch.library.custom_op("sparge_diffusers::sparge_attention", mutates_args=())
@@ -65,3 +66,42 @@ def sparge_attention_op(
     return torch.ops.sparge_diffusers.sparge_attention(
         q, k, v, bool(is_causal), scale, _as_list(simthreshd1, "simthreshd1"), _as_list(cdfthreshd, "cdfthreshd"),
         _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout)
+
+
+@torch.library.custom_op("sparge_diffusers::selected_block_attention", mutates_args=())
+def _selected_block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+                                 block_size: int, is_causal: bool, scale: float, tensor_layout: str, validate: bool,
+                                 max_partial_bytes: int) -> torch.Tensor:
+    return selected_block_attention(q, k, v, block_indices, block_size=block_size, is_causal=is_causal, scale=scale,
+                                    tensor_layout=tensor_layout, validate=validate, out=new_output(q),
+                                    max_partial_bytes=max_partial_bytes)
+
+
+@_selected_block_attention_op.register_fake
+def _(q, k, v, block_indices, block_size, is_causal, scale, tensor_layout, validate, max_partial_bytes):
+    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)  # errors at trace time
+    _check_block_size(block_size)
+    return new_output(q)
+
+
+def selected_block_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    *,
+    block_size: int = 64,
+    is_causal: bool = True,
+    scale: float | None = None,
+    tensor_layout: TensorLayout = "HND",
+    validate: bool = True,
+    max_partial_bytes: int = MAX_PARTIAL_BYTES,
+) -> torch.Tensor:
+    """:func:`~sparge_diffusers.kernels.selected.selected_block_attention` through its custom operator, for code
+    compiled with ``torch.compile``: the same arguments (a per-query ``block_indices`` tensor; a prebuilt
+    ``SelectionIndex`` is not an operator argument) and output. Under CUDA graphs (``mode="reduce-overhead"``) pass
+    ``validate=False``: the range check reads the indices back."""
+    scale = resolve_scale(scale, q.shape[-1])
+    return torch.ops.sparge_diffusers.selected_block_attention(
+        q, k, v, block_indices, int(block_size), bool(is_causal), scale, tensor_layout, bool(validate),
+        int(max_partial_bytes))

@@ -341,7 +341,8 @@ def selected_block_attention(
     Returns:
         The output in q's layout and dtype; a query whose selection holds no visible key gets a zero row.
 
-    Not registered as a custom operator (unlike ``sparge_attention``): call it outside ``torch.compile``d code.
+    Inside ``torch.compile``d code call :func:`~sparge_diffusers.kernels.library.selected_block_attention_op`
+    (the same call as one custom-operator node).
     """
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
     _check_block_size(block_size)
