@@ -110,6 +110,9 @@ def test_selection_index_lists_each_blocks_queries_once_in_order():
         assert (index.query_list[0, slots[n][kept[n]].long()] == n).all()
     items = index.chunk_block[0]
     assert sorted(items[items >= 0].tolist()) == [0, 1, 2]
+    far = torch.where(idx == 5, (1 << 32) + 1, idx.long())  # an int32 cast would make it block 1: it stays none
+    wrapped = build_selection_index(far, q_len=4, kv_len=4 * 32, block_size=32, is_causal=False)
+    assert torch.equal(wrapped.slot, index.slot)
     causal = build_selection_index(idx, q_len=4, kv_len=4, block_size=32, is_causal=True)
     assert causal.block_start[0].tolist() == [0, 2]  # one block of 4 keys: only queries 0 and 1 chose it
 

@@ -138,8 +138,8 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     device = block_indices.device
     n_blocks = math.ceil(kv_len / block_size)
     none = n_blocks  # sorts after every real block
-    x = block_indices.reshape(B * HK, Nq, T).to(torch.int32)
-    x = torch.where((x >= 0) & (x < n_blocks), x, none)
+    x = block_indices.reshape(B * HK, Nq, T)
+    x = torch.where((x >= 0) & (x < n_blocks), x, none).to(torch.int32)  # range test before the cast: no wrap-around
     if is_causal:
         query = torch.arange(q_start, q_start + Nq, device=device, dtype=torch.int32).view(1, Nq, 1)
         x = torch.where(x * block_size <= query, x, none)
