@@ -146,6 +146,8 @@ def test_select_key_blocks_forces_sink_and_local_and_stays_visible():
     (lambda q, k, v, i: dict(block_indices=i.float()), "integer"),
     (lambda q, k, v, i: dict(block_indices=i + 100), r"block index >= 5"),
     (lambda q, k, v, i: dict(block_indices=i, block_size=48), "block_size"),
+    (lambda q, k, v, i: dict(block_indices=i, max_partial_bytes=0), "max_partial_bytes"),
+    (lambda q, k, v, i: dict(block_indices=i, out=q[:, :1]), "out must match"),
 ])
 def test_input_errors(bad, match):
     q, k, v = make_qkv(1, 2, 1, 140, 140, 16, torch.float16, "HND", seed=0)

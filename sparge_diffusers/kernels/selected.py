@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .._launch import launch
+from .api import _check_out, new_output
 from ._inputs import (
     AttentionShape,
     Backend,
@@ -348,9 +349,9 @@ def selected_block_attention(
     _check_block_size(block_size)
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; got "
-                         f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+    _check_out(out, q)
+    if not isinstance(max_partial_bytes, int) or isinstance(max_partial_bytes, bool) or max_partial_bytes <= 0:
+        raise ValueError(f"max_partial_bytes must be a positive int, got {max_partial_bytes!r}")
     if isinstance(block_indices, SelectionIndex):
         index = block_indices
         if chosen == "reference":
@@ -378,10 +379,8 @@ def selected_block_attention(
             return out
         return result
     check_kernel_dtype(q.dtype)
-    if not isinstance(max_partial_bytes, int) or max_partial_bytes <= 0:
-        raise ValueError(f"max_partial_bytes must be a positive int, got {max_partial_bytes!r}")
     if out is None:
-        out = torch.empty_like(q) if q.stride(-1) == 1 else torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = new_output(q)
     views = [to_hnd(t, tensor_layout) for t in (q, k, v, out)]
     if index is not None:
         selected_attention_triton(*views, shape, index, scale=scale)
