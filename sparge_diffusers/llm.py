@@ -125,6 +125,9 @@ class SpargeLLMAttention:
         if compiling():
             # one node of the compiled graph (see kernels/library.py); no statistics, no call count: a Python
             # counter read under compilation would be a guard that recompiles at every call
+            if self.pbs_segment is not None:
+                warn_once("SpargeLLMAttention: pbs_segment has no effect under torch.compile (keys stay in order)",
+                          self._warned, stacklevel=2)
             return sparge_attention_op(query, key, value, **thresholds).transpose(1, 2).contiguous(), None
         if self.pbs_segment is not None:
             del thresholds["is_causal"]

@@ -143,6 +143,19 @@ def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
         logits(compiled, prompt(300, batch=2), attention_mask=mask)
 
 
+def test_compiled_prefill_says_pbs_segment_has_no_effect(tiny_llama):
+    register("sparge_test_compile_pbs", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, pbs_segment=128)
+    register("sparge_test_compile_in_order", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
+    ids = prompt(300)
+    torch._dynamo.reset()
+    compiled = torch.compile(load(tiny_llama, "sparge_test_compile_pbs"), backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match="pbs_segment has no effect under torch.compile"):
+        got = logits(compiled, ids)
+    torch._dynamo.reset()
+    plain = torch.compile(load(tiny_llama, "sparge_test_compile_in_order"), backend="aot_eager", fullgraph=True)
+    assert torch.equal(got, logits(plain, ids))  # keys in order, as documented
+
+
 @pytest.mark.gpu
 def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
     attention = register("sparge_test_gpu", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, collect_stats=True)

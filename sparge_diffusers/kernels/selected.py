@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .._launch import launch
 from .api import _check_out, new_output
+from .attention import LOG2E
 from ._inputs import (
     AttentionShape,
     Backend,
@@ -57,7 +58,6 @@ from ._inputs import (
     to_hnd,
 )
 
-LOG2E = 1.4426950408889634
 # Key-block sizes the kernel takes (a tile of the block is one tensor-core product's N dimension).
 SELECT_BLOCK_SIZES = (32, 64, 128)
 # Queries per work item: a program loads its key block once for up to this many queries of that block.
