@@ -3,7 +3,9 @@
 Inputs: sparge_diffusers.testing.llm_like_qkv (sink, local windows, vertical key stripes), 32 query heads,
 D = 128, bf16, causal, with 32, 8 or 4 K/V heads (GQA groups of 1, 4, 8: FSA's subject is small groups). The
 selection is ``select_key_blocks`` (top_k blocks per query token from block-mean keys, sink and own block
-forced), at FSA's two settings (block 64, top_k 16) and (block 128, top_k 8). Rows:
+forced; its fused Triton kernel, timed against its float32 PyTorch reference on the same GPU, with the share of
+rows whose selected set equals the reference's), at FSA's two settings (block 64, top_k 16) and (block 128,
+top_k 8). Rows:
 - ours: ``selected_block_attention`` whole (index build + KV-outer kernel + merge; in query chunks where the
   partials exceed the default 4 GiB cap, and once more in one piece), prebuilt (the index built once, as a model
   reusing one selection across layers would), and the index build alone;
@@ -135,6 +137,7 @@ def run_cell(n, kv_heads, block, top_k, log):
     fns = {
         "cudnn": cudnn_attention_fn(q, k, v, True),
         "select": lambda: select_key_blocks(q, k, top_k=top_k, block_size=block),
+        "select_reference": lambda: select_key_blocks(q, k, top_k=top_k, block_size=block, backend="reference"),
         "index": lambda: build_selection_index(sel, q_len=n, kv_len=n, block_size=block, is_causal=True),
         "whole": lambda: selected_block_attention(q, k, v, sel, block_size=block, validate=False),
         "whole_one_piece": lambda: selected_block_attention(q, k, v, sel, block_size=block, validate=False,
@@ -143,6 +146,9 @@ def run_cell(n, kv_heads, block, top_k, log):
         "query_outer": query_outer_fn(q, k, v, sel, block),
     }
     cell = {"N": n, "heads": 32, "kv_heads": kv_heads, "group": 32 // kv_heads, "block": block, "top_k": top_k}
+    ref_sel = fns["select_reference"]()
+    cell["select_same_set_rows"] = float((sel.sort(-1).values == ref_sel.sort(-1).values).all(-1).float().mean())
+    del ref_sel
     try:
         fns["flex"], tiles = flex_selection_fn(q, k, v, sel, block)
         fns["flex"]()  # compile outside the timed rounds
@@ -160,6 +166,8 @@ def run_cell(n, kv_heads, block, top_k, log):
     times, spread = bench_rounds(fns)
     cell.update({f"{name}_ms": t for name, t in times.items()})
     cell["spread"] = spread
+    cell["select_reference_vs_select"] = times["select_reference"] / times["select"]
+    cell["select_share_of_cudnn"] = times["select"] / times["cudnn"]
     for name in ("cudnn", "flex", "query_outer"):
         if name in times:
             cell[f"{name}_vs_prebuilt"] = times[name] / times["prebuilt"]
@@ -191,12 +199,14 @@ def main(argv=None):
     lines = [f"GPU: {results['gpu']} (torch {results['torch']}, Triton {results['triton']}); llm_like_qkv, 32 q heads, "
              "D = 128, bf16, causal; ms = fastest of 3 rounds of CUDA-graph medians; x = other / ours (prebuilt)",
              f"{'N':>6} {'g':>2} {'blk':>4} {'k':>3} {'tok dens':>8} {'flex tiles':>10} {'L1':>6} {'select':>7} "
+             f"{'sel ref':>7} {'same':>6} "
              f"{'index':>6} {'whole':>7} {'1 piece':>7} {'prebuilt':>8} {'q-outer':>7} {'x':>5} {'flex':>7} {'x':>5} "
              f"{'cuDNN':>7} {'x':>5}"]
     for c in results["cells"]:
         lines.append(f"{c['N']:6d} {c['group']:2d} {c['block']:4d} {c['top_k']:3d} {c['token_density']:8.3f} "
-                     f"{c.get('flex_tile_density', nan):10.3f} {c['relative_l1_vs_exact']:6.3f} {c['select_ms']:7.2f} "
-                     f"{c['index_ms']:6.3f} {c['whole_ms']:7.3f} {c['whole_one_piece_ms']:7.3f} {c['prebuilt_ms']:8.3f} "
+                     f"{c.get('flex_tile_density', nan):10.3f} {c['relative_l1_vs_exact']:6.3f} {c['select_ms']:7.3f} "
+                     f"{c['select_reference_ms']:7.2f} {c['select_same_set_rows']:6.4f} {c['index_ms']:6.3f} "
+                     f"{c['whole_ms']:7.3f} {c['whole_one_piece_ms']:7.3f} {c['prebuilt_ms']:8.3f} "
                      f"{c['query_outer_ms']:7.3f} {c['query_outer_vs_prebuilt']:5.2f} {c.get('flex_ms', nan):7.3f} "
                      f"{c.get('flex_vs_prebuilt', nan):5.2f} {c['cudnn_ms']:7.3f} {c['cudnn_vs_prebuilt']:5.2f}")
     save_report(results, "\n".join(lines), args.out)

@@ -117,29 +117,6 @@ def test_selection_index_lists_each_blocks_queries_once_in_order():
     assert causal.block_start[0].tolist() == [0, 2]  # one block of 4 keys: only queries 0 and 1 chose it
 
 
-def test_select_key_blocks_forces_sink_and_local_and_stays_visible():
-    B, H, HK, N, D, block, top_k = 1, 4, 2, 400, 32, 32, 4
-    q, k, _ = make_qkv(B, H, HK, N, N, D, torch.float32, "HND", seed=7)
-    sel = select_key_blocks(q, k, top_k=top_k, block_size=block, query_chunk=150)
-    assert sel.shape == (B, HK, N, top_k) and sel.dtype == torch.int32
-    pos = torch.arange(N).view(1, 1, N, 1)
-    valid = sel >= 0
-    assert ((sel * block <= pos) | ~valid).all()  # never a hidden block
-    assert (sel == 0).any(-1).all()  # the sink
-    assert (sel == pos // block).any(-1).all()  # the own block
-    assert (valid.sum(-1) == torch.clamp(pos[..., 0] // block + 1, max=top_k)).all()  # all it can, up to top_k
-    rows = sel.sort(-1).values
-    assert not ((rows[..., 1:] == rows[..., :-1]) & (rows[..., 1:] >= 0)).any()  # no repeats
-    # the choice follows the scores: a block whose mean key aligns with every query is picked first
-    shared = torch.randn(D, generator=torch.Generator().manual_seed(1))
-    q2, k2 = q + 2 * shared, k.clone()
-    k2[:, :, 5 * block:6 * block] = 2 * shared
-    sel2 = select_key_blocks(q2, k2, top_k=3, block_size=block)
-    assert (sel2[:, :, 6 * block:] == 5).any(-1).float().mean() > 0.95
-    free = select_key_blocks(q, k, top_k=top_k, block_size=block, is_causal=False, sink_blocks=0)
-    assert (free >= 0).all()
-
-
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k, v, i: dict(block_indices=i[..., :0]), "top_k >= 1"),
     (lambda q, k, v, i: dict(block_indices=i[:, :, :-1]), "shape"),

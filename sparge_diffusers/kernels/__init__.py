@@ -5,7 +5,8 @@ from .compact import CompactBlockMask, compact_block_mask
 from .api import block_sparse_attention, predict_block_mask, relative_l1, s2o_attention, sparge_attention
 from .library import selected_block_attention_op, sparge_attention_op
 from .s2o import VisitOrder, s2o_visit_order
-from .selected import SelectionIndex, build_selection_index, select_key_blocks, selected_block_attention
+from .block_selection import select_key_blocks
+from .selected import SelectionIndex, build_selection_index, selected_block_attention
 from .stats import SparsityStats
 
 __all__ = [

@@ -291,3 +291,61 @@ def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, 
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: all -inf -> NaN -> 0
     out = (p @ vh.repeat_interleave(group, dim=1)).to(q.dtype)
     return out if tensor_layout == "HND" else out.transpose(1, 2)
+
+
+def reference_block_importance(q, k, *, block_size: int, is_causal: bool, scale: float, sink_blocks: int,
+                               local_blocks: int, tensor_layout: TensorLayout = "HND", q_start: int = 0
+                               ) -> torch.Tensor:
+    """Each query token's importance of each key block (``kernels/block_selection.py``), in float32.
+
+    Importance = the softmax over visible blocks of ``scale * q . mean(K_block)``, summed over the query heads
+    of the token's KV head group (in [0, group]); forced blocks (the first ``sink_blocks``, and under causal
+    masking the token's own block and the ``local_blocks - 1`` before it) get ``group + 1``; blocks the token
+    cannot see get -1. ``q_start``: the position of q's first token (a chunk of the queries). Returns
+    (B, H_kv, Nq, n_blocks).
+    """
+    qh, kh = (to_hnd(t, tensor_layout).float() for t in (q, k))
+    B, H, Nq, D = qh.shape
+    HK, Nkv = kh.shape[1], kh.shape[2]
+    group = H // HK
+    n_blocks = math.ceil(Nkv / block_size)
+    pad = n_blocks * block_size - Nkv
+    keys = torch.nn.functional.pad(kh, (0, 0, 0, pad)).view(B, HK, n_blocks, block_size, D)
+    counts = torch.full((n_blocks,), float(block_size), device=q.device)
+    counts[-1] = block_size - pad
+    k_means = keys.sum(3) / counts[:, None]  # (B, HK, n_blocks, D)
+    blocks = torch.arange(n_blocks, device=q.device)
+    positions = torch.arange(q_start, q_start + Nq, device=q.device)
+    visible = (blocks[None, :] * block_size <= positions[:, None]) if is_causal else \
+        torch.ones(Nq, n_blocks, dtype=torch.bool, device=q.device)
+    scores = (qh.view(B, HK, group, Nq, D) @ k_means[:, :, None].transpose(-1, -2)) * scale
+    importance = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1).sum(2)  # (B, HK, Nq, n_blocks)
+    forced = (blocks[None, :] < sink_blocks) & visible
+    if is_causal:
+        own = positions // block_size
+        forced |= (blocks[None, :] <= own[:, None]) & (blocks[None, :] > own[:, None] - local_blocks)
+    importance = torch.where(forced, group + 1.0, importance)
+    return importance.masked_fill(~visible, -1.0)
+
+
+def reference_select_key_blocks(q, k, *, top_k: int, block_size: int, is_causal: bool, scale: float,
+                                sink_blocks: int, local_blocks: int, tensor_layout: TensorLayout = "HND",
+                                query_chunk: int = 2048) -> torch.Tensor:
+    """The ``top_k`` most important visible blocks of each query token (see :func:`reference_block_importance`),
+    best first, ties to the lower block (a stable sort), -1 past the visible ones; ``query_chunk`` tokens at a
+    time. Returns (B, H_kv, Nq, top_k) int32."""
+    qh = to_hnd(q, tensor_layout)
+    kh = to_hnd(k, tensor_layout)
+    B, Nq = qh.shape[0], qh.shape[2]
+    HK, n_blocks = kh.shape[1], math.ceil(kh.shape[2] / block_size)
+    picks = min(top_k, n_blocks)
+    result = torch.full((B, HK, Nq, top_k), -1, dtype=torch.int32, device=q.device)
+    for start in range(0, Nq, query_chunk):
+        stop = min(start + query_chunk, Nq)
+        importance = reference_block_importance(qh[:, :, start:stop], kh, block_size=block_size,
+                                                is_causal=is_causal, scale=scale, sink_blocks=sink_blocks,
+                                                local_blocks=local_blocks, q_start=start)
+        values, chosen = importance.sort(dim=-1, descending=True, stable=True)
+        values, chosen = values[..., :picks], chosen[..., :picks]
+        result[:, :, start:stop, :picks] = torch.where(values >= 0, chosen, -1).to(torch.int32)
+    return result

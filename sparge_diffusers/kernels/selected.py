@@ -28,7 +28,8 @@ Departures from the paper, each for a reason:
   FSA's program holds one query head).
 * Selections are deduplicated and, under causal masking, blocks wholly after the query are dropped before the
   kernel runs (they add nothing); NSA's compression and sliding-window branches and its gates are not here:
-  this is the selection branch, over any selection (:func:`select_key_blocks` gives one from block means).
+  this is the selection branch, over any selection (:func:`~sparge_diffusers.kernels.block_selection.select_key_blocks` gives one
+  from block means).
 
 Memory: the partial buffer holds one output row per (query, selected block, query head) in the input dtype,
 ``top_k`` times the output (FSA, Appendix D, has the same bound); the index is O(N * top_k) int32. Above
@@ -394,70 +395,3 @@ def selected_block_attention(
                                       kv_len=shape.kv_len, block_size=block_size, is_causal=is_causal, q_start=start)
         selected_attention_triton(*views, shape, index, scale=scale)
     return out
-
-
-def select_key_blocks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    top_k: int,
-    block_size: int = 64,
-    is_causal: bool = True,
-    scale: float | None = None,
-    sink_blocks: int = 1,
-    local_blocks: int = 1,
-    tensor_layout: TensorLayout = "HND",
-    query_chunk: int = 2048,
-) -> torch.Tensor:
-    """A per-query selection of ``top_k`` key blocks, NSA-style, from block-mean keys (PyTorch, any device).
-
-    Each query token scores the key blocks by the softmax of ``scale * q . mean(K_block)`` over the blocks it may
-    see, summed over the query heads of its KV head's group (NSA, Eq. 9-10, shares one selection per group), and
-    keeps the ``top_k`` best, always including the first ``sink_blocks`` blocks and, under causal masking, its own
-    block and the ``local_blocks - 1`` before it (NSA's fixed initial and local blocks). Departure: NSA scores
-    with its learned compressed keys; block means (SpargeAttn's compression) need no training.
-
-    Returns:
-        (B, H_kv, Nq, top_k) int32 block indices (in no particular order); -1 where fewer than ``top_k`` blocks
-        are visible.
-    """
-    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
-    _check_block_size(block_size)
-    scale = resolve_scale(scale, shape.head_dim)
-    for name, value, low in (("top_k", top_k, 1), ("sink_blocks", sink_blocks, 0), ("local_blocks", local_blocks, 0),
-                             ("query_chunk", query_chunk, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    qh, kh = to_hnd(q, tensor_layout), to_hnd(k, tensor_layout)
-    B, H, Nq, D = qh.shape
-    HK, group = shape.kv_heads, H // shape.kv_heads
-    n_blocks = math.ceil(shape.kv_len / block_size)
-    pad = n_blocks * block_size - shape.kv_len
-    keys = torch.nn.functional.pad(kh.float(), (0, 0, 0, pad)).view(B, HK, n_blocks, block_size, D)
-    counts = torch.full((n_blocks,), float(block_size), device=q.device)
-    counts[-1] = block_size - pad
-    k_means = keys.sum(3) / counts[:, None]  # (B, HK, NB, D)
-    blocks = torch.arange(n_blocks, device=q.device)
-    picks = min(top_k, n_blocks)
-    result = torch.full((B, HK, Nq, top_k), -1, dtype=torch.int32, device=q.device)
-    for start in range(0, Nq, query_chunk):
-        stop = min(start + query_chunk, Nq)
-        # scores in the inputs' precision on the GPU (a tensor-core GEMM), float32 accumulation either way
-        qc = qh[:, :, start:stop].reshape(B, HK, group * (stop - start), D)
-        means = k_means if q.device.type == "cpu" else k_means.to(q.dtype)
-        qc = qc.float() if q.device.type == "cpu" else qc
-        scores = (qc @ means.transpose(-1, -2)).float().view(B, HK, group, stop - start, n_blocks) * scale
-        positions = torch.arange(start, stop, device=q.device)
-        visible = (blocks[None, :] * block_size <= positions[:, None]) if is_causal else \
-            torch.ones(stop - start, n_blocks, dtype=torch.bool, device=q.device)
-        scores = scores.masked_fill(~visible, -math.inf)
-        importance = torch.softmax(scores, dim=-1).sum(2)  # (B, HK, n, NB), in [0, group]
-        forced = (blocks[None, :] < sink_blocks) & visible
-        if is_causal:
-            own = positions // block_size
-            forced |= (blocks[None, :] <= own[:, None]) & (blocks[None, :] > own[:, None] - local_blocks)
-        importance = torch.where(forced, group + 1.0, importance)  # above any softmax sum
-        importance = importance.masked_fill(~visible, -1.0)
-        values, chosen = importance.topk(picks, dim=-1)
-        result[:, :, start:stop, :picks] = torch.where(values >= 0, chosen, -1).to(torch.int32)
-    return result

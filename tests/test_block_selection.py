@@ -1,0 +1,162 @@
+"""NSA-style key-block selection (kernels/block_selection.py): the fused Triton kernel in the interpreter against
+the float32 reference, the selection rules on both backends, input errors, and the GPU."""
+
+import math
+
+import pytest
+import torch
+
+from sparge_diffusers import select_key_blocks
+from sparge_diffusers.kernels import block_selection as selection_module
+from sparge_diffusers.kernels.reference import reference_block_importance
+
+CASES = [
+    # B, H, HK, N (q and k), Nkv (non-causal), D, block, top_k, causal
+    (1, 4, 2, 300, 300, 32, 32, 4, True),
+    (2, 6, 2, 200, 170, 24, 32, 3, False),   # group 3 (padded to 4), head dim 24, Nq != Nkv
+    (1, 2, 1, 700, 700, 64, 32, 16, True),   # several chunks, top_k 16
+    (1, 16, 1, 150, 150, 16, 32, 5, True),   # group 16: four tokens per program
+    (1, 2, 2, 90, 400, 32, 64, 20, False),   # top_k above the blocks there are: -1 after them
+    (1, 4, 4, 33, 33, 32, 128, 2, True),     # one ragged block
+]
+
+
+def make_qk(B, H, HK, Nq, Nkv, D, dtype, layout, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
+    k = torch.randn(B, HK, Nkv, D, generator=g).to(dtype)
+    if layout == "NHD":
+        q, k = (t.transpose(1, 2).contiguous() for t in (q, k))
+    return q.to(device), k.to(device)
+
+
+def check_is_top_k(sel, importance, top_k, tol):
+    """sel holds, per row, min(top_k, visible) distinct visible blocks whose importance no unchosen visible block
+    exceeds by more than tol (the kernel scores in fp16/bf16), then -1s."""
+    n_blocks = importance.shape[-1]
+    visible = importance >= 0
+    valid = sel >= 0
+    assert (valid.sum(-1) == visible.sum(-1).clamp(max=top_k)).all()
+    assert (valid[..., :-1] | ~valid[..., 1:]).all()  # the -1s come last
+    assert ((sel < n_blocks) & (sel >= -1)).all()
+    chosen = torch.zeros(*sel.shape[:-1], n_blocks + 1, dtype=torch.bool)
+    chosen.scatter_(-1, torch.where(valid, sel, n_blocks).long(), True)
+    chosen = chosen[..., :n_blocks]
+    assert (chosen.sum(-1) == valid.sum(-1)).all()  # no repeats
+    assert (chosen <= visible).all()
+    low = torch.where(chosen, importance, math.inf).amin(-1)
+    high = torch.where(visible & ~chosen, importance, -math.inf).amax(-1)
+    assert (low >= high - tol).all(), float((high - low).max())
+
+
+GRID = [(case, dtype, layout, "int32") for case in CASES for dtype in (torch.bfloat16, torch.float16)
+        for layout in ("HND", "NHD")] + [(case, torch.float16, "HND", "int64") for case in CASES]
+
+
+@pytest.mark.parametrize("case, dtype, layout, keys", GRID)
+def test_kernel_matches_reference(case, dtype, layout, keys, monkeypatch):
+    B, H, HK, N, Nkv, D, block, top_k, causal = case
+    Nkv = N if causal else Nkv
+    monkeypatch.setattr(selection_module, "SELECT_CHUNK", 16)  # several chunks of block means per walk
+    if keys == "int64":
+        monkeypatch.setattr(selection_module, "KEY32_MAX_BLOCKS", 0)
+    q, k = make_qk(B, H, HK, N, Nkv, D, dtype, layout, seed=N + D)
+    kwargs = dict(block_size=block, is_causal=causal, scale=D ** -0.5, sink_blocks=1, local_blocks=2)
+    out = torch.full((B, HK, N, top_k), 7777, dtype=torch.int32)  # poisoned: every element must be written
+    to_hnd = (lambda t: t.transpose(1, 2)) if layout == "NHD" else (lambda t: t)
+    selection_module.select_key_blocks_triton(to_hnd(q), to_hnd(k), out, **kwargs)
+    ref = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, backend="reference", **kwargs)
+    importance = reference_block_importance(q, k, tensor_layout=layout, **kwargs)
+    check_is_top_k(out, importance, top_k, tol=1e-2 * (H // HK))
+    # the same blocks as the reference's in (almost) every row, best first: the rest are near-ties
+    same = (out.sort(-1).values == ref.sort(-1).values).all(-1).float().mean()
+    assert same > 0.97, float(same)
+    assert (out[..., 0] == ref[..., 0]).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_selection_rules(backend):
+    """Forced sink and local blocks, nothing hidden, all it can up to top_k, no repeats, the scores followed."""
+    B, H, HK, N, D, block, top_k = 1, 4, 2, 400, 32, 32, 4
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    q, k = make_qk(B, H, HK, N, N, D, dtype, "HND", seed=7)
+    sel = select_key_blocks(q, k, top_k=top_k, block_size=block, backend=backend, query_chunk=150)
+    assert sel.shape == (B, HK, N, top_k) and sel.dtype == torch.int32
+    pos = torch.arange(N).view(1, 1, N, 1)
+    valid = sel >= 0
+    assert ((sel * block <= pos) | ~valid).all()  # never a hidden block
+    assert (sel == 0).any(-1).all()  # the sink
+    assert (sel == pos // block).any(-1).all()  # the own block
+    assert (valid.sum(-1) == torch.clamp(pos[..., 0] // block + 1, max=top_k)).all()  # all it can, up to top_k
+    rows = sel.sort(-1).values
+    assert not ((rows[..., 1:] == rows[..., :-1]) & (rows[..., 1:] >= 0)).any()  # no repeats
+    local = select_key_blocks(q, k, top_k=top_k, block_size=block, backend=backend, local_blocks=3)
+    own = (pos // block)
+    for back in range(3):  # the own block and the two before it
+        assert ((local == own - back).any(-1) | (own[..., 0] - back < 0)).all()
+    # the choice follows the scores: a block whose mean key aligns with every query is picked first
+    shared = torch.randn(D, generator=torch.Generator().manual_seed(1))
+    q2, k2 = (q.float() + 2 * shared).to(dtype), k.clone()
+    k2[:, :, 5 * block:6 * block] = (2 * shared).to(dtype)
+    sel2 = select_key_blocks(q2, k2, top_k=3, block_size=block, backend=backend)
+    assert (sel2[:, :, 6 * block:] == 5).any(-1).float().mean() > 0.95
+    free = select_key_blocks(q, k, top_k=top_k, block_size=block, is_causal=False, sink_blocks=0, backend=backend)
+    assert (free >= 0).all()
+
+
+def test_group_heads_are_summed_after_their_own_softmax():
+    """Independent of the reference: with two heads per group, a block that only one head likes, sharply, beats
+    one that both like mildly only if the softmax is taken per head before the sum (NSA, Eq. 10)."""
+    D, block = 16, 32
+    q = torch.zeros(1, 2, 1, D)
+    k = torch.zeros(1, 1, 4 * block, D)
+    q[0, 0, 0, 0] = q[0, 1, 0, 1] = 1.0
+    k[0, 0, block:2 * block, 0] = 12.0   # block 1: head 0's scores 12 / 4, head 1's 0
+    k[0, 0, 2 * block:3 * block, :2] = 7.0  # block 2: both heads 7 / 4
+    for backend, dtype in (("triton", torch.float16), ("reference", torch.float32)):
+        sel = select_key_blocks(q.to(dtype), k.to(dtype), top_k=1, block_size=block, is_causal=False,
+                                sink_blocks=0, backend=backend, scale=0.25)
+        importance = reference_block_importance(q, k, block_size=block, is_causal=False, scale=0.25,
+                                                sink_blocks=0, local_blocks=0)
+        expected = int(importance[0, 0, 0].argmax())
+        assert int(sel[0, 0, 0, 0]) == expected == 2, (backend, importance[0, 0, 0])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=2, block_size=48), "block_size"),
+    (dict(top_k=2, sink_blocks=-1), "sink_blocks"),
+    (dict(top_k=2, backend="triton", dtype=torch.float32), "float16 or torch.bfloat16"),
+])
+def test_input_errors(bad, match):
+    bad = dict(bad)
+    dtype = bad.pop("dtype", torch.float16)
+    q, k = make_qk(1, 2, 1, 64, 64, 16, dtype, "HND", seed=0)
+    with pytest.raises(ValueError, match=match):
+        select_key_blocks(q, k, **bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(12))
+def test_gpu_random_calls(seed):
+    """One random call per seed (shape, group, layout incl. non-contiguous views, dtype, block, top_k, causality)
+    against the float32 reference on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
+    B, HK, group = pick([1, 2]), pick([1, 2, 4]), pick([1, 2, 3, 4, 8, 16])
+    D, block, dtype = pick([32, 64, 96, 128]), pick([32, 64, 128]), pick([torch.bfloat16, torch.float16])
+    causal, layout = pick([True, False]), pick(["HND", "NHD"])
+    Nq = int(torch.randint(1, 3000, (1,), generator=g))
+    Nkv = Nq if causal else int(torch.randint(1, 3000, (1,), generator=g))
+    top_k = int(torch.randint(1, 40, (1,), generator=g))
+    H = HK * group
+    q, k = make_qk(B, H, HK, Nq, Nkv, D, dtype, "HND", seed=seed, device="cuda")
+    if layout == "NHD":  # non-contiguous (B, N, H, D) views of (B, H, N, D) tensors
+        q, k = (t.transpose(1, 2) for t in (q, k))
+    kwargs = dict(block_size=block, is_causal=causal, scale=D ** -0.5, sink_blocks=1, local_blocks=1)
+    got = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, **kwargs).cpu()
+    qc, kc = q.cpu().float(), k.cpu().float()
+    importance = reference_block_importance(qc, kc, tensor_layout=layout, **kwargs)
+    check_is_top_k(got, importance, top_k, tol=1e-2 * group)
+    ref = select_key_blocks(qc, kc, top_k=top_k, tensor_layout=layout, **kwargs)
+    assert (got.sort(-1).values == ref.sort(-1).values).all(-1).float().mean() > 0.95
