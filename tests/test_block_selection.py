@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from sparge_diffusers import select_key_blocks
+from sparge_diffusers import select_key_blocks, select_key_blocks_op
 from sparge_diffusers.kernels import block_selection as selection_module
 from sparge_diffusers.kernels.reference import reference_block_importance
 
@@ -134,6 +134,38 @@ def test_input_errors(bad, match):
     q, k = make_qk(1, 2, 1, 64, 64, 16, dtype, "HND", seed=0)
     with pytest.raises(ValueError, match=match):
         select_key_blocks(q, k, **bad)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_custom_op_compiles_as_one_graph_and_matches(layout):
+    q, k = make_qk(1, 4, 2, 150, 150, 16, torch.float32, layout, seed=3)
+    kwargs = dict(top_k=3, block_size=32, tensor_layout=layout)
+    eager = select_key_blocks(q, k, **kwargs)
+    assert torch.equal(select_key_blocks_op(q, k, **kwargs), eager)
+    torch.library.opcheck(torch.ops.sparge_diffusers.select_key_blocks.default,
+                          (q, k, 3, 32, True, 0.25, 1, 1, layout))
+
+    def layer(q, k):
+        return select_key_blocks_op(q * 1.0, k, **kwargs) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first, second = compiled(q, k), compiled(q, k)
+    assert torch.equal(first, eager + 1) and torch.equal(first, second)
+
+
+@pytest.mark.gpu
+def test_gpu_custom_op_under_inductor():
+    q, k = make_qk(1, 8, 2, 1500, 1500, 128, torch.bfloat16, "HND", seed=9, device="cuda")
+    eager = select_key_blocks(q, k, top_k=6, block_size=64)
+
+    def layer(q, k):
+        return select_key_blocks_op(q, k, top_k=6, block_size=64) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(q, k), eager * 2)
 
 
 @pytest.mark.gpu

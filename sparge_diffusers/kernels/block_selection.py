@@ -252,8 +252,8 @@ def select_key_blocks(
         (B, H_kv, Nq, top_k) int32 block indices, best first (ties: the lower block); -1 where fewer than
         ``top_k`` blocks are visible.
 
-    Not a custom operator: under ``torch.compile`` call it outside the compiled region (or accept the graph
-    break) and pass its result to ``selected_block_attention_op``.
+    Inside ``torch.compile``d code call :func:`~sparge_diffusers.kernels.library.select_key_blocks_op` (the same
+    call as one custom-operator node).
     """
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
     _check_block_size(block_size)

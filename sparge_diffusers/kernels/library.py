@@ -1,4 +1,5 @@
-"""sparge_attention and selected_block_attention as PyTorch custom operators (``torch.ops.sparge_diffusers.*``).
+"""sparge_attention, selected_block_attention and select_key_blocks as PyTorch custom operators
+(``torch.ops.sparge_diffusers.*``).
 
 torch.compile cannot trace :func:`sparge_attention` itself: it checks its inputs in Python, picks kernels by
 shape, launches Triton and Gluon kernels and caches tensors by value. Behind a custom operator the whole call is
@@ -13,6 +14,7 @@ import torch
 
 from ._inputs import PerHead, TensorLayout, _is_number, check_attention_inputs, resolve_scale
 from .api import new_output, sparge_attention
+from .block_selection import select_key_blocks
 from .selected import MAX_PARTIAL_BYTES, _check_block_size, selected_block_attention
 
 
@@ -105,3 +107,36 @@ def selected_block_attention_op(
     return torch.ops.sparge_diffusers.selected_block_attention(
         q, k, v, block_indices, int(block_size), bool(is_causal), scale, tensor_layout, bool(validate),
         int(max_partial_bytes))
+
+
+@torch.library.custom_op("sparge_diffusers::select_key_blocks", mutates_args=())
+def _select_key_blocks_op(q: torch.Tensor, k: torch.Tensor, top_k: int, block_size: int, is_causal: bool,
+                          scale: float, sink_blocks: int, local_blocks: int, tensor_layout: str) -> torch.Tensor:
+    return select_key_blocks(q, k, top_k=top_k, block_size=block_size, is_causal=is_causal, scale=scale,
+                             sink_blocks=sink_blocks, local_blocks=local_blocks, tensor_layout=tensor_layout)
+
+
+@_select_key_blocks_op.register_fake
+def _(q, k, top_k, block_size, is_causal, scale, sink_blocks, local_blocks, tensor_layout):
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
+    _check_block_size(block_size)
+    return q.new_empty((shape.batch, shape.kv_heads, shape.q_len, top_k), dtype=torch.int32)
+
+
+def select_key_blocks_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    top_k: int,
+    block_size: int = 64,
+    is_causal: bool = True,
+    scale: float | None = None,
+    sink_blocks: int = 1,
+    local_blocks: int = 1,
+    tensor_layout: TensorLayout = "HND",
+) -> torch.Tensor:
+    """:func:`~sparge_diffusers.kernels.block_selection.select_key_blocks` through its custom operator, for code
+    compiled with ``torch.compile``: the same arguments (backend "auto") and output."""
+    scale = resolve_scale(scale, q.shape[-1])
+    return torch.ops.sparge_diffusers.select_key_blocks(q, k, int(top_k), int(block_size), bool(is_causal), scale,
+                                                        int(sink_blocks), int(local_blocks), tensor_layout)
