@@ -89,6 +89,19 @@ def _bitonic_merge_descending(x, LOG_K: tl.constexpr):
 
 
 @triton.jit
+def _block_scores(q, means_base, stride_mn, blocks, offs_d, d_mask, n_blocks, row_token, scale_log2,
+                  BLOCK_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Base-2 scores of q's rows against the means of ``blocks``; -inf where a row's token cannot see a block."""
+    means = tl.load(means_base + blocks[:, None].to(tl.int64) * stride_mn + offs_d[None, :],
+                    mask=(blocks < n_blocks)[:, None] & d_mask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(means)) * scale_log2
+    visible = (blocks < n_blocks)[None, :]
+    if IS_CAUSAL:
+        visible = visible & (blocks[None, :] * BLOCK_SIZE <= row_token[:, None])
+    return tl.where(visible, s, -float("inf"))
+
+
+@triton.jit
 def _select_key_blocks_kernel(
     Q, MEANS, OUT,
     scale_log2, q_len, kv_heads, group, n_blocks, top_k, sink_blocks, local_blocks,
@@ -129,14 +142,8 @@ def _select_key_blocks_kernel(
     m = tl.full([ROWS], -float("inf"), tl.float32)
     den = tl.zeros([ROWS], tl.float32)
     for c0 in range(0, walk_end, CHUNK):
-        blocks = c0 + offs_c
-        means = tl.load(means_base + blocks[:, None].to(tl.int64) * stride_mn + offs_d[None, :],
-                        mask=(blocks < n_blocks)[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(means)) * scale_log2
-        visible = (blocks < n_blocks)[None, :]
-        if IS_CAUSAL:
-            visible = visible & (blocks[None, :] * BLOCK_SIZE <= row_token[:, None])
-        s = tl.where(visible, s, -float("inf"))
+        s = _block_scores(q, means_base, stride_mn, c0 + offs_c, offs_d, d_mask, n_blocks, row_token, scale_log2,
+                          BLOCK_SIZE, IS_CAUSAL)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
         den = den * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -153,13 +160,9 @@ def _select_key_blocks_kernel(
     offs_m = tl.arange(0, K_PAD)
     for c0 in range(0, walk_end, K_PAD):
         blocks = c0 + offs_m
-        means = tl.load(means_base + blocks[:, None].to(tl.int64) * stride_mn + offs_d[None, :],
-                        mask=(blocks < n_blocks)[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(means)) * scale_log2
-        visible = (blocks < n_blocks)[None, :]
-        if IS_CAUSAL:
-            visible = visible & (blocks[None, :] * BLOCK_SIZE <= row_token[:, None])
-        p = tl.where(visible, tl.exp2(s - m_safe[:, None]), 0.0) * weight[:, None]
+        s = _block_scores(q, means_base, stride_mn, blocks, offs_d, d_mask, n_blocks, row_token, scale_log2,
+                          BLOCK_SIZE, IS_CAUSAL)
+        p = tl.exp2(s - m_safe[:, None]) * weight[:, None]  # hidden blocks: exp2(-inf) = 0
         importance = tl.sum(tl.reshape(p, [BLOCK_Q, GROUP_PAD, K_PAD]), 1)  # in [0, group]
         seen = (blocks < n_blocks)[None, :] & (tokens < q_len)[:, None]
         forced = (blocks < sink_blocks)[None, :]
