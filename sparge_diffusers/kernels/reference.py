@@ -35,18 +35,23 @@ def reference_block_statistics(x: torch.Tensor, block_size: int) -> tuple[torch.
         means (B, H, nblocks, D) float32 and similarity (B, H, nblocks) float32, where the similarity of a
         block X with n rows is mean_{a,b} cos(x_a, x_b) over all n^2 ordered pairs (diagonal included).
     """
-    B, H, N, D = x.shape
-    nb = math.ceil(N / block_size)
-    xf = x.float()
-    pad = nb * block_size - N
-    xp = torch.nn.functional.pad(xf, (0, 0, 0, pad)).view(B, H, nb, block_size, D)
-    counts = torch.full((nb,), float(block_size), device=x.device)
-    counts[-1] = N - (nb - 1) * block_size
+    xp, counts = _padded_blocks(x, block_size)
     means = xp.sum(dim=3) / counts[:, None]
     unit = xp / xp.norm(dim=-1, keepdim=True).clamp(min=1e-12)  # padded rows stay zero
     gram = unit @ unit.transpose(-1, -2)
     similarity = gram.sum(dim=(-1, -2)) / counts**2
     return means, similarity
+
+
+def _padded_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, N, D) in float32, zero-padded to whole blocks: (B, H, nblocks, block_size, D), and each block's
+    count of real tokens (nblocks,)."""
+    B, H, N, D = x.shape
+    nb = math.ceil(N / block_size)
+    xp = torch.nn.functional.pad(x.float(), (0, 0, 0, nb * block_size - N)).view(B, H, nb, block_size, D)
+    counts = torch.full((nb,), float(block_size), device=x.device)
+    counts[-1] = N - (nb - 1) * block_size
+    return xp, counts
 
 
 def _mass_at_or_above(p: torch.Tensor) -> torch.Tensor:
@@ -306,14 +311,11 @@ def reference_block_importance(q, k, *, block_size: int, is_causal: bool, scale:
     """
     qh, kh = (to_hnd(t, tensor_layout).float() for t in (q, k))
     B, H, Nq, D = qh.shape
-    HK, Nkv = kh.shape[1], kh.shape[2]
+    HK = kh.shape[1]
     group = H // HK
-    n_blocks = math.ceil(Nkv / block_size)
-    pad = n_blocks * block_size - Nkv
-    keys = torch.nn.functional.pad(kh, (0, 0, 0, pad)).view(B, HK, n_blocks, block_size, D)
-    counts = torch.full((n_blocks,), float(block_size), device=q.device)
-    counts[-1] = block_size - pad
+    keys, counts = _padded_blocks(kh, block_size)
     k_means = keys.sum(3) / counts[:, None]  # (B, HK, n_blocks, D)
+    n_blocks = k_means.shape[2]
     blocks = torch.arange(n_blocks, device=q.device)
     positions = torch.arange(q_start, q_start + Nq, device=q.device)
     visible = (blocks[None, :] * block_size <= positions[:, None]) if is_causal else \

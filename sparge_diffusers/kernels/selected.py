@@ -28,8 +28,8 @@ Departures from the paper, each for a reason:
   FSA's program holds one query head).
 * Selections are deduplicated and, under causal masking, blocks wholly after the query are dropped before the
   kernel runs (they add nothing); NSA's compression and sliding-window branches and its gates are not here:
-  this is the selection branch, over any selection (:func:`~sparge_diffusers.kernels.block_selection.select_key_blocks` gives one
-  from block means).
+  this is the selection branch, over any selection
+  (:func:`~sparge_diffusers.kernels.block_selection.select_key_blocks` gives one from block means).
 
 Memory: the partial buffer holds one output row per (query, selected block, query head) in the input dtype,
 ``top_k`` times the output (FSA, Appendix D, has the same bound); the index is O(N * top_k) int32. Above
