@@ -92,17 +92,19 @@ def sdpa_fn(q, k, v, causal, backend):
     return run
 
 
-def random_block_mask(B, H, nq, nk, density, causal, N, device, seed=0):
-    """Random mask with the given fraction of the (causally visible) blocks; diagonal / first block kept."""
+def random_block_mask(B, H, nq, nk, density, causal, N, device, seed=0, q_len=None, causal_offset=0):
+    """Random mask with the given fraction of the (causally visible) blocks; diagonal / first block kept.
+    ``N``: the key length; ``q_len`` (default N) and ``causal_offset``: as ``AttentionShape``'s."""
     g = torch.Generator(device=device).manual_seed(seed)
     from sparge_diffusers.kernels._inputs import causal_block_straddles, causal_block_visible
 
     score = torch.rand(B, H, nq, nk, generator=g, device=device)
-    visible = causal_block_visible(nq, nk, N, device) if causal else torch.ones(nq, nk, dtype=torch.bool,
-                                                                                  device=device)
+    where = dict(q_len=q_len, causal_offset=causal_offset)
+    visible = causal_block_visible(nq, nk, N, device, **where) if causal else torch.ones(nq, nk, dtype=torch.bool,
+                                                                                           device=device)
     mask = (score < density) & visible
     if causal:
-        mask |= causal_block_straddles(nq, nk, N, device)
+        mask |= causal_block_straddles(nq, nk, N, device, **where)
     else:
         mask[..., 0] = True
     return mask
@@ -111,7 +113,7 @@ def random_block_mask(B, H, nq, nk, density, causal, N, device, seed=0):
 def flex_fn(q, k, v, mask, causal, shape, key_positions=None, key_segment=BLOCK_K):
     """Compiled FlexAttention over the same blocks: kept blocks that need no masking are 'full' blocks.
     ``key_positions`` / ``key_segment``: keys permuted within segments (``PermutedKeys``); the mask_mod then
-    tests each key's original position."""
+    tests each key's original position. ``shape.causal_offset``: query i sits at key position i + offset."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     index, count, n_full = block_mask_to_index(mask, shape, causal, key_segment=key_segment)
@@ -119,9 +121,10 @@ def flex_fn(q, k, v, mask, causal, shape, key_positions=None, key_segment=BLOCK_
     positions = (torch.arange(nk, device=q.device) + n_full[..., None]).clamp(max=nk - 1)
     partial_index = torch.gather(index, -1, positions.long())
 
+    offset = shape.causal_offset
     if key_positions is None:
         def causal_mod(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
+            return q_idx + offset >= kv_idx
     else:
         group, pos = q.shape[1] // k.shape[1], key_positions.long()
 

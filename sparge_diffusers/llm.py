@@ -5,17 +5,19 @@
     register("sparge", cdfthreshd=0.98)                      # once per process
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sparge", torch_dtype=torch.bfloat16)
 
-The prefill of a causal model (every query of the prompt, no padding) runs :func:`sparge_attention` with
-``is_causal=True`` and grouped-query heads as they come (no repeat of K/V). Everything else is left to
-transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode steps and chunked prefill
-(fewer queries than keys: the kernel's causal mode needs equal lengths), and, with one warning per reason,
-padding or other explicit masks, dropout, softcapping, sliding windows, non-causal modules and unsupported
-dtypes or head dims. ``strict=True`` raises instead of falling back. Composes the kernels and the segmented key
-permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention`); knows nothing of diffusers.
+The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as
+they come (no repeat of K/V): a whole prompt without padding, and chunked prefill against a KV cache (fewer
+queries than keys, with the lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``).
+Everything else is left to transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode
+steps (one query), and, with one warning per reason, padding or other explicit masks, dropout, softcapping,
+sliding windows, non-causal modules and unsupported dtypes or head dims. ``strict=True`` raises instead of falling
+back. Composes the kernels and the segmented key permutation of PBS-Attn (``pbs_segment``, see
+:func:`pbs_sparge_attention`); knows nothing of diffusers.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,15 +64,25 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
 class SpargeLLMAttention:
     """A transformers attention function (``AttentionInterface``) computing causal prefill with SpargeAttn.
 
+    Which calls run sparse (the rest go to transformers' SDPA function):
+
+    - no mask and more than one query: causal attention as SDPA's ``is_causal`` computes it, so with fewer queries
+      than keys (a static cache's prefill, where transformers leaves the mask out) the upper-left variant;
+    - an explicit boolean mask that is exactly the lower-right causal mask (query i sees keys 0..i + Nkv - Nq):
+      chunked prefill against a KV cache (``generate(..., prefill_chunk_size=...)``, a prompt continued on a
+      cache). The mask is compared with that pattern once per mask tensor (transformers hands every layer of a
+      forward the same one): one pass over it on its device and one read-back (a device sync per forward).
+      Eager calls only: under torch.compile masks go to SDPA.
+
     Args:
         simthreshd1, cdfthreshd, pvthreshd, attention_sink: as in :func:`sparge_attention` (upstream names;
             ``attention_sink`` keeps the first key block of every query block, as LLMs' sink token needs).
-        strict: raise instead of falling back to SDPA for a call that cannot run sparse (decode steps and
-            chunked prefill always use SDPA: that is where a sparse prefill kernel does not apply).
+        strict: raise instead of falling back to SDPA for a call that cannot run sparse (decode steps always
+            use SDPA: that is where a sparse prefill kernel does not apply).
         collect_stats: keep each sparse call's :class:`SparsityStats` in ``stats`` (on the device until read).
         pbs_segment: sort keys within segments of this many positions first (PBS-Attn,
-            :func:`pbs_sparge_attention`); None: keys in order. Eager calls only: under torch.compile the call
-            runs :func:`sparge_attention` on keys in order.
+            :func:`pbs_sparge_attention`); None: keys in order. Whole-prompt eager calls only: chunked calls and
+            calls under torch.compile run :func:`sparge_attention` on keys in order.
     """
 
     simthreshd1: PerHead = 0.6
@@ -88,31 +100,54 @@ class SpargeLLMAttention:
             raise ValueError(f"pbs_segment must be None or a positive multiple of 64, got {self.pbs_segment!r}")
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
+        self._mask_verdict: tuple | None = None  # (weakref to a mask, its version, lower-right causal?)
+
+    def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None, kwargs: dict
+              ) -> tuple[str | None, str | None]:
+        """(why this call cannot run sparse: None when it can, "" for the expected SDPA case of a decode step;
+        the causal variant it runs with: "upper_left" without a mask, "lower_right" with the lower-right mask)."""
+        if query.shape[2] == 1:
+            return "", None  # decode step
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if not causal:
+            return "a non-causal attention module", None
+        if dropout:
+            return "dropout", None
+        if kwargs.get("softcap") is not None:
+            return "softcapping", None
+        if kwargs.get("sliding_window") is not None:
+            return "a sliding window", None
+        reason = unsupported_reason(query)
+        if reason is not None:
+            return reason, None
+        if attention_mask is None:
+            return None, "upper_left"  # SDPA's is_causal, which transformers' SDPA function would use here
+        if not compiling() and self._is_lower_right_causal(attention_mask, query.shape[2], key.shape[2]):
+            return None, "lower_right"
+        return "an explicit attention mask (padding, packed sequences or a custom mask)", None
 
     def fallback_reason(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                         attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None,
                         kwargs: dict) -> str | None:
-        """Why this call cannot run sparse: None when it can, "" for the expected SDPA cases (decode)."""
-        if query.shape[2] != key.shape[2] or query.shape[2] == 1:
-            return ""  # decode step or chunked prefill: not a prefill of the whole prompt
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        if not causal:
-            return "a non-causal attention module"
-        if attention_mask is not None:
-            return "an explicit attention mask (padding, packed sequences or a custom mask)"
-        if dropout:
-            return "dropout"
-        if kwargs.get("softcap") is not None:
-            return "softcapping"
-        if kwargs.get("sliding_window") is not None:
-            return "a sliding window"
-        return unsupported_reason(query)
+        """Why this call cannot run sparse: None when it can, "" for the expected SDPA case (decode)."""
+        return self.route(module, query, key, attention_mask, dropout, is_causal, kwargs)[0]
+
+    def _is_lower_right_causal(self, mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
+        """Whether a (B|1, 1, Nq, >= Nkv) boolean mask, cut to the first Nkv keys as SDPA's function cuts it, lets
+        query i see exactly keys 0..i + Nkv - Nq. Remembered for the mask tensor (while it lives, unmodified)."""
+        verdict = self._mask_verdict
+        if verdict is not None and verdict[0]() is mask and verdict[1] == (mask._version, q_len, kv_len):
+            return verdict[2]
+        result = lower_right_causal_mask(mask, q_len, kv_len)
+        self._mask_verdict = (weakref.ref(mask), (mask._version, q_len, kv_len), result)
+        return result
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """query (B, H, N, D), key/value (B, H_kv, N, D) -> ((B, N, H, D), None), as transformers' SDPA function."""
-        reason = self.fallback_reason(module, query, key, attention_mask, dropout, is_causal, kwargs)
+        reason, variant = self.route(module, query, key, attention_mask, dropout, is_causal, kwargs)
         if reason is not None:
             if reason:
                 self._warn(reason)
@@ -122,6 +157,8 @@ class SpargeLLMAttention:
                                           scaling=scaling, is_causal=is_causal, **kwargs)
         thresholds = dict(is_causal=True, scale=scaling, simthreshd1=self.simthreshd1, cdfthreshd=self.cdfthreshd,
                           pvthreshd=self.pvthreshd, attention_sink=self.attention_sink)
+        if query.shape[2] != key.shape[2]:
+            thresholds["causal_variant"] = variant
         if compiling():
             # one node of the compiled graph (see kernels/library.py); no statistics, no call count: a Python
             # counter read under compilation would be a guard that recompiles at every call
@@ -129,11 +166,14 @@ class SpargeLLMAttention:
                 warn_once("SpargeLLMAttention: pbs_segment has no effect under torch.compile (keys stay in order)",
                           self._warned, stacklevel=2)
             return sparge_attention_op(query, key, value, **thresholds).transpose(1, 2).contiguous(), None
-        if self.pbs_segment is not None:
+        if self.pbs_segment is not None and query.shape[2] == key.shape[2]:
             del thresholds["is_causal"]
             out = pbs_sparge_attention(query, key, value, segment=self.pbs_segment,
                                        return_sparsity=self.collect_stats, **thresholds)
         else:
+            if self.pbs_segment is not None:
+                warn_once("SpargeLLMAttention: pbs_segment applies to whole-prompt prefill; chunked calls run keys "
+                          "in order", self._warned, stacklevel=2)
             out = sparge_attention(query, key, value, return_sparsity=self.collect_stats, **thresholds)
         if self.collect_stats:
             out, stats = out
@@ -145,6 +185,23 @@ class SpargeLLMAttention:
         if self.strict:
             raise ValueError(f"SpargeLLMAttention: {reason}; strict=True forbids falling back to SDPA")
         warn_once(f"SpargeLLMAttention: falling back to SDPA: {reason}", self._warned, stacklevel=3)
+
+
+def lower_right_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26) -> bool:
+    """Whether a boolean (B|1, 1, Nq, >= Nkv) mask (True = attend), cut to its first ``kv_len`` keys, is the
+    lower-right causal mask: query i sees keys 0..i + kv_len - q_len, in every batch row. Compared in row chunks of
+    at most ``max_elements`` (no full-size pattern is built); one read-back (a device sync) at the end."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q_len \
+            or mask.shape[3] < kv_len:
+        return False
+    mask = mask[..., :kv_len]
+    keys = torch.arange(kv_len, device=mask.device)
+    rows = max(1, max_elements // max(kv_len, 1))
+    matches = []
+    for start in range(0, q_len, rows):
+        queries = torch.arange(start, min(start + rows, q_len), device=mask.device) + (kv_len - q_len)
+        matches.append((mask[:, :, start:start + rows] == (keys[None, :] <= queries[:, None])).all())
+    return bool(torch.stack(matches).all())
 
 
 def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, **settings: Any

@@ -97,6 +97,75 @@ def test_generate_runs_prefill_sparse_and_decode_on_sdpa(tiny_llama):
     assert torch.equal(ours, theirs)
 
 
+def test_chunked_prefill_runs_sparse_with_the_lower_right_mask(tiny_llama, monkeypatch):
+    """generate(prefill_chunk_size=...) feeds 128-token chunks against the cache: each chunk's call gets transformers'
+    lower-right causal mask, runs sparse (causal_variant="lower_right"), and the tokens are SDPA's. The mask is
+    compared with the pattern once per mask tensor, not once per layer."""
+    import sparge_diffusers.llm as llm
+
+    checks = []
+    original = llm.lower_right_causal_mask
+    monkeypatch.setattr(llm, "lower_right_causal_mask", lambda *a, **k: checks.append(a[1:]) or original(*a, **k))
+    attention = register("sparge_test_chunked", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    ids = prompt(400)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        ours = load(tiny_llama, "sparge_test_chunked").generate(ids, max_new_tokens=4, do_sample=False,
+                                                                prefill_chunk_size=128)
+    theirs = load(tiny_llama, "sdpa").generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=128)
+    assert torch.equal(ours, theirs)
+    assert attention.sparse_calls == 8, "4 chunks (128, 128, 128, 16 queries) x 2 layers"
+    assert checks == [(128, 256), (128, 384), (16, 400)], "one mask check per chunk (the first has no mask)"
+
+
+def test_continued_prompt_and_static_cache_prefill_run_sparse(tiny_llama):
+    """A prompt continued on a DynamicCache (150 queries, 400 keys: lower-right), and a static cache's prefill
+    (400 queries against 402 slots, no mask: SDPA's upper-left is_causal) both run sparse and give SDPA's logits;
+    with TopCdf skipping blocks the chunk's output differs (the kernel, not a fallback, computed it)."""
+    ids = prompt(400)
+    keep_all = register("sparge_test_continue", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    skipping = register("sparge_test_continue_skip", simthreshd1=-1.0, cdfthreshd=0.5, collect_stats=True)
+    results = {}
+    for name in ("sdpa", "sparge_test_continue", "sparge_test_continue_skip"):
+        model, cache = load(tiny_llama, name), transformers.DynamicCache(config=model_config(tiny_llama))
+        logits(model, ids[:, :250], past_key_values=cache, use_cache=True)
+        results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
+    assert relative_l1(results["sparge_test_continue"], results["sdpa"]) < 1e-5
+    assert keep_all.sparse_calls == 4 and skipping.sparse_calls == 4
+    assert skipping.stats[-1].sparsity > 0 and relative_l1(results["sparge_test_continue_skip"], results["sdpa"]) > 1e-3
+    static = register("sparge_test_static", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        ours = load(tiny_llama, "sparge_test_static").generate(ids, max_new_tokens=3, do_sample=False,
+                                                               cache_implementation="static")
+    assert torch.equal(ours, load(tiny_llama, "sdpa").generate(ids, max_new_tokens=3, do_sample=False,
+                                                                cache_implementation="static"))
+    assert static.sparse_calls == 2
+
+
+def model_config(path):
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+def test_lower_right_mask_check_accepts_only_that_pattern():
+    from sparge_diffusers.llm import lower_right_causal_mask
+
+    def pattern(nq, nkv, batch=2, extra=0):
+        m = torch.ones(nq, nkv + extra, dtype=torch.bool).tril(diagonal=nkv - nq)
+        return m.expand(batch, 1, nq, nkv + extra).clone()
+
+    assert lower_right_causal_mask(pattern(100, 300), 100, 300)
+    assert lower_right_causal_mask(pattern(100, 300, extra=50), 100, 300, max_elements=1000)  # cut, row chunks
+    assert lower_right_causal_mask(pattern(300, 300), 300, 300)
+    padded = pattern(100, 300)
+    padded[1, :, :, :5] = False  # left padding of the second prompt
+    assert not lower_right_causal_mask(padded, 100, 300)
+    assert not lower_right_causal_mask(pattern(100, 300)[..., :299].contiguous(), 100, 299)  # one key more each
+    assert not lower_right_causal_mask(torch.ones(1, 1, 100, 300, dtype=torch.bool).tril(), 100, 300)  # upper-left
+    assert not lower_right_causal_mask(pattern(100, 300).float(), 100, 300)  # additive masks are not read
+    assert not lower_right_causal_mask(pattern(100, 300).expand(2, 4, 100, 300), 100, 300)  # per-head masks
+
+
 def test_padding_mask_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_llama):
     register("sparge_test_padding")
     ids = prompt(150, batch=2)
@@ -171,3 +240,11 @@ def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
     torch._dynamo.reset()
     compiled = logits(torch.compile(ours, fullgraph=True), ids)  # inductor, the kernels behind the operator
     assert attention.sparse_calls == 4 and relative_l1(compiled.float(), out.float()) < 1e-2
+    # chunked: 1000 prompt tokens continued by 600 on the cache (lower-right), both layers sparse
+    chunked = {}
+    for name, model in (("ours", ours), ("sdpa", sdpa)):
+        cache = transformers.DynamicCache(config=model.config)
+        logits(model, ids[:, :1000], past_key_values=cache, use_cache=True)
+        chunked[name] = logits(model, prompt(600, batch=2, seed=5).cuda(), past_key_values=cache, use_cache=True)
+    assert attention.sparse_calls == 8 and torch.isfinite(chunked["ours"]).all()
+    assert relative_l1(chunked["ours"].float(), chunked["sdpa"].float()) < 2e-2

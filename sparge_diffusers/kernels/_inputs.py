@@ -19,6 +19,11 @@ BLOCK_Q = 128
 BLOCK_K = 64
 
 TensorLayout = Literal["HND", "NHD"]
+# Where the causal mask sits when query and key lengths differ, in the words of PyTorch's
+# ``torch.nn.attention.bias.CausalVariant``: "upper_left" (SDPA's ``is_causal``) lets query i see keys 0..i;
+# "lower_right" (FlashAttention's, what chunked prefill and a KV cache need) aligns the last query with the last
+# key, so query i sees keys 0..i + Nkv - Nq.
+CausalVariant = Literal["upper_left", "lower_right"]
 Backend = Literal["auto", "triton", "reference"]
 PerHead = Union[float, int, Sequence[float], torch.Tensor]
 
@@ -36,6 +41,9 @@ class AttentionShape:
     q_len: int
     kv_len: int
     head_dim: int
+    # under causal masking, query row i sits at key position i + causal_offset (0 for equal lengths and for the
+    # upper-left variant, Nkv - Nq for the lower-right one; negative offsets leave the first rows no key)
+    causal_offset: int = 0
 
     @property
     def q_blocks(self) -> int:
@@ -44,6 +52,11 @@ class AttentionShape:
     @property
     def k_blocks(self) -> int:
         return math.ceil(self.kv_len / BLOCK_K)
+
+    @property
+    def last_query_position(self) -> int:
+        """The causal position of the last query row, capped at the last key: no query block sees past it."""
+        return min(self.q_len - 1 + self.causal_offset, self.kv_len - 1)
 
 
 def to_hnd(x: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
@@ -63,8 +76,14 @@ def check_attention_inputs(
     *,
     tensor_layout: TensorLayout,
     is_causal: bool,
+    causal_variant: CausalVariant | None = None,
+    variants: bool = True,
 ) -> AttentionShape:
-    """Validate q/k/v and return their sizes; raises ValueError naming the problem."""
+    """Validate q/k/v and return their sizes; raises ValueError naming the problem.
+
+    ``causal_variant``: see :data:`CausalVariant`; needed by causal calls whose query and key lengths differ
+    (None: such a call raises, since SDPA and FlashAttention align it differently). ``variants=False``: the caller
+    takes no variant (causal calls need equal lengths there)."""
     check_layout(tensor_layout)
     tensors = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
     for name, t in tensors.items():
@@ -98,9 +117,27 @@ def check_attention_inputs(
     if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % 8 == 0):
         raise ValueError(f"head dim {D} is not supported: use a multiple of 8 between {MIN_HEAD_DIM} and "
                          f"{MAX_HEAD_DIM} (64 and 128 are the tuned ones)")
-    if is_causal and Nq != Nkv:
-        raise ValueError(f"is_causal=True needs equal query and key lengths, got {Nq} and {Nkv}")
-    return AttentionShape(B, H, HK, Nq, Nkv, D)
+    return AttentionShape(B, H, HK, Nq, Nkv, D, causal_offset(Nq, Nkv, is_causal, causal_variant, variants))
+
+
+def causal_offset(q_len: int, kv_len: int, is_causal: bool, causal_variant: CausalVariant | None,
+                  variants: bool = True) -> int:
+    """The key position of query row 0 under causal masking (:attr:`AttentionShape.causal_offset`); raises
+    ValueError for a variant without causal masking, an unknown variant, or unequal lengths without a variant."""
+    if causal_variant is not None:
+        if causal_variant not in ("upper_left", "lower_right"):
+            raise ValueError(f"causal_variant must be 'upper_left', 'lower_right' or None, got {causal_variant!r}")
+        if not is_causal:
+            raise ValueError(f"causal_variant={causal_variant!r} needs is_causal=True")
+    if not is_causal or q_len == kv_len:
+        return 0
+    if not variants:
+        raise ValueError(f"is_causal=True needs equal query and key lengths here, got {q_len} and {kv_len}")
+    if causal_variant is None:
+        raise ValueError(f"is_causal=True with {q_len} queries and {kv_len} keys: pass causal_variant='lower_right' "
+                         f"(the last query sees every key, as FlashAttention and a KV cache's chunked prefill align "
+                         f"it) or 'upper_left' (query i sees keys 0..i, as SDPA's is_causal does)")
+    return kv_len - q_len if causal_variant == "lower_right" else 0
 
 
 def unsupported_reason(query: torch.Tensor) -> str | None:
@@ -199,20 +236,28 @@ def _key_segment_start(k_blocks: int, key_segment: int, device: torch.device) ->
 
 
 def causal_block_visible(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device,
-                         key_segment: int = BLOCK_K) -> torch.Tensor:
+                         key_segment: int = BLOCK_K, *, q_len: int | None = None, causal_offset: int = 0
+                         ) -> torch.Tensor:
     """[q_blocks, k_blocks] bool: key block j may hold a key that some query of block i sees (with keys permuted
-    within segments of ``key_segment`` positions: its segment starts at or before the block's last query)."""
-    last_q = torch.clamp(torch.arange(q_blocks, device=device) * BLOCK_Q + BLOCK_Q - 1, max=kv_len - 1)
+    within segments of ``key_segment`` positions: its segment starts at or before the block's last query).
+    Query row r sits at position r + ``causal_offset``; ``q_len`` defaults to ``kv_len``."""
+    q_len = kv_len if q_len is None else q_len
+    last_position = min(q_len - 1 + causal_offset, kv_len - 1)
+    last_q = torch.clamp(torch.arange(q_blocks, device=device) * BLOCK_Q + BLOCK_Q - 1 + causal_offset,
+                         max=last_position)
     return _key_segment_start(k_blocks, key_segment, device)[None, :] <= last_q[:, None]
 
 
 def causal_block_straddles(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device,
-                           key_segment: int = BLOCK_K) -> torch.Tensor:
+                           key_segment: int = BLOCK_K, *, q_len: int | None = None, causal_offset: int = 0
+                           ) -> torch.Tensor:
     """[q_blocks, k_blocks] bool: visible key blocks that some query of block i may not fully see (the diagonal;
-    with permuted keys, every block of the segments the query block overlaps)."""
-    first_q = torch.arange(q_blocks, device=device) * BLOCK_Q
+    with permuted keys, every block of the segments the query block overlaps). Arguments as
+    :func:`causal_block_visible`'s."""
+    first_q = torch.arange(q_blocks, device=device) * BLOCK_Q + causal_offset
     last_k = _key_segment_start(k_blocks, key_segment, device) + key_segment - 1
-    return (causal_block_visible(q_blocks, k_blocks, kv_len, device, key_segment)
+    return (causal_block_visible(q_blocks, k_blocks, kv_len, device, key_segment, q_len=q_len,
+                                 causal_offset=causal_offset)
             & (last_k[None, :] > first_q[:, None]))
 
 
@@ -269,6 +314,9 @@ def check_permuted_keys(permuted_keys: PermutedKeys | None, shape: AttentionShap
     if not is_causal:
         raise ValueError("permuted_keys needs is_causal=True (without causal masking the order of the keys does "
                          "not change the result: permute k and v and leave this argument out)")
+    if shape.q_len != shape.kv_len:
+        raise ValueError(f"permuted_keys needs equal query and key lengths (a whole prompt's prefill), got "
+                         f"{shape.q_len} and {shape.kv_len}")
     p = permuted_keys.positions
     b, h, n = p.shape
     if n != shape.kv_len or b not in (1, shape.batch) or h not in (1, shape.kv_heads):

@@ -16,6 +16,7 @@ from ._inputs import (
     BLOCK_K,
     BLOCK_Q,
     Backend,
+    CausalVariant,
     PerHead,
     PermutedKeys,
     TensorLayout,
@@ -84,9 +85,10 @@ def _stage2_thresholds(values: tuple[float, ...], heads: int, device: str, backe
 
 
 def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend,
-             permuted_keys=None) -> CompactBlockMask:
+             permuted_keys=None, causal_variant=None) -> CompactBlockMask:
     """Stage 1 with its input checks; the kernel walk is None on the reference path."""
-    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     return _predict_checked(q, k, shape, is_causal=is_causal, scale=resolve_scale(scale, shape.head_dim),
                             simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, attention_sink=attention_sink,
@@ -104,7 +106,8 @@ def _predict_checked(q, k, shape: AttentionShape, *, is_causal, scale, simthresh
     if chosen == "reference":
         mask = reference_predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=theta,
                                             cdfthreshd=tau, attention_sink=attention_sink,
-                                            tensor_layout=tensor_layout, key_segment=key_segment)
+                                            tensor_layout=tensor_layout, key_segment=key_segment,
+                                            causal_offset=shape.causal_offset)
         return from_kernel_walk(mask, None, shape, is_causal, key_segment=key_segment), None
     check_kernel_dtype(q.dtype)
     # the Hopper kernel's tail order, filled by the same stage-1 kernel
@@ -128,6 +131,7 @@ def predict_block_mask(
     tensor_layout: TensorLayout = "HND",
     backend: Backend = "auto",
     permuted_keys: PermutedKeys | None = None,
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor:
     """Stage 1 of SpargeAttn: predict which (128-query, 64-key) blocks of the attention map to compute.
 
@@ -144,12 +148,16 @@ def predict_block_mask(
         backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference".
         permuted_keys: with ``is_causal``, k is stored permuted within segments (:class:`PermutedKeys`,
             PBS-Attn): the causal rule and the always-kept diagonal follow the segments.
+        causal_variant: where the causal mask sits when Nq != Nkv: "lower_right" (query i sees keys
+            0..i + Nkv - Nq, as FlashAttention aligns it and chunked prefill against a KV cache needs) or
+            "upper_left" (keys 0..i, as SDPA's ``is_causal``). Required for causal calls with unequal lengths
+            (None raises there), ignored at equal lengths, and only with ``is_causal``.
     Returns:
         (B, H, ceil(Nq/128), ceil(Nkv/64)) bool mask; every query block keeps at least one key block.
     """
     return _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
                     attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend,
-                    permuted_keys=permuted_keys).mask
+                    permuted_keys=permuted_keys, causal_variant=causal_variant).mask
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -183,6 +191,7 @@ def block_sparse_attention(
     backend: Backend = "auto",
     out: torch.Tensor | None = None,
     permuted_keys: PermutedKeys | None = None,
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Block-sparse attention for any block mask (stage 2 of SpargeAttn, usable alone).
 
@@ -192,7 +201,8 @@ def block_sparse_attention(
             Or a :class:`CompactBlockMask` from :func:`compact_block_mask`, which skips the per-call
             compaction (one small kernel) when a mask is reused. None runs the dense mode of the same kernel
             (every block, contiguous loads).
-        is_causal: causal masking inside the kernel (needs Nq == Nkv); hidden blocks are skipped.
+        is_causal: causal masking inside the kernel; hidden blocks are skipped. With Nq != Nkv it needs
+            ``causal_variant`` (see :func:`predict_block_mask`).
         pvthreshd: stage 2 threshold, per head or one for all; None or math.inf turns it off. The P.V product
             of a tile is skipped when, for every row, rowmax(S_tile) is at least pvthreshd below the running
             max in log2 units of the scaled scores (the paper's lambda = -pvthreshd * ln 2). The Triton
@@ -205,11 +215,14 @@ def block_sparse_attention(
             PBS-Attn's segmented permutation; queries stay in order): a query at position i sees the key in
             slot r when ``permuted_keys.positions[..., r] <= i``. A dense call (``block_mask=None``) then walks
             an all-ones mask.
+        causal_variant: "lower_right" or "upper_left", as in :func:`predict_block_mask`.
     Returns:
         The output in q's layout and dtype, with q's strides where q's last dim is contiguous (as SDPA's
-        output has), else contiguous; query rows that see no key (an empty mask row) are zero.
+        output has), else contiguous; query rows that see no key (an empty mask row, or rows before the first
+        key under the lower-right variant with Nq > Nkv) are zero.
     """
-    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     if isinstance(block_mask, CompactBlockMask):
         block_mask.check_matches(shape, is_causal, q.device, key_segment)
@@ -297,6 +310,7 @@ def sparge_attention(
     backend: Backend = "auto",
     out: torch.Tensor | None = None,
     permuted_keys: PermutedKeys | None = None,
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """SpargeAttn: predict a block mask (stage 1) and run sparse attention with the PV filter (stage 2).
 
@@ -304,7 +318,8 @@ def sparge_attention(
     tau and ``pvthreshd`` its lambda as -pvthreshd in log2 units (50 skips almost nothing; 5-20 skips
     more). See :func:`predict_block_mask` and :func:`block_sparse_attention` for each argument
     (``permuted_keys``: PBS-Attn's keys permuted within segments for causal prefill; ``sparge_diffusers.llm.
-    pbs_sparge_attention`` builds them).
+    pbs_sparge_attention`` builds them; ``causal_variant``: the causal mask's alignment when Nq != Nkv, e.g.
+    "lower_right" for a chunk of queries against a KV cache).
 
     Example:
         >>> out = sparge_attention(q, k, v, tensor_layout="NHD")                # (B, N, H, D) bf16 on CUDA
@@ -313,7 +328,8 @@ def sparge_attention(
     """
     # Checked once here and handed down: each check and each small allocation is host time that every layer
     # of an eager pipeline pays (benchmarks/host_time.py).
-    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)
@@ -365,7 +381,7 @@ def s2o_attention(
         order: a visiting order from :func:`s2o_visit_order` to reuse (tests, benchmarks).
         Others as in :func:`sparge_attention`. Statistics count the key blocks not visited as skipped.
     """
-    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)
     scale = resolve_scale(scale, shape.head_dim)
     if not isinstance(segment, int) or segment <= 0 or segment % 128:
         raise ValueError(f"segment must be a positive multiple of 128 tokens, got {segment!r}")

@@ -28,24 +28,29 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _key_block_flags(first_q, cols, valid, KV_LEN, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     BLOCK_K: tl.constexpr, KEY_SEGMENT: tl.constexpr):
-    """(visible, needs_masking) of key blocks ``cols`` for the query block(s) starting at row ``first_q``
-    (shapes broadcast): visible = ``valid`` and, under causal masking, not wholly in the future; needs element
-    masking = the ragged last block and, under causal masking, the diagonal blocks. With keys permuted within
-    segments of KEY_SEGMENT positions (``_inputs.PermutedKeys``; BLOCK_K = keys in order), a block's keys may
+def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_POSITION, IS_CAUSAL: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, KEY_SEGMENT: tl.constexpr):
+    """(visible, needs_masking, diagonal) of key blocks ``cols`` for the query block(s) starting at row ``first_q``
+    (shapes broadcast): visible = ``valid`` and, under causal masking, not wholly in the future; diagonal = under
+    causal masking, blocks some of whose keys lie after the block's first query; needs element masking = those
+    and the ragged last block. Query row r sits at causal position r + Q_OFFSET (``AttentionShape.
+    causal_offset``), and no row past LAST_POSITION (``AttentionShape.last_query_position``). With keys permuted
+    within segments of KEY_SEGMENT positions (``_inputs.PermutedKeys``; BLOCK_K = keys in order), a block's keys may
     come from anywhere in its segment, so the rule applies to the segment's extent (``_inputs.
     causal_block_visible`` restates it for the reference; change both together)."""
     needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
     visible = valid
+    diagonal = cols < 0  # all False, in the shape of cols
     if IS_CAUSAL:
         if KEY_SEGMENT == BLOCK_K:
             first_k = cols * BLOCK_K
         else:
             first_k = cols * BLOCK_K // KEY_SEGMENT * KEY_SEGMENT
-        visible = visible & (first_k <= tl.minimum(first_q + BLOCK_Q - 1, KV_LEN - 1))
-        needs_masking = needs_masking | ((first_k + KEY_SEGMENT - 1) > first_q)
-    return visible, needs_masking
+        first_position = first_q + Q_OFFSET
+        visible = visible & (first_k <= tl.minimum(first_position + BLOCK_Q - 1, LAST_POSITION))
+        diagonal = (first_k + KEY_SEGMENT - 1) > first_position
+        needs_masking = needs_masking | diagonal
+    return visible, needs_masking, diagonal
 
 
 def tail_kernel_args(tail: attention_hopper.TailSchedule | None, placeholder: torch.Tensor) -> tuple:
@@ -67,8 +72,8 @@ def _record_tail_tiles(TAIL_SIZES, TAIL_TILES, tail_start, tail_width, pid_bh, q
 
 @triton.jit
 def _block_mask_to_index_kernel(
-    MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width, H, NQ, NK, KV_LEN,
-    stride_mb, stride_mh, stride_mq, stride_mk,
+    MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width, H, NQ, NK, KV_LEN, Q_OFFSET,
+    LAST_POSITION, stride_mb, stride_mh, stride_mq, stride_mk,
     NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     KEY_SEGMENT: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
 ):
@@ -80,8 +85,9 @@ def _block_mask_to_index_kernel(
     cvalid = cols < NK
     keep = tl.load(MASK + b * stride_mb + h * stride_mh + pid_q * stride_mq + cols * stride_mk,
                    mask=cvalid, other=0) != 0
-    keep, needs_masking = _key_block_flags(pid_q * BLOCK_Q, cols, keep & cvalid, KV_LEN, IS_CAUSAL=IS_CAUSAL,
-                                           BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=KEY_SEGMENT)
+    keep, needs_masking, _ = _key_block_flags(pid_q * BLOCK_Q, cols, keep & cvalid, KV_LEN, Q_OFFSET, LAST_POSITION,
+                                           IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+                                           KEY_SEGMENT=KEY_SEGMENT)
     kept = keep.to(tl.int32)
     position = tl.cumsum(kept, axis=0) - 1
     row = pid_bh.to(tl.int64) * NQ + pid_q
@@ -95,14 +101,31 @@ def _block_mask_to_index_kernel(
 
 
 @triton.jit
+def _dense_row_extent(first_q, kv_len, NK, q_offset, last_position, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """(tiles, of which the first n_full need no element masking) of the dense walk of the query block starting
+    at row ``first_q``: every key tile, or under causal masking those up to the block's last position (none for
+    a block whose rows all sit before key 0, as a lower-right variant with more queries than keys has)."""
+    count = NK
+    n_full = kv_len // BLOCK_N
+    if IS_CAUSAL:
+        first_position = first_q + q_offset
+        last = tl.maximum(tl.minimum(first_position + BLOCK_M - 1, last_position), -1)
+        count = (last + BLOCK_N) // BLOCK_N  # numerator >= BLOCK_N - 1: no rounding of negatives
+        n_full = tl.minimum(n_full, tl.maximum(first_position + 1, 0) // BLOCK_N)
+    return count, n_full
+
+
+@triton.jit
 def _attend_tile(
     acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+    q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False,
 ):
-    """One key tile (the keys in slots ``cols``) folded into the online-softmax state. With PERMUTED_KEYS the
-    causal test of a masked tile compares each slot's original position (``KPOS_base[cols]``) with the row."""
+    """One key tile (the keys in slots ``cols``) folded into the online-softmax state. ``q_pos``: the rows'
+    causal positions (row + ``AttentionShape.causal_offset``). With PERMUTED_KEYS the causal test of a masked
+    tile compares each slot's original position (``KPOS_base[cols]``) with the row's."""
     kv_mask = d_mask[None, :]
     if MASKED:
         kv_mask = kv_mask & (cols < kv_len)[:, None]
@@ -115,7 +138,7 @@ def _attend_tile(
                 key_pos = tl.load(KPOS_base + cols, mask=cols < kv_len, other=0)
             else:
                 key_pos = cols
-            visible = visible & (key_pos[None, :] <= offs_m[:, None])
+            visible = visible & (key_pos[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
     # Scores stay unscaled; the scale (with log2 e) enters the row max and, fused as one FMA, the exponent.
     m_local = tl.max(qk, axis=1) * qk_scale
@@ -145,7 +168,7 @@ def _attend_tile(
 @triton.jit
 def _walk_blocks(
     acc, l_i, m_i, pv_count, j_next, start, end, index, count, q, offs_n, K_base, V_base, KPOS_base,
-    stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+    stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
     USE_INDEX: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False,
 ):
@@ -157,7 +180,7 @@ def _walk_blocks(
             j_next = tl.load(index + tl.minimum(it + 1, count - 1))
         acc, l_i, m_i, pv_count = _attend_tile(
             acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, KPOS_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+            stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
             pv_threshold, qk_scale, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, PERMUTED_KEYS=PERMUTED_KEYS)
     return acc, l_i, m_i, pv_count, j_next
 
@@ -224,7 +247,7 @@ def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
 @triton.jit
 def _sparse_attention_kernel(
     Q, K, V, O, INDEX, COUNT, NFULL, PV_THRESHOLD, PV_COUNT, KPOS,
-    qk_scale, H, GROUP, q_len, kv_len, NK, stride_pb, stride_ph,
+    qk_scale, H, GROUP, q_len, kv_len, NK, q_offset, last_position, stride_pb, stride_ph,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -243,17 +266,14 @@ def _sparse_attention_kernel(
 
     m_i, l_i, acc, pv_count, pv_threshold = _empty_softmax_state(PV_THRESHOLD, h, BLOCK_M=BLOCK_M, D_PAD=D_PAD,
                                                                  PV_SKIP=PV_SKIP)
+    q_pos = offs_m + q_offset  # causal positions of the rows (AttentionShape.causal_offset)
     index = INDEX + row * NK
     if USE_INDEX:
         count = tl.load(COUNT + row)
         n_full = tl.load(NFULL + row)
     else:
-        count = NK
-        n_full = kv_len // BLOCK_N
-        if IS_CAUSAL:
-            first_q = tl.program_id(0) * BLOCK_M
-            count = tl.minimum(first_q + BLOCK_M - 1, kv_len - 1) // BLOCK_N + 1
-            n_full = tl.minimum(n_full, (first_q + 1) // BLOCK_N)
+        count, n_full = _dense_row_extent(tl.program_id(0) * BLOCK_M, kv_len, NK, q_offset, last_position,
+                                          IS_CAUSAL=IS_CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     # The next key block's index is loaded one iteration ahead, so the K/V address of a tile never waits on
     # a load issued in the same iteration (2-3% faster at densities 0.25 and 0.1 on an H100).
@@ -275,16 +295,16 @@ def _sparse_attention_kernel(
             j_second = tl.load(index + tl.minimum(2 * p + 3, count - 1))
             acc, l_i, m_i, pv_count = _attend_tile(
                 acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
-                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+                stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
                 pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
         first_single = 2 * n_pairs
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, first_single, n_full, index, count, q, offs_n, K_base, V_base, KPOS_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
+        stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, n_full, count, index, count, q, offs_n, K_base, V_base, KPOS_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
+        stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
         PERMUTED_KEYS=PERMUTED_KEYS)
 
@@ -312,7 +332,8 @@ def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_caus
     count = torch.empty(B, H, nq, device=m.device, dtype=torch.int32)
     n_full = torch.empty_like(count)
     launch(_block_mask_to_index_kernel, (nq, B * H),
-        m, index, count, n_full, *tail_kernel_args(tail, count), H, nq, nk, shape.kv_len, *m.stride(),
+        m, index, count, n_full, *tail_kernel_args(tail, count), H, nq, nk, shape.kv_len, shape.causal_offset,
+        shape.last_query_position, *m.stride(),
         NK_PAD=max(triton.next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         KEY_SEGMENT=key_segment, RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
     )
@@ -434,7 +455,8 @@ def sparse_attention_triton(
     kpos_strides = (kpos.stride(0), kpos.stride(1)) if key_positions is not None else (0, 0)
     launch(_sparse_attention_kernel, (nq, B * H),
         q_arg, kh, vh, out_arg, idx, count, n_full, pv_thr, pv_count, kpos,
-        scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, *kpos_strides,
+        scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
+        shape.last_query_position, *kpos_strides,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,

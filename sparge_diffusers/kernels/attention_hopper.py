@@ -111,11 +111,11 @@ if GLUON_IMPORT_ERROR is None:
         return tile
 
     @gluon.jit
-    def _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    def _row_extent(COUNT, NFULL, row, m, kv_len, NK, q_offset, last_position, USE_INDEX: gl.constexpr,
+                    IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
         """(kept key blocks, of which the first n_full need no element masking) of one tile. Without an index,
-        the dense walk's extent by the Triton kernel's rule in ``attention.py`` (restated here: a gluon.jit
-        function cannot call a triton.jit one; change both together)."""
+        the dense walk's extent by the Triton kernel's rule (``attention._dense_row_extent``, restated here: a
+        gluon.jit function cannot call a triton.jit one; change both together)."""
         if USE_INDEX:
             count = gl.load(COUNT + row)
             n_full = gl.load(NFULL + row)
@@ -123,9 +123,10 @@ if GLUON_IMPORT_ERROR is None:
             count = NK
             n_full = kv_len // BLOCK_K
             if IS_CAUSAL:
-                first_q = m * BLOCK_M
-                count = gl.minimum(first_q + BLOCK_M - 1, kv_len - 1) // BLOCK_K + 1
-                n_full = gl.minimum(n_full, (first_q + 1) // BLOCK_K)
+                first_position = m * BLOCK_M + q_offset
+                last = gl.maximum(gl.minimum(first_position + BLOCK_M - 1, last_position), -1)
+                count = (last + BLOCK_K) // BLOCK_K
+                n_full = gl.minimum(n_full, gl.maximum(first_position + 1, 0) // BLOCK_K)
         return count, n_full
 
     @gluon.jit
@@ -200,12 +201,14 @@ if GLUON_IMPORT_ERROR is None:
         return gl.max(tile_ids.index(qb).load(layout), axis=0)
 
     @gluon.jit
-    def _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, n_tiles, USE_INDEX: gl.constexpr,
-                        IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    def _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, q_offset, last_position, n_tiles,
+                        USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_K: gl.constexpr):
         """(count, first two kept block numbers) of tile t, for the loader to hold a tile ahead. t is clamped
         into range: for the out-of-range tile that ends the schedule the loads read valid memory, unused."""
         row, b, h, hk, m = _tile_of(gl.minimum(t, n_tiles - 1), NQ, H, GROUP)
-        count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
+        count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, q_offset, last_position, USE_INDEX,
+                                    IS_CAUSAL, BLOCK_M, BLOCK_K)
         if USE_INDEX:
             base = INDEX + row.to(gl.int64) * NK
             first = gl.load(base)
@@ -231,9 +234,9 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK, kv_len, n_tiles,
-                STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr, USE_TAIL: gl.constexpr,
-                BUCKETS: gl.constexpr):
+                INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK, kv_len, q_offset,
+                last_position, n_tiles, STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr):
         """Issues each tile's Q and K/V stages. A tile's count and first two block numbers are loaded during
         the tile before it, so at a tile's start its Q and first stage go out with no global round trip ahead
         of them (a ticket, the tail order, the count and the index were up to four dependent loads). Measured
@@ -246,8 +249,8 @@ if GLUON_IMPORT_ERROR is None:
         kv_c = 0
         i = 0
         t = _ticket_tile(TAIL_SIZES, TAIL_TILES, gl.program_id(0), tail_start, n_tiles, USE_TAIL, BUCKETS)
-        count, first, second = _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, n_tiles, USE_INDEX,
-                                               IS_CAUSAL, BLOCK_M, BLOCK_K)
+        count, first, second = _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, q_offset,
+                                               last_position, n_tiles, USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
         while t < n_tiles:
             row, b, h, hk, m = _tile_of(t, NQ, H, GROUP)
             qb = i % 2
@@ -264,8 +267,8 @@ if GLUON_IMPORT_ERROR is None:
                              gl.where(count >= 2, second, first), STAGES)
                 kv_c += 1
             t = _ticket_tile(TAIL_SIZES, TAIL_TILES, t_next, tail_start, n_tiles, USE_TAIL, BUCKETS)
-            count_next, first, second = _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, n_tiles,
-                                                        USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
+            count_next, first, second = _next_tile_meta(INDEX, COUNT, NFULL, t, NQ, H, GROUP, NK, kv_len, q_offset,
+                                                        last_position, n_tiles, USE_INDEX, IS_CAUSAL, BLOCK_M, BLOCK_K)
             for p in range(1, n_stages):
                 n0, n1 = _stage_blocks(INDEX, row, NK, p + 1, count, USE_INDEX)  # read before the wait below
                 _issue_stage(k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, kv_c, b, hk, j0, j1, STAGES)
@@ -282,8 +285,8 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                  INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles,
-                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset,
+                  last_position, n_tiles, STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   PERMUTED_KEYS: gl.constexpr, NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
         """Rows HALF * 64 .. HALF * 64 + 63 of each tile: both consumers wait on the same stage barriers and
         each releases every stage and Q buffer once (the empty barriers count two arrivals). With PERMUTED_KEYS
@@ -315,7 +318,8 @@ if GLUON_IMPORT_ERROR is None:
         t = _read_tile(tile_ids, q_ready, 0, NUM_WARPS)
         while t < n_tiles:
             row, b, h, hk, m = _tile_of(t, NQ, H, GROUP)
-            count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, USE_INDEX, IS_CAUSAL, 2 * BLOCK_M, BLOCK_K)
+            count, n_full = _row_extent(COUNT, NFULL, row, m, kv_len, NK, q_offset, last_position, USE_INDEX,
+                                        IS_CAUSAL, 2 * BLOCK_M, BLOCK_K)
             q_s = q_bufs.index(i % 2).slice(HALF * BLOCK_M, BLOCK_M)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows_s)
             l_i = gl.full([BLOCK_M], 0.0, gl.float32, rows_s)
@@ -339,7 +343,7 @@ if GLUON_IMPORT_ERROR is None:
                     if PERMUTED_KEYS:
                         key_pos = gl.load(KPOS + b * stride_pb + hk * stride_ph + cols, mask=cols < kv_len, other=0)
                     qk = _mask_scores(qk, key_pos, (cols < kv_len) & (first_half | (2 * p + 1 < count)),
-                                      (2 * m + HALF) * BLOCK_M + offs_r, IS_CAUSAL)
+                                      (2 * m + HALF) * BLOCK_M + q_offset + offs_r, IS_CAUSAL)
                 probs, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, qk_scale, rows_o)
                 acc = warpgroup_mma(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs.index(s), acc,
                                     is_async=True)
@@ -362,7 +366,8 @@ if GLUON_IMPORT_ERROR is None:
                     key_pos = cols
                     if PERMUTED_KEYS:
                         key_pos = gl.load(KPOS + b * stride_pb + hk * stride_ph + cols, mask=cols < kv_len, other=0)
-                    qk = _mask_scores(qk, key_pos, cols < kv_len, (2 * m + HALF) * BLOCK_M + offs_rh, IS_CAUSAL)
+                    qk = _mask_scores(qk, key_pos, cols < kv_len, (2 * m + HALF) * BLOCK_M + q_offset + offs_rh,
+                                      IS_CAUSAL)
                     probs, m_h, l_h, acc = _softmax_step(qk, gl.convert_layout(m_i, rows_h),
                                                          gl.convert_layout(l_i, rows_h), acc, qk_scale, rows_o)
                     m_i = gl.convert_layout(m_h, rows_s)
@@ -392,7 +397,8 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES,
                                  KPOS, stride_pb, stride_ph,
-                                 tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, n_tiles, HEAD_DIM: gl.constexpr,
+                                 tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset, last_position, n_tiles,
+                                 HEAD_DIM: gl.constexpr,
                                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                  PERMUTED_KEYS: gl.constexpr, USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr,
                                  NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
@@ -418,13 +424,15 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
                          kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,
-                         kv_len, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, PERMUTED_KEYS, NUM_WARPS, 0)),
+                         kv_len, q_offset, last_position, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, PERMUTED_KEYS,
+                         NUM_WARPS, 0)),
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(1), tile_ids, q_ready, q_empty, kv_ready,
                          kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,
-                         kv_len, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, PERMUTED_KEYS, NUM_WARPS, 1)),
+                         kv_len, q_offset, last_position, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, PERMUTED_KEYS,
+                         NUM_WARPS, 1)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
                        kv_empty, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK,
-                       kv_len, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL, BUCKETS)),
+                       kv_len, q_offset, last_position, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL, BUCKETS)),
         ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
 
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -637,7 +645,8 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     launch(_hopper_attention_kernel, grid,
         _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
         idx, count, n_full, ticket, sizes, tiles, kpos, *kpos_strides, tail_start, scale * LOG2E, shape.heads,
-        shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, n_tiles,
+        shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, shape.causal_offset,
+        shape.last_query_position, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
         PERMUTED_KEYS=key_positions is not None, USE_TAIL=use_tail, BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -258,7 +258,7 @@ def select_key_blocks(
     Inside ``torch.compile``d code call :func:`~sparge_diffusers.kernels.library.select_key_blocks_op` (the same
     call as one custom-operator node).
     """
-    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)
     _check_block_size(block_size)
     scale = resolve_scale(scale, shape.head_dim)
     for name, value, low in (("top_k", top_k, 1), ("sink_blocks", sink_blocks, 0), ("local_blocks", local_blocks, 0),

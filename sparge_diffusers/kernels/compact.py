@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._inputs import (BLOCK_K, AttentionShape, Backend, PermutedKeys, TensorLayout, check_attention_inputs,
-                      check_permuted_keys, pick_backend)
+from ._inputs import (BLOCK_K, AttentionShape, Backend, CausalVariant, PermutedKeys, TensorLayout,
+                      check_attention_inputs, check_permuted_keys, pick_backend)
 from .attention import block_mask_to_index
 from .attention_hopper import TailSchedule, new_tail_schedule, wants_tail_schedule
 
@@ -34,6 +34,8 @@ class CompactBlockMask:
             decided which blocks are hidden and which need element masking.
         tail: the Hopper kernel's schedule end, longest tiles first (``attention_hopper.TailSchedule``), filled
             with the walk for a CUDA mask; None elsewhere.
+        causal_offset: the causal position of query row 0 (``AttentionShape.causal_offset``: nonzero for a
+            causal variant with Nq != Nkv), which decided the hidden and the diagonal blocks.
     """
 
     mask: torch.Tensor
@@ -47,6 +49,7 @@ class CompactBlockMask:
     is_causal: bool
     tail: TailSchedule | None = None
     key_segment: int = BLOCK_K
+    causal_offset: int = 0
 
     @property
     def kernel_walk(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -54,8 +57,8 @@ class CompactBlockMask:
 
     def check_matches(self, shape: AttentionShape, is_causal: bool, device: torch.device,
                       key_segment: int = BLOCK_K) -> None:
-        """Raise ValueError unless this mask was built for calls of this shape, causality, device and key
-        segment."""
+        """Raise ValueError unless this mask was built for calls of this shape, causality (and causal variant),
+        device and key segment."""
         built = (self.batch, self.heads, self.q_len, self.kv_len)
         given = (shape.batch, shape.heads, shape.q_len, shape.kv_len)
         if built != given:
@@ -64,6 +67,10 @@ class CompactBlockMask:
         if self.is_causal != is_causal:
             raise ValueError(f"CompactBlockMask was built with is_causal={self.is_causal}, the call has "
                              f"is_causal={is_causal}")
+        if is_causal and self.causal_offset != shape.causal_offset:
+            raise ValueError(f"CompactBlockMask was built for causal offset {self.causal_offset} (query row 0 at key "
+                             f"position {self.causal_offset}), the call has {shape.causal_offset}: another "
+                             f"causal_variant")
         if self.mask.device != device:
             raise ValueError(f"CompactBlockMask is on {self.mask.device}, q on {device}")
         if is_causal and self.key_segment != key_segment:
@@ -97,16 +104,19 @@ def compact_block_mask(
     tensor_layout: TensorLayout = "HND",
     backend: Backend = "auto",
     permuted_keys: PermutedKeys | None = None,
+    causal_variant: CausalVariant | None = None,
 ) -> CompactBlockMask:
     """Compact ``block_mask`` once for repeated :func:`block_sparse_attention` calls on inputs shaped like
-    ``q`` and ``k`` (only their shapes and device are read), and with ``permuted_keys`` of the same segment.
+    ``q`` and ``k`` (only their shapes and device are read), and with ``permuted_keys`` of the same segment
+    and the same ``causal_variant`` (see :func:`~sparge_diffusers.predict_block_mask`).
 
     Example:
         >>> cm = compact_block_mask(mask, q, k)             # mask: (B|1, H|1, ceil(N/128), ceil(N/64)) bool
         >>> for layer_q, layer_k, layer_v in layers:
         ...     out = block_sparse_attention(layer_q, layer_k, layer_v, cm)
     """
-    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)
     check_block_mask(block_mask, shape, q.device)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     walk, tail = None, None
@@ -122,4 +132,4 @@ def from_kernel_walk(mask: torch.Tensor, walk: tuple[torch.Tensor, torch.Tensor,
     """Wrap a mask and a walk built elsewhere (stage 1 writes both, and fills ``tail``, in one kernel)."""
     index, count, n_full = walk if walk is not None else (None, None, None)
     return CompactBlockMask(mask, index, count, n_full, shape.batch, shape.heads, shape.q_len, shape.kv_len,
-                            is_causal, tail if walk is not None else None, key_segment)
+                            is_causal, tail if walk is not None else None, key_segment, shape.causal_offset)

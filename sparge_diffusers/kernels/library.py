@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import PerHead, TensorLayout, _is_number, check_attention_inputs, resolve_scale
+from ._inputs import CausalVariant, PerHead, TensorLayout, _is_number, check_attention_inputs, resolve_scale
 from .api import new_output, sparge_attention
 from .block_selection import select_key_blocks
 from .selected import MAX_PARTIAL_BYTES, _check_block_size, selected_block_attention
@@ -21,17 +21,20 @@ from .selected import MAX_PARTIAL_BYTES, _check_block_size, selected_block_atten
 @torch.library.custom_op("sparge_diffusers::sparge_attention", mutates_args=())
 def _sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                          simthreshd1: list[float], cdfthreshd: list[float], pvthreshd: list[float] | None,
-                         attention_sink: bool, tensor_layout: str) -> torch.Tensor:
+                         attention_sink: bool, tensor_layout: str, causal_variant: str | None = None
+                         ) -> torch.Tensor:
     # an operator's output must have the strides its fake gives: written into the same kind of buffer (the
     # reference path returns a fresh tensor of its own layout, which sparge_attention copies into ``out``)
     return sparge_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
                             cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, attention_sink=attention_sink,
-                            tensor_layout=tensor_layout, out=new_output(q))
+                            tensor_layout=tensor_layout, out=new_output(q), causal_variant=causal_variant)
 
 
 @_sparge_attention_op.register_fake
-def _(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, tensor_layout):
-    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)  # errors at trace time
+def _(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, tensor_layout,
+      causal_variant=None):
+    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                           causal_variant=causal_variant)  # errors at trace time
     return new_output(q)
 
 
@@ -60,6 +63,7 @@ def sparge_attention_op(
     pvthreshd: PerHead | None = 50,
     attention_sink: bool = False,
     tensor_layout: TensorLayout = "HND",
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor:
     """:func:`sparge_attention` through its custom operator: the same arguments and output (in q's layout, with
     q's strides where its last dim is contiguous), no statistics. For code compiled with ``torch.compile``;
@@ -67,7 +71,7 @@ def sparge_attention_op(
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.sparge_attention(
         q, k, v, bool(is_causal), scale, _as_list(simthreshd1, "simthreshd1"), _as_list(cdfthreshd, "cdfthreshd"),
-        _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout)
+        _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout, causal_variant)
 
 
 @torch.library.custom_op("sparge_diffusers::selected_block_attention", mutates_args=())
@@ -81,7 +85,7 @@ def _selected_block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 @_selected_block_attention_op.register_fake
 def _(q, k, v, block_indices, block_size, is_causal, scale, tensor_layout, validate, max_partial_bytes):
-    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)  # errors at trace time
+    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)  # at trace time
     _check_block_size(block_size)
     return new_output(q)
 
@@ -118,7 +122,7 @@ def _select_key_blocks_op(q: torch.Tensor, k: torch.Tensor, top_k: int, block_si
 
 @_select_key_blocks_op.register_fake
 def _(q, k, top_k, block_size, is_causal, scale, sink_blocks, local_blocks, tensor_layout):
-    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal)
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)
     _check_block_size(block_size)
     return q.new_empty((shape.batch, shape.kv_heads, shape.q_len, top_k), dtype=torch.int32)
 

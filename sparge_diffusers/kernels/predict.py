@@ -120,7 +120,7 @@ def _compressed_scores_kernel(QMEAN, KMEAN, S, H, GROUP, NQ, NK, scale_log2,
 @triton.jit
 def _topcdf_block_mask_kernel(
     SCORES, QSIM, KSIM, THETA, TAU, MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width,
-    H, GROUP, NQ, NK, KV_LEN,
+    H, GROUP, NQ, NK, KV_LEN, Q_OFFSET, LAST_POSITION,
     ROWS: tl.constexpr, NK_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     KEY_SEGMENT: tl.constexpr, BITS_ABOVE_ONE: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
@@ -142,9 +142,9 @@ def _topcdf_block_mask_kernel(
     tau = tl.load(TAU + h)
     q_similar = tl.load(QSIM + pid_bh * NQ + rows, mask=rvalid, other=1.0) > theta
     k_similar = tl.load(KSIM + bhk * NK + cols, mask=cvalid, other=1.0) > theta
-    valid, needs_masking = _key_block_flags((rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :],
-                                            KV_LEN, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
-                                            KEY_SEGMENT=KEY_SEGMENT)
+    valid, needs_masking, diagonal = _key_block_flags((rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :],
+                                            KV_LEN, Q_OFFSET, LAST_POSITION, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q,
+                                            BLOCK_K=BLOCK_K, KEY_SEGMENT=KEY_SEGMENT)
     live = valid & k_similar[None, :]
     s = tl.where(live, s, float("-inf"))
     row_max = tl.max(s, axis=1)
@@ -168,7 +168,9 @@ def _topcdf_block_mask_kernel(
     if SINK:
         keep = keep | (cols == 0)[None, :]
     if IS_CAUSAL:
-        keep = keep | needs_masking  # the diagonal (with permuted keys, the segments the query block overlaps)
+        # the diagonal (with permuted keys, the segments the query block overlaps); not the ragged last block,
+        # which a query block after the last key (upper-left variant, Nq > Nkv) sees whole
+        keep = keep | diagonal
     keep = keep & valid
     tl.store(MASK + row_offset[:, None] + cols[None, :], keep.to(tl.int8), mask=rvalid[:, None] & cvalid[None, :])
 
@@ -285,8 +287,8 @@ def topcdf_block_mask_triton(
     grid = (triton.cdiv(nq, rows), shape.batch * shape.heads)
     launch(_topcdf_block_mask_kernel, grid,
         scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
-        shape.heads, shape.heads // shape.kv_heads, nq, nk, shape.kv_len,
-        ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
+        shape.heads, shape.heads // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset,
+        shape.last_query_position, ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
         BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=key_segment, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
         RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=num_warps,
     )

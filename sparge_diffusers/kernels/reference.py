@@ -73,9 +73,11 @@ def reference_prediction_details(
     attention_sink: bool,
     tensor_layout: TensorLayout = "HND",
     key_segment: int = BLOCK_K,
+    causal_offset: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Stage 1 with every intermediate exposed (used by tests to locate borderline decisions).
-    ``key_segment``: keys permuted within segments of that many positions (``_inputs.PermutedKeys``)."""
+    ``key_segment``: keys permuted within segments of that many positions (``_inputs.PermutedKeys``);
+    ``causal_offset``: query row i sits at causal position i + causal_offset (``AttentionShape.causal_offset``)."""
     qh, kh = to_hnd(q, tensor_layout), to_hnd(k, tensor_layout)
     B, H, Nq, D = qh.shape
     HK, Nkv = kh.shape[1], kh.shape[2]
@@ -92,7 +94,7 @@ def reference_prediction_details(
     scores = (q_means @ k_means.transpose(-1, -2)) * scale  # compressed Q.K^T, (B, H, nq, nk)
     visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     if is_causal:
-        visible = causal_block_visible(nq, nk, Nkv, q.device, key_segment)
+        visible = causal_block_visible(nq, nk, Nkv, q.device, key_segment, q_len=Nq, causal_offset=causal_offset)
     # Non-self-similar key blocks are not represented by their mean: keep them out of the softmax.
     scores = scores.masked_fill(~k_similar[:, :, None, :] | ~visible, -math.inf)
     row_max = scores.amax(-1, keepdim=True)
@@ -113,7 +115,7 @@ def reference_prediction_details(
     if is_causal:
         # Departure: the diagonal key blocks are always kept, so every query row sees at least itself (with
         # permuted keys: every block of the segments the query block overlaps, as PBS-Attn computes them).
-        mask |= causal_block_straddles(nq, nk, Nkv, q.device, key_segment)
+        mask |= causal_block_straddles(nq, nk, Nkv, q.device, key_segment, q_len=Nq, causal_offset=causal_offset)
         mask &= visible
     return {
         "mask": mask,
@@ -148,6 +150,7 @@ def reference_block_sparse_attention(
 
     ``key_positions`` (B|1, H_kv|1, Nkv) and ``key_segment``: keys stored permuted within segments
     (``_inputs.PermutedKeys``); the causal test then compares each key's original position with the query's.
+    Query row i sits at causal position i + ``shape.causal_offset``.
 
     Key blocks of each query block are visited in ascending order, as the kernel does. For each tile the
     running max, normaliser and output rescale are updated as in Eq. 1; the P.V product is skipped when
@@ -168,7 +171,8 @@ def reference_block_sparse_attention(
     nq, nk = shape.q_blocks, shape.k_blocks
     mask = block_mask.to(torch.bool).expand(B, H, nq, nk)
     if is_causal:
-        mask = mask & causal_block_visible(nq, nk, shape.kv_len, q.device, key_segment)
+        mask = mask & causal_block_visible(nq, nk, shape.kv_len, q.device, key_segment, q_len=shape.q_len,
+                                           causal_offset=shape.causal_offset)
     thr = None if pvthreshd is None else pvthreshd.view(1, H).to(q.device)
     out = torch.zeros_like(qh)
     qk_counts = mask.sum(-1).to(torch.int64)
@@ -180,7 +184,7 @@ def reference_block_sparse_attention(
         m = torch.full((B, H, n_rows), -math.inf, device=q.device)
         l = torch.zeros(B, H, n_rows, device=q.device)
         acc = torch.zeros(B, H, n_rows, D, device=q.device)
-        q_pos = torch.arange(rows.start, rows.stop, device=q.device)
+        q_pos = torch.arange(rows.start, rows.stop, device=q.device) + shape.causal_offset  # causal positions
         for j in range(nk):
             active = mask[:, :, i, j]  # (B, H)
             if not active.any():

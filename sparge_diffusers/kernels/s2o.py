@@ -165,8 +165,9 @@ def _visit_order_kernel(
     forced = tl.minimum(tl.load(KSIM + bhk.to(tl.int64) * NK + cols, mask=cvalid, other=1.0),
                         tl.load(QSIM + row)) <= theta
     first_q = i * BLOCK_Q
-    visible, needs_masking = _key_block_flags(first_q, cols, cvalid, KV_LEN, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q,
-                                              BLOCK_K=BLOCK_K, KEY_SEGMENT=BLOCK_K)
+    # equal query and key lengths (s2o_attention takes no causal variant): offset 0, no row past the last key
+    visible, needs_masking, _ = _key_block_flags(first_q, cols, cvalid, KV_LEN, 0, KV_LEN - 1, IS_CAUSAL=IS_CAUSAL,
+                                              BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=BLOCK_K)
     forced = forced | needs_masking  # the ragged last block (a causal diagonal block lies in its own segment)
     if SINK:
         forced = forced | (cols == 0)

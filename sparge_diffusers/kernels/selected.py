@@ -346,7 +346,7 @@ def selected_block_attention(
     Inside ``torch.compile``d code call :func:`~sparge_diffusers.kernels.library.selected_block_attention_op`
     (the same call as one custom-operator node).
     """
-    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal)
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)
     _check_block_size(block_size)
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)

@@ -69,7 +69,8 @@ def dense_block_count(shape: AttentionShape, is_causal: bool) -> int:
     """Block products dense attention computes per (batch, head); counted on the CPU (no device sync)."""
     if not is_causal:
         return shape.q_blocks * shape.k_blocks
-    return int(causal_block_visible(shape.q_blocks, shape.k_blocks, shape.kv_len, torch.device("cpu")).sum())
+    return int(causal_block_visible(shape.q_blocks, shape.k_blocks, shape.kv_len, torch.device("cpu"),
+                                    q_len=shape.q_len, causal_offset=shape.causal_offset).sum())
 
 
 def sparsity_stats(qk_counts: torch.Tensor, pv_counts: torch.Tensor, shape: AttentionShape,

@@ -1,0 +1,222 @@
+"""Causal masking with unequal query and key lengths (``causal_variant``): the lower-right alignment of
+FlashAttention and chunked prefill, and SDPA's upper-left one. Triton kernels run in the interpreter against the
+float32 reference, and the reference against an element-wise mask written independently here."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_attention, compact_block_mask,
+                              predict_block_mask, relative_l1, s2o_attention, select_key_blocks,
+                              selected_block_attention, sparge_attention, sparge_attention_op)
+from sparge_diffusers.kernels._inputs import check_attention_inputs
+from sparge_diffusers.kernels.reference import reference_prediction_details
+from sparge_diffusers.kernels.stats import dense_block_count
+
+L1_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+
+# Nq, Nkv, variant: offsets that are not multiples of a block (the diagonal then straddles three 64-key blocks),
+# a query block shorter than one block, more queries than keys both ways (lower-right: rows with no key)
+CASES = [
+    (77, 300, "lower_right"),
+    (200, 333, "lower_right"),
+    (64, 1000, "lower_right"),
+    (130, 500, "upper_left"),
+    (300, 130, "lower_right"),
+    (300, 130, "upper_left"),
+]
+
+
+def offset_of(nq, nkv, variant):
+    return nkv - nq if variant == "lower_right" else 0
+
+
+def make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(h, n):
+        x = torch.randn(B, h, n, D, generator=g).to(dtype)
+        return x if layout == "HND" else x.transpose(1, 2).contiguous()
+
+    return rnd(H, Nq), rnd(HK, Nkv), rnd(HK, Nkv)
+
+
+def element_mask(nq, nkv, variant):
+    """(Nq, Nkv) bool: query i sees key j, written from the variants' definitions (not from the package)."""
+    if variant == "lower_right":
+        return torch.ones(nq, nkv, dtype=torch.bool).tril(diagonal=nkv - nq)
+    return torch.ones(nq, nkv, dtype=torch.bool).tril()
+
+
+def masked_sdpa(q, k, v, allowed, layout="HND"):
+    """Float32 attention under an element mask; rows that see no key are zero."""
+    if layout == "NHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    s = (q.float() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    out = p @ v
+    return out if layout == "HND" else out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("Nq,Nkv,variant", CASES)
+def test_reference_equals_attention_under_the_element_mask(Nq, Nkv, variant):
+    q, k, v = make_qkv(1, 4, 2, Nq, Nkv, 64, torch.float32, "HND", seed=Nq + Nkv)
+    expected = masked_sdpa(q, k, v, element_mask(Nq, Nkv, variant))
+    full = torch.ones(1, 1, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K), dtype=torch.bool)
+    for mask in (None, full):
+        out = block_sparse_attention(q, k, v, mask, is_causal=True, causal_variant=variant, backend="reference")
+        assert relative_l1(out, expected) < 1e-5
+    out = sparge_attention(q, k, v, is_causal=True, causal_variant=variant, cdfthreshd=1.0, pvthreshd=None)
+    assert relative_l1(out, expected) < 1e-5
+    if variant == "lower_right" and Nq > Nkv:
+        assert (out[:, :, :Nq - Nkv] == 0).all(), "rows before the first key see nothing: zeros, not NaN"
+
+
+@pytest.mark.parametrize("Nq,Nkv,variant", CASES)
+@pytest.mark.parametrize("D", [64, 128])  # 128: mask walks pair blocks into 128-key tiles, the dense walk too
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_matches_reference(Nq, Nkv, variant, D, layout, dtype):
+    q, k, v = make_qkv(2, 4, 2, Nq, Nkv, D, dtype, layout, seed=Nq * 3 + Nkv + D)
+    g = torch.Generator().manual_seed(Nq)
+    mask = torch.rand(2, 4, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K), generator=g) < 0.6
+    kw = dict(is_causal=True, causal_variant=variant, tensor_layout=layout, return_sparsity=True)
+    for block_mask in (mask, None):
+        for pvthreshd in ((None, 4.0) if block_mask is not None else (None,)):
+            out, stats = block_sparse_attention(q, k, v, block_mask, pvthreshd=pvthreshd, backend="triton",
+                                                out=torch.full_like(q, float("nan")), **kw)
+            ref, ref_stats = block_sparse_attention(q, k, v, block_mask, pvthreshd=pvthreshd, backend="reference",
+                                                    **kw)
+            assert not torch.isnan(out).any(), "every output element must be written, and never NaN"
+            assert relative_l1(out, ref) < L1_TOL[dtype], (block_mask is None, pvthreshd)
+            torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
+            torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped)
+    dense = block_sparse_attention(q, k, v, None, is_causal=True, causal_variant=variant, tensor_layout=layout)
+    expected = masked_sdpa(q, k, v, element_mask(Nq, Nkv, variant), layout)
+    assert relative_l1(dense, expected) < L1_TOL[dtype]
+
+
+@pytest.mark.parametrize("Nq,Nkv,variant", CASES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_predicted_mask_matches_reference_and_keeps_the_diagonal(Nq, Nkv, variant, layout):
+    q, k, _ = make_qkv(1, 4, 2, Nq, Nkv, 64, torch.float16, layout, seed=Nq + 5 * Nkv)
+    q, k = q + 1.0, k + 1.5  # a shared mean: self-similar blocks, so TopCdf selects
+    theta, tau = torch.linspace(-0.5, 0.5, 4), torch.linspace(0.3, 0.9, 4)
+    kw = dict(is_causal=True, causal_variant=variant, simthreshd1=theta, cdfthreshd=tau, tensor_layout=layout)
+    mask = predict_block_mask(q, k, backend="triton", **kw)
+    offset = offset_of(Nq, Nkv, variant)
+    details = reference_prediction_details(q, k, scale=64 ** -0.5, simthreshd1=theta, cdfthreshd=tau,
+                                           attention_sink=False, is_causal=True, tensor_layout=layout,
+                                           causal_offset=offset)
+    borderline = (details["mass"] - tau.view(1, 4, 1, 1)).abs() < 1e-4
+    assert ((mask != details["mask"]) & ~borderline).sum() == 0
+    # independent of the package: the blocks some query of the block sees, and those it sees only in part
+    seen = element_mask(Nq, Nkv, variant)
+    nq, nk = mask.shape[-2:]
+    visible = torch.zeros(nq, nk, dtype=torch.bool)
+    partly = torch.zeros(nq, nk, dtype=torch.bool)
+    for i in range(nq):
+        for j in range(nk):
+            tile = seen[i * BLOCK_Q:(i + 1) * BLOCK_Q, j * BLOCK_K:(j + 1) * BLOCK_K]
+            visible[i, j], partly[i, j] = tile.any(), tile.any() and not tile.all()
+    assert not (mask & ~visible).any(), "no block that no query of the block sees"
+    assert (mask | ~partly).all(), "the diagonal blocks (seen in part) are always kept"
+    assert (mask.any(-1) == visible.any(-1)).all(), "every query block that sees a key keeps a block"
+
+
+@pytest.mark.parametrize("Nq,Nkv,variant", CASES)
+def test_statistics_count_the_blocks_dense_attention_computes(Nq, Nkv, variant):
+    q, k, _ = make_qkv(1, 2, 2, Nq, Nkv, 64, torch.float16, "HND", seed=1)
+    shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=True, causal_variant=variant)
+    assert shape.causal_offset == offset_of(Nq, Nkv, variant)
+    seen = element_mask(Nq, Nkv, variant)
+    nq, nk = math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K)
+    padded = torch.zeros(nq * BLOCK_Q, nk * BLOCK_K, dtype=torch.bool)
+    padded[:Nq, :Nkv] = seen
+    assert dense_block_count(shape, True) == int(padded.view(nq, BLOCK_Q, nk, BLOCK_K).any(3).any(1).sum())
+    _, stats = block_sparse_attention(q, k, q[:, :, :0].new_zeros(1, 2, Nkv, 64), None, is_causal=True,
+                                      causal_variant=variant, return_sparsity=True, backend="triton")
+    assert float(stats.sparsity) == 0.0, "the dense walk skips nothing that dense attention computes"
+
+
+def test_lower_right_chunks_reproduce_the_causal_prompt():
+    """Chunked prefill: each chunk of queries against every key so far (lower-right) gives the rows of one causal
+    call over the whole prompt; keeping every block, in the interpreter."""
+    N, chunk = 700, 256
+    q, k, v = make_qkv(1, 4, 2, N, N, 128, torch.float16, "HND", seed=3)
+    whole = sparge_attention(q, k, v, is_causal=True, cdfthreshd=1.0, pvthreshd=None, backend="triton")
+    for start in range(0, N, chunk):
+        stop = min(start + chunk, N)
+        part = sparge_attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], is_causal=True,
+                                causal_variant="lower_right", cdfthreshd=1.0, pvthreshd=None, backend="triton")
+        assert relative_l1(part, whole[:, :, start:stop]) < 2e-3, start
+
+
+def test_custom_operator_takes_the_variant():
+    q, k, v = make_qkv(1, 2, 1, 90, 260, 64, torch.float32, "HND", seed=2)
+    kw = dict(is_causal=True, causal_variant="lower_right", simthreshd1=-1.0, cdfthreshd=0.7)
+    assert torch.equal(sparge_attention_op(q, k, v, **kw), sparge_attention(q, k, v, **kw))
+    compiled = torch.compile(lambda q, k, v: sparge_attention_op(q, k, v, **kw), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v), sparge_attention(q, k, v, **kw))
+
+
+def test_errors_name_the_problem():
+    q, k, v = make_qkv(1, 2, 2, 100, 300, 64, torch.float16, "HND", seed=0)
+    cases = [
+        (lambda: sparge_attention(q, k, v, is_causal=True), "causal_variant='lower_right'"),
+        (lambda: sparge_attention(q, k, v, causal_variant="lower_right"), "needs is_causal=True"),
+        (lambda: sparge_attention(q, k, v, is_causal=True, causal_variant="bottom_right"), "must be 'upper_left'"),
+        (lambda: s2o_attention(q, k, v, is_causal=True), "equal query and key lengths here"),
+        (lambda: select_key_blocks(q, k, top_k=2, is_causal=True), "equal query and key lengths here"),
+        (lambda: selected_block_attention(q, k, v, torch.zeros(1, 2, 100, 1, dtype=torch.int32), is_causal=True),
+         "equal query and key lengths here"),
+        (lambda: sparge_attention(q, k, v, is_causal=True, causal_variant="lower_right",
+                                  permuted_keys=PermutedKeys(torch.arange(300).view(1, 1, -1), 64)),
+         "permuted_keys needs equal query and key lengths"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    for backend in ("triton", "reference"):
+        mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+        cm = compact_block_mask(mask, q, k, is_causal=True, causal_variant="lower_right", backend=backend)
+        block_sparse_attention(q, k, v, cm, is_causal=True, causal_variant="lower_right", backend=backend)
+        with pytest.raises(ValueError, match="causal offset"):
+            block_sparse_attention(q, k, v, cm, is_causal=True, causal_variant="upper_left", backend=backend)
+    # equal lengths: both variants are plain causal attention, and the same mask serves both
+    qe, ke, ve = make_qkv(1, 2, 2, 200, 200, 64, torch.float16, "HND", seed=1)
+    cm = compact_block_mask(torch.ones(1, 1, 2, 4, dtype=torch.bool), qe, ke, is_causal=True)
+    base = block_sparse_attention(qe, ke, ve, cm, is_causal=True)
+    for variant in ("lower_right", "upper_left"):
+        assert torch.equal(block_sparse_attention(qe, ke, ve, cm, is_causal=True, causal_variant=variant), base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_kernels_match_reference(D):
+    """Both GPU kernels (the Hopper kernel where it runs: D 64/128 mask walks, D 128 dense) against the
+    reference, per call and prebuilt, dense and masked, bf16."""
+    for Nq, Nkv, variant in CASES + [(1000, 3000, "lower_right"), (2048, 4100, "lower_right"),
+                                     (3000, 1000, "lower_right"), (700, 2000, "upper_left")]:
+        q, k, v = (t.cuda() for t in make_qkv(1, 8, 2, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + Nkv))
+        g = torch.Generator().manual_seed(Nkv)
+        mask = (torch.rand(1, 8, math.ceil(Nq / BLOCK_Q), math.ceil(Nkv / BLOCK_K), generator=g) < 0.4).cuda()
+        kw = dict(is_causal=True, causal_variant=variant)
+        cm = compact_block_mask(mask, q, k, **kw)
+        for block_mask in (None, mask, cm):
+            out = block_sparse_attention(q, k, v, block_mask, out=torch.full_like(q, float("nan")), **kw)
+            ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), None if block_mask is None else mask.cpu(),
+                                         backend="reference", **kw)
+            assert not torch.isnan(out).any()
+            assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16], (Nq, Nkv, variant, type(block_mask))
+        out = sparge_attention(q, k, v, out=torch.full_like(q, float("nan")), **kw)
+        assert not torch.isnan(out).any()
+        predicted = predict_block_mask(q, k, **kw)
+        ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), predicted.cpu(), backend="reference", **kw)
+        assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
+        if variant == "lower_right" and Nq > Nkv:
+            assert (out[:, :, :Nq - Nkv] == 0).all()
