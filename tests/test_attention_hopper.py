@@ -86,7 +86,7 @@ def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, us
            "TAIL_TILES": "*i32", "KPOS": "*i32",
            "qk_scale": "fp32"}
     sig.update({name: "i32" for name in ("stride_pb", "stride_ph", "tail_start", "H", "GROUP", "NQ", "NK", "kv_len",
-                                         "n_tiles")})
+                                         "q_offset", "last_position", "n_tiles")})
     consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
               "IS_CAUSAL": causal, "PERMUTED_KEYS": permuted_keys, "USE_TAIL": use_tail, "BUCKETS": attention_hopper.TAIL_BUCKETS,
               "NUM_WARPS": attention_hopper.NUM_WARPS,
