@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_attention, compact_block_mask,
                               predict_block_mask, relative_l1, s2o_attention, select_key_blocks,
@@ -14,8 +13,7 @@ from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_atten
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.reference import reference_prediction_details
 from sparge_diffusers.kernels.stats import dense_block_count
-
-L1_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+from test_kernels import L1_TOL, make_qkv
 
 # Nq, Nkv, variant: offsets that are not multiples of a block (the diagonal then straddles three 64-key blocks),
 # a query block shorter than one block, more queries than keys both ways (lower-right: rows with no key)
@@ -31,16 +29,6 @@ CASES = [
 
 def offset_of(nq, nkv, variant):
     return nkv - nq if variant == "lower_right" else 0
-
-
-def make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed):
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(h, n):
-        x = torch.randn(B, h, n, D, generator=g).to(dtype)
-        return x if layout == "HND" else x.transpose(1, 2).contiguous()
-
-    return rnd(H, Nq), rnd(HK, Nkv), rnd(HK, Nkv)
 
 
 def element_mask(nq, nkv, variant):
