@@ -127,12 +127,6 @@ class SpargeLLMAttention:
             return None, "lower_right"
         return "an explicit attention mask (padding, packed sequences or a custom mask)", None
 
-    def fallback_reason(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                        attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None,
-                        kwargs: dict) -> str | None:
-        """Why this call cannot run sparse: None when it can, "" for the expected SDPA case (decode)."""
-        return self.route(module, query, key, attention_mask, dropout, is_causal, kwargs)[0]
-
     def _is_lower_right_causal(self, mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
         """Whether a (B|1, 1, Nq, >= Nkv) boolean mask, cut to the first Nkv keys as SDPA's function cuts it, lets
         query i see exactly keys 0..i + Nkv - Nq. Remembered for the mask tensor (while it lives, unmodified)."""

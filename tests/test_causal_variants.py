@@ -118,7 +118,7 @@ def test_predicted_mask_matches_reference_and_keeps_the_diagonal(Nq, Nkv, varian
 
 @pytest.mark.parametrize("Nq,Nkv,variant", CASES)
 def test_statistics_count_the_blocks_dense_attention_computes(Nq, Nkv, variant):
-    q, k, _ = make_qkv(1, 2, 2, Nq, Nkv, 64, torch.float16, "HND", seed=1)
+    q, k, v = make_qkv(1, 2, 2, Nq, Nkv, 64, torch.float16, "HND", seed=1)
     shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=True, causal_variant=variant)
     assert shape.causal_offset == offset_of(Nq, Nkv, variant)
     seen = element_mask(Nq, Nkv, variant)
@@ -126,8 +126,8 @@ def test_statistics_count_the_blocks_dense_attention_computes(Nq, Nkv, variant):
     padded = torch.zeros(nq * BLOCK_Q, nk * BLOCK_K, dtype=torch.bool)
     padded[:Nq, :Nkv] = seen
     assert dense_block_count(shape, True) == int(padded.view(nq, BLOCK_Q, nk, BLOCK_K).any(3).any(1).sum())
-    _, stats = block_sparse_attention(q, k, q[:, :, :0].new_zeros(1, 2, Nkv, 64), None, is_causal=True,
-                                      causal_variant=variant, return_sparsity=True, backend="triton")
+    _, stats = block_sparse_attention(q, k, v, None, is_causal=True, causal_variant=variant, return_sparsity=True,
+                                      backend="triton")
     assert float(stats.sparsity) == 0.0, "the dense walk skips nothing that dense attention computes"
 
 

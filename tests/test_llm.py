@@ -127,7 +127,8 @@ def test_continued_prompt_and_static_cache_prefill_run_sparse(tiny_llama):
     skipping = register("sparge_test_continue_skip", simthreshd1=-1.0, cdfthreshd=0.5, collect_stats=True)
     results = {}
     for name in ("sdpa", "sparge_test_continue", "sparge_test_continue_skip"):
-        model, cache = load(tiny_llama, name), transformers.DynamicCache(config=model_config(tiny_llama))
+        model = load(tiny_llama, name)
+        cache = transformers.DynamicCache(config=model.config)
         logits(model, ids[:, :250], past_key_values=cache, use_cache=True)
         results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
     assert relative_l1(results["sparge_test_continue"], results["sdpa"]) < 1e-5
@@ -141,10 +142,6 @@ def test_continued_prompt_and_static_cache_prefill_run_sparse(tiny_llama):
     assert torch.equal(ours, load(tiny_llama, "sdpa").generate(ids, max_new_tokens=3, do_sample=False,
                                                                 cache_implementation="static"))
     assert static.sparse_calls == 2
-
-
-def model_config(path):
-    return transformers.AutoConfig.from_pretrained(path)
 
 
 def test_lower_right_mask_check_accepts_only_that_pattern():

@@ -86,8 +86,8 @@ def _block_mask_to_index_kernel(
     keep = tl.load(MASK + b * stride_mb + h * stride_mh + pid_q * stride_mq + cols * stride_mk,
                    mask=cvalid, other=0) != 0
     keep, needs_masking, _ = _key_block_flags(pid_q * BLOCK_Q, cols, keep & cvalid, KV_LEN, Q_OFFSET, LAST_POSITION,
-                                           IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
-                                           KEY_SEGMENT=KEY_SEGMENT)
+                                              IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+                                              KEY_SEGMENT=KEY_SEGMENT)
     kept = keep.to(tl.int32)
     position = tl.cumsum(kept, axis=0) - 1
     row = pid_bh.to(tl.int64) * NQ + pid_q

@@ -142,9 +142,9 @@ def _topcdf_block_mask_kernel(
     tau = tl.load(TAU + h)
     q_similar = tl.load(QSIM + pid_bh * NQ + rows, mask=rvalid, other=1.0) > theta
     k_similar = tl.load(KSIM + bhk * NK + cols, mask=cvalid, other=1.0) > theta
-    valid, needs_masking, diagonal = _key_block_flags((rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :],
-                                            KV_LEN, Q_OFFSET, LAST_POSITION, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q,
-                                            BLOCK_K=BLOCK_K, KEY_SEGMENT=KEY_SEGMENT)
+    valid, needs_masking, diagonal = _key_block_flags(
+        (rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :], KV_LEN, Q_OFFSET, LAST_POSITION,
+        IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=KEY_SEGMENT)
     live = valid & k_similar[None, :]
     s = tl.where(live, s, float("-inf"))
     row_max = tl.max(s, axis=1)

@@ -167,7 +167,7 @@ def _visit_order_kernel(
     first_q = i * BLOCK_Q
     # equal query and key lengths (s2o_attention takes no causal variant): offset 0, no row past the last key
     visible, needs_masking, _ = _key_block_flags(first_q, cols, cvalid, KV_LEN, 0, KV_LEN - 1, IS_CAUSAL=IS_CAUSAL,
-                                              BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=BLOCK_K)
+                                                 BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=BLOCK_K)
     forced = forced | needs_masking  # the ragged last block (a causal diagonal block lies in its own segment)
     if SINK:
         forced = forced | (cols == 0)
