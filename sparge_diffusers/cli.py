@@ -1,6 +1,7 @@
 """The ``sparge-diffusers`` command line.
 
     sparge-diffusers bench [--workloads cogvideox,mochi,flux,llama32k] [--json out.json]
+    sparge-diffusers generate --model ID_OR_PATH --prompt TEXT [--prompt ...] --out DIR [--attention sparge ...]
     sparge-diffusers tune --model ID_OR_PATH --prompts FILE --out settings.json [--l1 0.05 --l2 0.06 ...]
     sparge-diffusers eval --model ID_OR_PATH --prompts FILE --attention dense,sparge[:settings.json] --out DIR
 """
@@ -92,7 +93,7 @@ def load_pipeline(model: str, device: str | None, dtype: str | None):
 
 
 def pipeline_kwargs(args: argparse.Namespace) -> dict:
-    kw = {"num_inference_steps": args.steps}
+    kw = {"num_inference_steps": args.steps} if args.steps is not None else {}
     for name in ("height", "width", "num_frames", "guidance_scale"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -131,6 +132,54 @@ def tune_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace):
+    from .pipelines import SpargeSettings
+
+    given = {k: getattr(args, k) for k in ("simthreshd1", "cdfthreshd", "pvthreshd", "permutation")
+             if getattr(args, k) is not None}
+    return SpargeSettings(**given) if given else None
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from .eval.run import parse_modes
+    from .generation import generate
+
+    prompts = list(args.prompt or []) or (read_prompts(args.prompts) if args.prompts else [])
+    if not prompts:
+        if not args.prompts:
+            print("give --prompt TEXT (repeatable) or --prompts FILE", file=sys.stderr)
+        return 2
+    modes = parse_modes(args.attention)
+    if len(modes) != 1:
+        print(f"--attention {args.attention!r}: generate runs one mode (sparge eval compares several)", file=sys.stderr)
+        return 2
+    mode = modes[0]
+    sparse_only = [f"--{k.replace('_', '-')}" for k in ("simthreshd1", "cdfthreshd", "pvthreshd", "permutation",
+                                                        "dense_steps", "strict") if getattr(args, k)]
+    if not mode.sparse and sparse_only:
+        print(f"{', '.join(sparse_only)} apply to sparge attention, not --attention dense", file=sys.stderr)
+        return 2
+    if args.compile and args.dense_steps:
+        print("--dense-steps does not apply under --compile (a compiled model runs every step sparse)", file=sys.stderr)
+        return 2
+    pipe = load_pipeline(args.model, args.device, args.dtype)
+    report = generate(pipe, prompts, args.out, sparse=mode.sparse, settings=_settings(args),
+                      layer_settings=mode.settings_file, dense_steps=args.dense_steps, strict=args.strict,
+                      seed=args.seed, pipe_kwargs=pipeline_kwargs(args), fps=args.fps, compile=args.compile,
+                      warmup=args.warmup, progress=not args.quiet)
+    print(f"{report['model_class']} on {report['device']}, attention {mode.name}"
+          + (", compiled" if args.compile else ""))
+    print(f"{'#':>3} {'seconds':>9} {'s/step':>8} {'sparsity':>8}  file")
+    for r in report["outputs"]:
+        sparsity = f"{r['sparsity']:8.3f}" if r.get("sparsity") is not None else f"{'-':>8}"
+        per_step = f"{r['seconds_per_step']:8.3f}" if "seconds_per_step" in r else f"{'-':>8}"
+        print(f"{r['prompt_index']:3d} {r['seconds']:9.2f} {per_step} {sparsity}  {r['files'][0]}")
+    for note in report["notes"]:
+        print(note)
+    print(f"wrote {args.out}/generate.json")
+    return 0
+
+
 def eval_command(args: argparse.Namespace) -> int:
     from .eval import LPIPS, DoverScorer, evaluate, load_clip, parse_modes
 
@@ -165,10 +214,16 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_generation_args(p: argparse.ArgumentParser) -> None:
+def _add_generation_args(p: argparse.ArgumentParser, prompt_text: bool = False, steps: int | None = 10) -> None:
     p.add_argument("--model", required=True, help="hub id or local directory of a diffusers pipeline")
-    p.add_argument("--prompts", required=True, help="text file with one prompt per line")
-    p.add_argument("--steps", type=int, default=10, help="denoising steps per prompt (default 10)")
+    if prompt_text:
+        given = p.add_mutually_exclusive_group(required=True)
+        given.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+        given.add_argument("--prompts", help="text file with one prompt per line")
+    else:
+        p.add_argument("--prompts", required=True, help="text file with one prompt per line")
+    p.add_argument("--steps", type=int, default=steps, help="denoising steps per prompt (default "
+                   + (f"{steps})" if steps else "the pipeline's)"))
     p.add_argument("--height", type=int)
     p.add_argument("--width", type=int)
     p.add_argument("--num-frames", type=int, dest="num_frames")
@@ -206,6 +261,23 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--permutation", choices=["hilbert", "rowmajor", "colmajor", "timemajor", "random"],
                    help="token order used while tuning and stored with the settings")
     t.set_defaults(func=tune_command)
+    g = sub.add_parser("generate", help="generate images or videos with SpargeAttn (or dense) attention and save them")
+    _add_generation_args(g, prompt_text=True, steps=None)
+    g.add_argument("--out", required=True, help="output folder (prompt_<i>.png or .gif/.mp4, generate.json)")
+    g.add_argument("--attention", default="sparge", help="sparge (default), sparge:SETTINGS.json (from tune) or dense")
+    g.add_argument("--simthreshd1", type=float, help="theta for every layer a settings file does not cover (0.6)")
+    g.add_argument("--cdfthreshd", type=float, help="tau (TopCdf) likewise (default 0.98)")
+    g.add_argument("--pvthreshd", type=float, help="stage 2's threshold likewise (default 50)")
+    g.add_argument("--permutation", choices=["hilbert", "rowmajor", "colmajor", "timemajor", "random"],
+                   help="reorder visual tokens before attention (likewise)")
+    g.add_argument("--dense-steps", type=int, default=0, dest="dense_steps",
+                   help="the first K denoising steps of every output stay dense")
+    g.add_argument("--strict", action="store_true", help="fail where a call cannot run sparse (no dense fallback)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the transformer (use with --warmup)")
+    g.add_argument("--warmup", action="store_true",
+                   help="one untimed one-step call first, so timings exclude kernel (and model) compilation")
+    g.add_argument("--fps", type=int, default=8, help="frame rate of saved videos (default 8)")
+    g.set_defaults(func=generate_command)
     e = sub.add_parser("eval", help="generate with each attention mode for the same seeds and score the outputs")
     _add_generation_args(e)
     e.add_argument("--attention", default="dense,sparge",

@@ -14,6 +14,7 @@ pytest.importorskip("torchmetrics")
 from sparge_diffusers.eval import (  # noqa: E402
     LPIPS, ClipModel, clip_score, clip_temp, clipsim, fid, parse_modes, psnr, sharpness, ssim, temporal_flicker)
 from sparge_diffusers.eval.fidelity import ALEXNET_FILE  # noqa: E402
+from tiny_pipes import TinyImagePipeline  # noqa: E402
 
 
 def images(n=4, size=64, seed=0):
@@ -212,34 +213,6 @@ def test_parse_modes(tmp_path):
 
 
 # --- the runner end to end -----------------------------------------------------------------------------
-
-class TinyImagePipeline:
-    """A stand-in image pipeline: a tiny Flux transformer denoises seeded latents; the image is their sigmoid.
-    Enough to drive every image branch of the runner (the real pipelines are exercised in test_pipeline_calls)."""
-
-    def __init__(self):
-        import diffusers
-
-        torch.manual_seed(0)
-        self.transformer = diffusers.FluxTransformer2DModel(
-            patch_size=1, in_channels=3, num_layers=1, num_single_layers=1, attention_head_dim=64,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 28, 28))
-        self.device = torch.device("cpu")
-        ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(16.0), torch.arange(16.0), indexing="ij"), -1)
-        self.img_ids = ids.reshape(-1, 3)
-
-    def __call__(self, prompt, generator, output_type, num_inference_steps=1):
-        assert output_type == "pt"
-        x = torch.randn(1, 256, 3, generator=generator)
-        text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(len(prompt)))
-        with torch.no_grad():
-            for _ in range(num_inference_steps):
-                x = x + 0.5 * self.transformer(hidden_states=x, encoder_hidden_states=text,
-                                               pooled_projections=torch.zeros(1, 16), timestep=torch.tensor([0.5]),
-                                               img_ids=self.img_ids, txt_ids=torch.zeros(8, 3), return_dict=False)[0]
-        image = torch.sigmoid(x).reshape(1, 16, 16, 3).permute(0, 3, 1, 2)
-        return type("Output", (), {"images": image})()
-
 
 def test_evaluate_image_pipeline(tmp_path, tiny_clip):
     pytest.importorskip("diffusers")

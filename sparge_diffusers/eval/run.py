@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 from tqdm import tqdm
 
+from ..generation import to_uint8, run_pipeline
 from .clip import ClipModel, clip_score, clip_temp, clipsim
 from .distribution import fid
 from .fidelity import LPIPS, psnr, ssim
@@ -67,25 +68,6 @@ def load_images(folder: str | os.PathLike, size: tuple[int, int]) -> torch.Tenso
     return torch.stack(out).permute(0, 3, 1, 2).float() / 255
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def generate(pipe: Any, prompt: str, seed: int, pipe_kwargs: dict) -> tuple[torch.Tensor, float]:
-    """One output as float frames (F, 3, H, W) in [0, 1] on the CPU (F = 1 for an image), and its seconds."""
-    device = getattr(pipe, "device", torch.device("cpu"))
-    generator = torch.Generator(device=device).manual_seed(seed)
-    _sync()
-    start = time.perf_counter()
-    result = pipe(prompt=prompt, generator=generator, output_type="pt", **pipe_kwargs)
-    _sync()
-    seconds = time.perf_counter() - start
-    out = result.images if hasattr(result, "images") else result.frames
-    out = out[0] if out.dim() == 5 else out[:1]  # video (B, F, C, H, W) -> (F, C, H, W); images -> (1, C, H, W)
-    return out.float().cpu().clamp(0, 1), seconds
-
-
 def _mean(values: list[float]) -> float | None:
     finite = [v for v in values if v is not None]
     if not finite:
@@ -124,7 +106,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
                 outputs[mode.name], seconds[mode.name] = [], []
                 for i, prompt in enumerate(prompts):
                     bar.set_postfix_str(mode.name)
-                    frames, s = generate(pipe, prompt, seed + i, pipe_kwargs)
+                    frames, s = run_pipeline(pipe, prompt, seed + i, pipe_kwargs)
                     outputs[mode.name].append(frames)
                     seconds[mode.name].append(s)
                     bar.update()
@@ -199,23 +181,19 @@ def _write(out_dir: Path, report: dict, outputs: dict, modes, is_video: bool, me
     _plot(out_dir / "quality_vs_time.png", report)
 
 
-def _to_uint8(x: torch.Tensor):
-    return (x.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
-
-
 def _grid(out_dir: Path, index: int, per_mode: list[torch.Tensor], is_video: bool) -> None:
     """Modes side by side (images), or one row of up to 8 evenly spaced frames per mode plus an animated GIF
     of the modes side by side (videos)."""
     from PIL import Image
 
     if not is_video:
-        Image.fromarray(_to_uint8(torch.cat([x[0] for x in per_mode], dim=-1))).save(out_dir / f"grid_{index}.png")
+        Image.fromarray(to_uint8(torch.cat([x[0] for x in per_mode], dim=-1))).save(out_dir / f"grid_{index}.png")
         return
     frames = per_mode[0].shape[0]
     picks = sorted({round(j * (frames - 1) / 7) for j in range(8)}) if frames > 8 else list(range(frames))
     rows = [torch.cat([x[j] for j in picks], dim=-1) for x in per_mode]
-    Image.fromarray(_to_uint8(torch.cat(rows, dim=-2))).save(out_dir / f"grid_{index}.png")
-    side_by_side = [Image.fromarray(_to_uint8(torch.cat([x[j] for x in per_mode], dim=-1))) for j in range(frames)]
+    Image.fromarray(to_uint8(torch.cat(rows, dim=-2))).save(out_dir / f"grid_{index}.png")
+    side_by_side = [Image.fromarray(to_uint8(torch.cat([x[j] for x in per_mode], dim=-1))) for j in range(frames)]
     side_by_side[0].save(out_dir / f"grid_{index}.gif", save_all=True, append_images=side_by_side[1:],
                          duration=125, loop=0)
 

@@ -1,0 +1,201 @@
+"""Generate images or videos with a diffusers pipeline, with SpargeAttn or dense attention, and save them.
+
+This is what ``sparge-diffusers generate`` runs: prompt *i* with seed ``seed + i``, one denoising-step progress
+bar over all prompts, each output saved under ``out_dir`` (``prompt_<i>.png`` for images, ``prompt_<i>.gif``
+plus ``prompt_<i>.mp4`` when imageio-ffmpeg is installed for videos) and ``generate.json`` with the seconds,
+sparsity per layer and settings of every output. :func:`run_pipeline` (one call, timed) is shared with the
+evaluation runner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+__all__ = ["generate", "run_pipeline", "save_output"]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _call_parameters(pipe: Any) -> dict:
+    try:
+        return dict(inspect.signature(pipe.__call__).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _takes_step_callback(pipe: Any) -> bool:
+    return "callback_on_step_end" in _call_parameters(pipe)
+
+
+def _default_steps(pipe: Any) -> int | None:
+    """The pipeline's default ``num_inference_steps`` (from its call signature), if it has one."""
+    p = _call_parameters(pipe).get("num_inference_steps")
+    return p.default if p is not None and isinstance(p.default, int) else None
+
+
+def run_pipeline(pipe: Any, prompt: str, seed: int, pipe_kwargs: dict,
+                 on_step: Callable[[], None] | None = None) -> tuple[torch.Tensor, float]:
+    """One pipeline call: the output as float frames (F, 3, H, W) in [0, 1] on the CPU (F = 1 for an image;
+    the first image when the call makes several) and its seconds (CUDA synchronised on both ends).
+
+    ``on_step`` is called after every denoising step where the pipeline takes ``callback_on_step_end`` (the four
+    supported pipelines do); elsewhere it is not called.
+    """
+    device = getattr(pipe, "device", torch.device("cpu"))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    kwargs = dict(pipe_kwargs)
+    if on_step is not None and _takes_step_callback(pipe) and "callback_on_step_end" not in kwargs:
+        def step_end(_pipe, _step, _timestep, callback_kwargs):
+            on_step()
+            return callback_kwargs
+
+        kwargs["callback_on_step_end"] = step_end
+    _sync()
+    start = time.perf_counter()
+    result = pipe(prompt=prompt, generator=generator, output_type="pt", **kwargs)
+    _sync()
+    seconds = time.perf_counter() - start
+    out = result.images if hasattr(result, "images") else result.frames
+    out = out[0] if out.dim() == 5 else out[:1]  # video (B, F, C, H, W) -> (F, C, H, W); images -> (1, C, H, W)
+    return out.float().cpu().clamp(0, 1), seconds
+
+
+def to_uint8(x: torch.Tensor):
+    """(3, H, W) in [0, 1] -> (H, W, 3) uint8 numpy array."""
+    return (x.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+
+
+def save_output(frames: torch.Tensor, stem: str | Path, fps: int = 8) -> tuple[list[Path], str | None]:
+    """Save (F, 3, H, W) frames: a PNG when F = 1, else a GIF and, where imageio and imageio-ffmpeg are
+    installed, an MP4 (diffusers' ``export_to_video``). Returns the files written and, when the MP4 was not
+    written, why."""
+    from PIL import Image
+
+    stem = Path(stem)
+    if frames.shape[0] == 1:
+        path = stem.with_suffix(".png")
+        Image.fromarray(to_uint8(frames[0])).save(path)
+        return [path], None
+    images = [Image.fromarray(to_uint8(f)) for f in frames]
+    gif = stem.with_suffix(".gif")
+    images[0].save(gif, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+    if not all(importlib.util.find_spec(m) for m in ("imageio", "imageio_ffmpeg")):
+        return [gif], "MP4 not written: it needs imageio and imageio-ffmpeg (pip install imageio imageio-ffmpeg)"
+    from diffusers.utils import export_to_video
+
+    mp4 = stem.with_suffix(".mp4")
+    export_to_video([f.permute(1, 2, 0).numpy() for f in frames], str(mp4), fps=fps)
+    return [gif, mp4], None
+
+
+def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: bool = True,
+             settings: Any = None, layer_settings: str | Path | dict | None = None, dense_steps: int = 0,
+             strict: bool = False, seed: int = 0, pipe_kwargs: dict | None = None, fps: int = 8,
+             compile: bool = False, warmup: bool = False, progress: bool = True) -> dict:
+    """Generate every prompt (prompt *i* with seed ``seed + i``), save the outputs, write ``generate.json``.
+
+    Args:
+        pipe: a diffusers pipeline (Flux, SD3, CogVideoX or Mochi for the sparse path).
+        prompts: one output per prompt.
+        out_dir: created if missing.
+        sparse: run SpargeAttn (:func:`sparge_diffusers.apply`), or the model's own dense attention.
+        settings: a :class:`~sparge_diffusers.pipelines.SpargeSettings` for every layer (layers a settings file
+            does not cover); None for the defaults.
+        layer_settings: a settings file written by ``tune`` (or a dict of per-layer settings).
+        dense_steps: the first k denoising steps of every output stay dense.
+        strict: raise where a call cannot run sparse, instead of falling back to the native attention.
+        seed: seed of the first prompt.
+        pipe_kwargs: other pipeline call arguments (``num_inference_steps``, ``height``, ...).
+        fps: frame rate of saved videos.
+        compile: wrap the transformer in ``torch.compile`` (after SpargeAttn is set, as the README's
+            torch.compile section does) for these calls; the pipeline gets its transformer back afterwards.
+            Compiled calls record no sparsity and ignore ``dense_steps`` (the processor warns).
+        warmup: first make one untimed call with one denoising step, so the timings exclude Triton's
+            compilation and (under ``torch.compile``) the model's.
+        progress: show a progress bar of denoising steps.
+
+    Returns the report also written to ``generate.json``: per output the prompt, seed, seconds, files, and with
+    ``sparse`` the number of attention calls that ran sparse and the mean sparsity over layers and per layer.
+    """
+    from .pipelines import apply
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pipe_kwargs = dict(pipe_kwargs or {})
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)  # one bar over all prompts instead of one per call
+    processor = None
+    if sparse:
+        options = {"layer_settings": layer_settings} if layer_settings is not None else {}
+        processor = apply(pipe, settings, dense_steps=dense_steps, strict=strict, **options)
+    transformer = getattr(pipe, "transformer", None)
+    if compile:
+        if transformer is None:
+            raise ValueError(f"{type(pipe).__name__} has no transformer to compile")
+        pipe.transformer = torch.compile(transformer)
+    rows, notes = [], []
+    try:
+        if warmup:
+            run_pipeline(pipe, prompts[0], seed, {**pipe_kwargs, "num_inference_steps": 1})
+            if processor is not None:
+                processor.reset_stats()
+        steps = pipe_kwargs.get("num_inference_steps", _default_steps(pipe))
+        bar = tqdm(total=len(prompts) * steps if steps else len(prompts), desc="generate",
+                   unit="step" if steps else "output", disable=not progress)
+        with bar:
+            for i, prompt in enumerate(prompts):
+                stepped = []
+
+                def on_step():
+                    stepped.append(1)
+                    bar.update()
+
+                frames, seconds = run_pipeline(pipe, prompt, seed + i, pipe_kwargs, on_step if steps else None)
+                bar.update(max(0, (steps or 1) - len(stepped)))  # pipelines without step callbacks: the whole call
+                files, note = save_output(frames, out_dir / f"prompt_{i}", fps)
+                if note and note not in notes:
+                    notes.append(note)
+                row = {"prompt_index": i, "prompt": prompt, "seed": seed + i, "seconds": seconds,
+                       "files": [str(f) for f in files], "frames": frames.shape[0],
+                       "height": frames.shape[-2], "width": frames.shape[-1]}
+                if steps:
+                    row["seconds_per_step"] = seconds / steps
+                if processor is not None and not compile:  # compiled calls record no statistics
+                    layers = processor.sparsity_by_layer()
+                    row["sparse_calls"] = len(processor.stats)  # attention calls that ran sparse (and recorded)
+                    row["sparsity"] = sum(layers.values()) / len(layers) if layers else None
+                    row["sparsity_by_layer"] = layers
+                    processor.reset_stats()
+                rows.append(row)
+    finally:
+        if compile:
+            pipe.transformer = transformer
+        if processor is not None:
+            processor.detach(getattr(pipe, "transformer", pipe))
+
+    settings_out = None
+    if processor is not None:
+        settings_out = {"settings": vars(processor.settings), "dense_steps": dense_steps,
+                        "layer_settings": str(layer_settings) if isinstance(layer_settings, (str, Path)) else
+                        (sorted(layer_settings) if layer_settings else None)}
+    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "date": time.strftime("%Y-%m-%d %H:%M"),
+              "model_class": type(getattr(pipe, "transformer", pipe)).__name__,
+              "attention": "sparge" if sparse else "dense", "sparge": settings_out, "compile": compile,
+              "warmup": warmup,
+              "pipe_kwargs": {k: v for k, v in pipe_kwargs.items() if isinstance(v, (int, float, str, bool))},
+              "notes": notes, "outputs": rows}
+    with open(out_dir / "generate.json", "w") as f:
+        json.dump(report, f, indent=1, default=lambda v: None)
+    return report
