@@ -121,8 +121,8 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
         compile: wrap the transformer in ``torch.compile`` (after SpargeAttn is set, as the README's
             torch.compile section does) for these calls; the pipeline gets its transformer back afterwards.
             Compiled calls record no sparsity and ignore ``dense_steps`` (the processor warns).
-        warmup: first make one untimed call with one denoising step, so the timings exclude Triton's
-            compilation and (under ``torch.compile``) the model's.
+        warmup: first make one untimed call with ``dense_steps + 1`` denoising steps (one sparse step), so the
+            timings exclude Triton's compilation and (under ``torch.compile``) the model's.
         progress: show a progress bar of denoising steps.
 
     Returns the report also written to ``generate.json``: per output the prompt, seed, seconds, files, and with
@@ -147,7 +147,9 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
     rows, notes = [], []
     try:
         if warmup:
-            run_pipeline(pipe, prompts[0], seed, {**pipe_kwargs, "num_inference_steps": 1})
+            # one sparse step at least, so the sparse kernels are compiled too (dense steps come first)
+            warmup_steps = dense_steps + 1 if processor is not None else 1
+            run_pipeline(pipe, prompts[0], seed, {**pipe_kwargs, "num_inference_steps": warmup_steps})
             if processor is not None:
                 processor.reset_stats()
         steps = pipe_kwargs.get("num_inference_steps", _default_steps(pipe))

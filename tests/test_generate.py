@@ -90,6 +90,10 @@ def test_dense_steps_reach_the_processor(video_model, tmp_path):
         row = json.loads((out / "generate.json").read_text())["outputs"][0]
         assert set(row["sparsity_by_layer"]) == recorded, dense_steps
         assert row["sparse_calls"] == len(recorded)
+    pipe = CountingImagePipeline()  # the warm-up call runs the dense steps and one sparse step
+    generate(pipe, ["a cat"], tmp_path / "w", dense_steps=2, warmup=True, pipe_kwargs={"num_inference_steps": 4},
+             progress=False)
+    assert pipe.calls == [3, 4]
 
 
 def test_generate_images_with_warmup_settings_file_and_progress(tmp_path, capsys):
