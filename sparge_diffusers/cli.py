@@ -159,9 +159,6 @@ def generate_command(args: argparse.Namespace) -> int:
     if not mode.sparse and sparse_only:
         print(f"{', '.join(sparse_only)} apply to sparge attention, not --attention dense", file=sys.stderr)
         return 2
-    if args.compile and args.dense_steps:
-        print("--dense-steps does not apply under --compile (a compiled model runs every step sparse)", file=sys.stderr)
-        return 2
     pipe = load_pipeline(args.model, args.device, args.dtype)
     report = generate(pipe, prompts, args.out, sparse=mode.sparse, settings=_settings(args),
                       layer_settings=mode.settings_file, dense_steps=args.dense_steps, strict=args.strict,

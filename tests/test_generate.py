@@ -144,7 +144,6 @@ def test_generate_compiled_restores_the_transformer(tmp_path):
     (["--prompt", "a cat", "--attention", "dense,sparge"], "generate runs one mode"),
     (["--prompt", "a cat", "--attention", "dense", "--cdfthreshd", "0.9"], "--cdfthreshd apply to sparge attention"),
     (["--prompt", "a cat", "--attention", "dense", "--dense-steps", "2"], "--dense-steps apply to sparge"),
-    (["--prompt", "a cat", "--compile", "--dense-steps", "2"], "--dense-steps does not apply under --compile"),
 ])
 def test_generate_command_errors(tmp_path, capsys, argv, message):
     assert main(["generate", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o")] + argv) == 2

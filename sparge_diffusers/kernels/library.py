@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import CausalVariant, PerHead, TensorLayout, _is_number, check_attention_inputs, resolve_scale
+from ._inputs import (CausalVariant, PerHead, TensorLayout, _is_number, check_attention_inputs, resolve_scale,
+                      to_hnd)
 from .api import new_output, sparge_attention
 from .block_selection import select_key_blocks
 from .selected import MAX_PARTIAL_BYTES, _check_block_size, selected_block_attention
@@ -35,6 +36,55 @@ def _(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_s
       causal_variant=None):
     check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
                            causal_variant=causal_variant)  # errors at trace time
+    return new_output(q)
+
+
+# A graph that switches between exact and sparse attention at run time cannot be replayed as a CUDA graph (a
+# replay repeats the recorded path), hence the tag: inductor keeps this operator out of CUDA graphs.
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def _check_dense_flag(dense: torch.Tensor) -> None:
+    if dense.device.type != "cpu" or dense.numel() != 1 or dense.dtype != torch.bool:
+        raise ValueError(f"dense must be a one-element bool tensor on the CPU (read at every call without a device "
+                         f"sync), got {dense.dtype} of shape {tuple(dense.shape)} on {dense.device}")
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
+                    tensor_layout: str, causal_variant: str | None = None) -> torch.Tensor:
+    """SDPA on sparge_attention's inputs (layouts, grouped-query heads, causal variants), written into an output
+    laid out as sparge_attention's (:func:`~sparge_diffusers.kernels.api.new_output`)."""
+    qh, kh, vh = (to_hnd(x, tensor_layout) for x in (q, k, v))
+    mask, causal = None, is_causal
+    if is_causal and causal_variant == "lower_right" and qh.shape[2] != kh.shape[2]:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask, causal = causal_lower_right(qh.shape[2], kh.shape[2]), False
+    result = torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
+    out = new_output(q)
+    to_hnd(out, tensor_layout).copy_(result)
+    return out
+
+
+@torch.library.custom_op("sparge_diffusers::sparge_attention_or_exact", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+def _sparge_attention_or_exact_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: torch.Tensor,
+                                  is_causal: bool, scale: float, simthreshd1: list[float], cdfthreshd: list[float],
+                                  pvthreshd: list[float] | None, attention_sink: bool, tensor_layout: str,
+                                  causal_variant: str | None = None) -> torch.Tensor:
+    _check_dense_flag(dense)
+    if bool(dense):
+        return exact_attention(q, k, v, is_causal=is_causal, scale=scale, tensor_layout=tensor_layout,
+                               causal_variant=causal_variant)
+    return _sparge_attention_op(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink,
+                                tensor_layout, causal_variant)
+
+
+@_sparge_attention_or_exact_op.register_fake
+def _(q, k, v, dense, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, tensor_layout,
+      causal_variant=None):
+    _check_dense_flag(dense)
+    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, causal_variant=causal_variant)
     return new_output(q)
 
 
@@ -64,14 +114,25 @@ def sparge_attention_op(
     attention_sink: bool = False,
     tensor_layout: TensorLayout = "HND",
     causal_variant: CausalVariant | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`sparge_attention` through its custom operator: the same arguments and output (in q's layout, with
     q's strides where its last dim is contiguous), no statistics. For code compiled with ``torch.compile``;
-    thresholds become lists of floats (one, or one per head), which the compiled graph holds as constants."""
+    thresholds become lists of floats (one, or one per head), which the compiled graph holds as constants.
+
+    ``dense``: a one-element bool tensor on the CPU, read at every call: while it holds True the call computes
+    exact attention (SDPA) instead. A compiled model switches between dense warm-up steps and sparse ones this
+    way without recompiling (the flag is a graph input, not a constant). Such calls go through the operator
+    ``sparge_diffusers::sparge_attention_or_exact``, which is tagged ``cudagraph_unsafe``: under
+    ``mode="reduce-overhead"`` inductor keeps it out of CUDA graphs, since a replay would repeat one path."""
     scale = resolve_scale(scale, q.shape[-1])
+    thresholds = (_as_list(simthreshd1, "simthreshd1"), _as_list(cdfthreshd, "cdfthreshd"),
+                  _as_list(pvthreshd, "pvthreshd"))
+    if dense is not None:
+        return torch.ops.sparge_diffusers.sparge_attention_or_exact(
+            q, k, v, dense, bool(is_causal), scale, *thresholds, bool(attention_sink), tensor_layout, causal_variant)
     return torch.ops.sparge_diffusers.sparge_attention(
-        q, k, v, bool(is_causal), scale, _as_list(simthreshd1, "simthreshd1"), _as_list(cdfthreshd, "cdfthreshd"),
-        _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout, causal_variant)
+        q, k, v, bool(is_causal), scale, *thresholds, bool(attention_sink), tensor_layout, causal_variant)
 
 
 @torch.library.custom_op("sparge_diffusers::selected_block_attention", mutates_args=())

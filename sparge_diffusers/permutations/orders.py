@@ -109,9 +109,7 @@ class TokenPermutation:
 
 
 # Built permutations by (grid, order, text_before, text_after, device, seed). A plain dict rather than an
-# lru_cache: torch.compile looks entries up (their tensors become graph inputs) instead of tracing the build,
-# which it would do through an lru_cache, graph-breaking on the NumPy work. A few KB to MB per entry, the
-# oldest dropped beyond _MAX_PERMUTATIONS (the bound the lru_cache had).
+# lru_cache. A few KB to MB per entry, the oldest dropped beyond _MAX_PERMUTATIONS (the bound the lru_cache had).
 _PERMUTATIONS: dict[tuple, TokenPermutation] = {}
 _MAX_PERMUTATIONS = 64
 
@@ -119,11 +117,21 @@ _MAX_PERMUTATIONS = 64
 def _cached(grid: Grid, order: str, text_before: int, text_after: int, device: str, seed: int
             ) -> TokenPermutation:
     key = (grid, order, text_before, text_after, device, seed)
+    if torch.compiler.is_compiling():
+        return TokenPermutation(*_permutation_constants(key))
     found = _PERMUTATIONS.get(key)
     return found if found is not None else _build_and_store(key)
 
 
-@torch.compiler.disable  # a cache miss under torch.compile builds eagerly (one graph break, that call only)
+# While torch.compile traces, the permutation is looked up (or built: NumPy work Dynamo cannot trace) there and
+# then, and its tensors become constants of the graph: the key holds only trace-time constants, so the graph
+# needs no break and no guard on the cache's contents (fullgraph=True holds before any eager call built it).
+@torch.compiler.assume_constant_result
+def _permutation_constants(key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    built = _PERMUTATIONS.get(key) or _build_and_store(key)
+    return built.perm, built.inverse
+
+
 def _build_and_store(key: tuple) -> TokenPermutation:
     if len(_PERMUTATIONS) >= _MAX_PERMUTATIONS:
         del _PERMUTATIONS[next(iter(_PERMUTATIONS))]  # insertion order: the oldest

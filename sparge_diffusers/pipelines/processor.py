@@ -21,6 +21,7 @@ run; natively 355 us in that run).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import warnings
@@ -188,7 +189,8 @@ class SpargeProcessor:
             file for another model class or naming layers the model lacks is refused; layers a file does not
             cover use ``settings``, with a warning (an error when ``strict``).
         dense_steps: run the first k denoising steps of every generation densely (counted by ``bind``'s
-            hook, which restarts the count when the timestep rises).
+            hook, which restarts the count when the timestep rises; under ``torch.compile`` the graph counts on
+            CPU tensors and the attention operator reads the count at run time).
         collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read).
         strict: raise instead of falling back to native attention when a call cannot run sparse.
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
@@ -198,8 +200,9 @@ class SpargeProcessor:
     Statistics are not recorded and ``dense_steps`` does not apply inside a graph (each warned once).
     Under ``torch.compile`` the attention goes through the custom operator of
     :mod:`sparge_diffusers.kernels.library` (one graph node; Flux, SD3 and CogVideoX compile with
-    ``fullgraph=True``), with the same limits as a graph: no statistics, no ``dense_steps``, and Flux's
-    token grid is the last eager call's.
+    ``fullgraph=True``): no statistics, and Flux's token grid is the last eager call's. ``dense_steps`` does
+    apply there: the operator switches to exact attention at run time while the step count says so (with
+    ``mode="reduce-overhead"`` that operator then stays out of CUDA graphs).
     """
 
     settings: SpargeSettings = field(default_factory=SpargeSettings)
@@ -219,6 +222,16 @@ class SpargeProcessor:
     _settings_file: LayerSettingsFile | None = field(default=None, repr=False)
     _hook: Any = field(default=None, repr=False)
     _stats_missed: bool = field(default=False, repr=False)
+    # The step count as CPU tensors, for compiled models: a graph updates them in place and hands the flag to
+    # the attention operator, which reads it at run time (a Python int would be a guard: a recompile per step).
+    # One element each, not 0-dim: Dynamo (torch 2.13) dropped a compiled graph's in-place write to a 0-dim
+    # float64 tensor attribute under aot_eager.
+    _step_t: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64), repr=False,
+                                  compare=False)
+    _last_timestep_t: torch.Tensor = field(default_factory=lambda: torch.full((1,), math.inf, dtype=torch.float64),
+                                           repr=False, compare=False)
+    _dense_now: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.bool), repr=False,
+                                     compare=False)
 
     def __post_init__(self):
         if isinstance(self.layer_settings, (str, os.PathLike)):
@@ -268,19 +281,22 @@ class SpargeProcessor:
                 self.step = 0
             self._last_timestep = t
         self.step += 1
+        if self.dense_steps:  # keep the compiled graphs' count in step with this one (CPU tensors: no sync)
+            self._step_t.fill_(self.step)
+            self._last_timestep_t.fill_(math.inf if self._last_timestep is None else self._last_timestep)
+            self._dense_now.fill_(self.step <= self.dense_steps)
         self.grid = infer_token_grid(module, args, kwargs)
 
     def _on_captured_forward(self, module, args, kwargs) -> None:
         """The forward hook while a CUDA graph captures the step (``torch.cuda.graph``) or torch.compile traces
         it. Capture follows eager warm-up calls, whose step count and token grid stand: the graph records the
         attention path of the step being captured, and replays do not run this hook, so ``dense_steps`` cannot
-        switch a replayed graph between dense and sparse (warned once). A compiled model runs every step sparse:
-        counting steps would make it recompile at each one (warned once per compilation). Flux's grid comes from
-        its img_ids on the GPU, which cannot be read here: the last eager call's grid is kept when its token
-        count matches, else no permutation (with the usual warning)."""
+        switch a replayed graph between dense and sparse (warned once). A compiled model counts steps inside its
+        graph instead (``_count_step_in_graph``; a Python counter would make it recompile at each step). Flux's
+        grid comes from its img_ids on the GPU, which cannot be read here: the last eager call's grid is kept when
+        its token count matches, else no permutation (with the usual warning)."""
         if self.dense_steps and compiling():
-            self._warn_capture("dense_steps has no effect under torch.compile (every step runs sparse); run the "
-                               "dense warm-up steps with an uncompiled model or set dense_steps=0")
+            self._count_step_in_graph(kwargs.get("timestep"))
         elif self.dense_steps:
             self._warn_capture("dense_steps has no effect on CUDA-graph replays (the graph records the path of the "
                                "captured step); capture one graph for the dense steps and one for the rest")
@@ -291,6 +307,19 @@ class SpargeProcessor:
                 self.grid = None
         else:  # read from shapes only
             self.grid = infer_token_grid(module, args, kwargs)
+
+    def _count_step_in_graph(self, timestep: Any) -> None:
+        """``_on_forward``'s step count as operations of the compiled graph on CPU tensors (one read of the
+        timestep per step, as in eager calls): the graph updates the count and the dense flag in place, and
+        every attention operator of the step reads the flag when it runs."""
+        if isinstance(timestep, torch.Tensor) and timestep.numel():
+            t = timestep.detach().flatten()[:1].to("cpu", torch.float64)
+            restart = t > self._last_timestep_t  # a new generation: the timestep rose
+            self._step_t.copy_(torch.where(restart, 1, self._step_t + 1))
+            self._last_timestep_t.copy_(t)
+        else:
+            self._step_t.add_(1)
+        self._dense_now.copy_(self._step_t <= self.dense_steps)
 
     def _warn_capture(self, message: str) -> None:
         self._warn(f"SpargeProcessor: {message}")
@@ -338,7 +367,8 @@ class SpargeProcessor:
             # (mode="reduce-overhead"), so no statistics: noted here, warned when they are read
             if self.collect_stats:
                 self._stats_missed = True  # a write, never a read: no guard, no recompile
-            return attention(query, key, value, **thresholds)
+            # with dense warm-up steps the operator reads the step's flag at run time and runs SDPA while set
+            return attention(query, key, value, dense=self._dense_now if self.dense_steps else None, **thresholds)
         collect = self.collect_stats
         if collect and _capturing():
             # a graph's tensors are overwritten by every replay: records taken here would all show the last one
