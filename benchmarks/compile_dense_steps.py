@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import timed  # noqa: E402
-from pipelines import DTYPE, MODELS  # noqa: E402
+from pipelines import build_on_gpu  # noqa: E402
 
 from sparge_diffusers.pipelines import SpargeSettings, apply  # noqa: E402
 
@@ -36,14 +36,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     name = argv[0] if argv else "cogvideox"
     configs = [c.split(":") for c in (argv[1] if len(argv) > 1 else CONFIGS).split(",")]
-    torch.manual_seed(0)
-    torch.set_default_dtype(DTYPE)  # built in bf16 on the GPU, as benchmarks/pipelines.py does
-    with torch.device("cuda"):
-        model, inputs, _ = MODELS[name]()
-    torch.set_default_dtype(torch.float32)
-    model = model.eval()
-    inputs = {k: (v.to(DTYPE) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v).cuda()
-              for k, v in inputs.items()}
+    model, inputs, _ = build_on_gpu(name)
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": name, "rows": []}
     with torch.no_grad():
         eager_dense = model(**inputs, return_dict=False)[0].clone()

@@ -156,15 +156,20 @@ def compiled_ms(model, inputs) -> tuple[float, float]:
     return timed(lambda: fn(**inputs, return_dict=False)[0]), compile_s
 
 
-def run_model(name, graph=False, compiled=False):
+def build_on_gpu(name):
+    """(model, inputs, resolution) of a full-size transformer with random weights, built in bf16 on the GPU."""
     torch.manual_seed(0)
     torch.set_default_dtype(DTYPE)  # build in bf16 on the GPU: Flux in float32 alone would take 48 GB
     with torch.device("cuda"):
         model, inputs, res = MODELS[name]()
     torch.set_default_dtype(torch.float32)
-    model = model.eval()
     inputs = {k: (v.to(DTYPE) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v).cuda()
               for k, v in inputs.items()}
+    return model.eval(), inputs, res
+
+
+def run_model(name, graph=False, compiled=False):
+    model, inputs, res = build_on_gpu(name)
     step = lambda: model(**inputs, return_dict=False)[0]  # noqa: E731
     with torch.no_grad():
         rec = RecordSDPA()
