@@ -104,6 +104,9 @@ def test_compiled_model_runs_the_dense_warm_up_steps(name, backend):
         tolerance = 1e-5 if backend == "inductor" else (1e-6 if dense_step else 0)
         assert relative_l1(out, ref) <= tolerance, i
     assert int(processor._step_t) == 4 and not bool(processor._dense_now)
+    # compiled and eager calls share one count: two compiled steps of a new generation, then an eager third
+    _steps(compiled, inputs, [9, 7])
+    assert torch.equal(_steps(model, inputs, [5])[0], eager[2]), "the eager call must go on as step 3 (sparse)"
 
 
 def test_custom_op_dense_flag_switches_to_exact_attention():
@@ -119,6 +122,13 @@ def test_custom_op_dense_flag_switches_to_exact_attention():
     causal = sparge_attention_op(q[:, :, 100:], k, v, dense=flag, is_causal=True, causal_variant="lower_right", **kw)
     assert torch.allclose(causal, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, 100:],
                           atol=1e-6)
+    # more queries than keys, lower-right: rows before the first key are zeros, as the kernels write them
+    keep_all = dict(simthreshd1=1.0, pvthreshd=None)
+    for variant in ("lower_right", "upper_left"):
+        long_q = dict(is_causal=True, causal_variant=variant, **keep_all)
+        out = sparge_attention_op(q, k[:, :, :100], v[:, :, :100], dense=flag, **long_q)
+        assert not out.isnan().any() and relative_l1(out, sparge_attention(q, k[:, :, :100], v[:, :, :100],
+                                                                            **long_q)) < 1e-6, variant
     flag.fill_(False)
     assert torch.equal(sparge_attention_op(q, k, v, dense=flag, **kw), sparge_attention(q, k, v, **kw))
     args = (q, k, v, flag, False, 0.125, [-1.0], [0.3], [50.0], False, "HND")

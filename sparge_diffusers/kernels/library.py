@@ -55,15 +55,19 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
     """SDPA on sparge_attention's inputs (layouts, grouped-query heads, causal variants), written into an output
     laid out as sparge_attention's (:func:`~sparge_diffusers.kernels.api.new_output`)."""
     qh, kh, vh = (to_hnd(x, tensor_layout) for x in (q, k, v))
-    mask, causal = None, is_causal
-    if is_causal and causal_variant == "lower_right" and qh.shape[2] != kh.shape[2]:
+    out = new_output(q)
+    oh = to_hnd(out, tensor_layout)
+    mask, causal, n_q, n_kv = None, is_causal, qh.shape[2], kh.shape[2]
+    if is_causal and causal_variant == "lower_right" and n_q > n_kv:
+        # the first n_q - n_kv rows see no key: zeros, as the kernels write (SDPA's lower-right bias gives NaN)
+        oh[:, :, :n_q - n_kv].zero_()
+        qh, oh = qh[:, :, n_q - n_kv:], oh[:, :, n_q - n_kv:]
+    elif is_causal and causal_variant == "lower_right" and n_q < n_kv:
         from torch.nn.attention.bias import causal_lower_right
 
-        mask, causal = causal_lower_right(qh.shape[2], kh.shape[2]), False
-    result = torch.nn.functional.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
-    out = new_output(q)
-    to_hnd(out, tensor_layout).copy_(result)
+        mask, causal = causal_lower_right(n_q, n_kv), False
+    oh.copy_(torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1]))
     return out
 
 

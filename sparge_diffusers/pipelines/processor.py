@@ -274,6 +274,10 @@ class SpargeProcessor:
         if compiling() or _capturing():
             self._on_captured_forward(module, args, kwargs)
             return
+        if self.dense_steps:  # compiled calls may have counted since (on the CPU tensors): go on from there
+            self.step = int(self._step_t[0])
+            last = float(self._last_timestep_t[0])
+            self._last_timestep = None if math.isinf(last) else last
         timestep = kwargs.get("timestep")
         if isinstance(timestep, torch.Tensor) and timestep.numel():
             t = float(timestep.flatten()[0])
@@ -281,7 +285,7 @@ class SpargeProcessor:
                 self.step = 0
             self._last_timestep = t
         self.step += 1
-        if self.dense_steps:  # keep the compiled graphs' count in step with this one (CPU tensors: no sync)
+        if self.dense_steps:  # and hand the count on to compiled calls (CPU tensors: no sync)
             self._step_t.fill_(self.step)
             self._last_timestep_t.fill_(math.inf if self._last_timestep is None else self._last_timestep)
             self._dense_now.fill_(self.step <= self.dense_steps)
