@@ -120,7 +120,7 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
         fps: frame rate of saved videos.
         compile: wrap the transformer in ``torch.compile`` (after SpargeAttn is set, as the README's
             torch.compile section does) for these calls; the pipeline gets its transformer back afterwards.
-            Compiled calls record no sparsity and ignore ``dense_steps`` (the processor warns).
+            Compiled calls record no sparsity; ``dense_steps`` still apply (the graph counts the steps).
         warmup: first make one untimed call with ``dense_steps + 1`` denoising steps (one sparse step), so the
             timings exclude Triton's compilation and (under ``torch.compile``) the model's.
         progress: show a progress bar of denoising steps.
@@ -191,7 +191,8 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
         settings_out = {"settings": vars(processor.settings), "dense_steps": dense_steps,
                         "layer_settings": str(layer_settings) if isinstance(layer_settings, (str, Path)) else
                         (sorted(layer_settings) if layer_settings else None)}
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    device = torch.device(getattr(pipe, "device", "cpu"))
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
               "date": time.strftime("%Y-%m-%d %H:%M"),
               "model_class": type(getattr(pipe, "transformer", pipe)).__name__,
               "attention": "sparge" if sparse else "dense", "sparge": settings_out, "compile": compile,
