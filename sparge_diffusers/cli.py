@@ -151,7 +151,8 @@ def generate_command(args: argparse.Namespace) -> int:
         return 2
     modes = parse_modes(args.attention)
     if len(modes) != 1:
-        print(f"--attention {args.attention!r}: generate runs one mode (sparge eval compares several)", file=sys.stderr)
+        print(f"--attention {args.attention!r}: generate runs one mode ('sparge-diffusers eval' compares several)",
+              file=sys.stderr)
         return 2
     mode = modes[0]
     sparse_only = [f"--{k.replace('_', '-')}" for k in ("simthreshd1", "cdfthreshd", "pvthreshd", "permutation",
@@ -272,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--strict", action="store_true", help="fail where a call cannot run sparse (no dense fallback)")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer (use with --warmup)")
     g.add_argument("--warmup", action="store_true",
-                   help="one untimed one-step call first, so timings exclude kernel (and model) compilation")
+                   help="one untimed call first (the dense steps and one sparse step), so timings exclude kernel "
+                   "(and model) compilation")
     g.add_argument("--fps", type=int, default=8, help="frame rate of saved videos (default 8)")
     g.set_defaults(func=generate_command)
     e = sub.add_parser("eval", help="generate with each attention mode for the same seeds and score the outputs")
