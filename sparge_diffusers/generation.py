@@ -175,7 +175,7 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
                     row["seconds_per_step"] = seconds / steps
                 if processor is not None and not compile:  # compiled calls record no statistics
                     layers = processor.sparsity_by_layer()
-                    row["sparse_calls"] = len(processor.stats)  # attention calls that ran sparse (and recorded)
+                    row["sparse_calls"] = processor.recorded_calls  # attention calls that ran sparse
                     row["sparsity"] = sum(layers.values()) / len(layers) if layers else None
                     row["sparsity_by_layer"] = layers
                     processor.reset_stats()

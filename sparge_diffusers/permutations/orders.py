@@ -128,7 +128,9 @@ def _cached(grid: Grid, order: str, text_before: int, text_after: int, device: s
 # needs no break and no guard on the cache's contents (fullgraph=True holds before any eager call built it).
 @torch.compiler.assume_constant_result
 def _permutation_constants(key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    built = _PERMUTATIONS.get(key) or _build_and_store(key)
+    built = _PERMUTATIONS.get(key)
+    if built is None:
+        built = _build_and_store(key)
     return built.perm, built.inverse
 
 

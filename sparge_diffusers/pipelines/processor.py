@@ -436,6 +436,11 @@ class SpargeProcessor:
                           "without torch.compile to read them", stacklevel=2)
         return [{"layer": layer, "step": step, **st.as_dict()} for layer, step, st in self._records]
 
+    @property
+    def recorded_calls(self) -> int:
+        """How many sparse attention calls :attr:`stats` holds (read nothing back from the GPU)."""
+        return len(self._records)
+
     def reset_stats(self) -> None:
         self._records.clear()
 
