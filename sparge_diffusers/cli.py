@@ -171,7 +171,8 @@ def generate_command(args: argparse.Namespace) -> int:
     for r in report["outputs"]:
         sparsity = f"{r['sparsity']:8.3f}" if r.get("sparsity") is not None else f"{'-':>8}"
         per_step = f"{r['seconds_per_step']:8.3f}" if "seconds_per_step" in r else f"{'-':>8}"
-        print(f"{r['prompt_index']:3d} {r['seconds']:9.2f} {per_step} {sparsity}  {r['files'][0]}")
+        more = f" (+{len(r['files']) - 1} more)" if len(r["files"]) > 1 else ""
+        print(f"{r['prompt_index']:3d} {r['seconds']:9.2f} {per_step} {sparsity}  {r['files'][0]}{more}")
     for note in report["notes"]:
         print(note)
     print(f"wrote {args.out}/generate.json")
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(func=tune_command)
     g = sub.add_parser("generate", help="generate images or videos with SpargeAttn (or dense) attention and save them")
     _add_generation_args(g, prompt_text=True, steps=None)
-    g.add_argument("--out", required=True, help="output folder (prompt_<i>.png or .gif/.mp4, generate.json)")
+    g.add_argument("--out", required=True, help="output folder (prompt_<i>.png or .gif/.mp4, prompt_<i>_<j> for "
+                   "several outputs of one prompt, generate.json)")
     g.add_argument("--attention", default="sparge", help="sparge (default), sparge:SETTINGS.json (from tune) or dense")
     g.add_argument("--simthreshd1", type=float, help="theta for every layer a settings file does not cover (0.6)")
     g.add_argument("--cdfthreshd", type=float, help="tau (TopCdf) likewise (default 0.98)")

@@ -2,7 +2,8 @@
 
 This is what ``sparge-diffusers generate`` runs: prompt *i* with seed ``seed + i``, one denoising-step progress
 bar over all prompts, each output saved under ``out_dir`` (``prompt_<i>.png`` for images, ``prompt_<i>.gif``
-plus ``prompt_<i>.mp4`` when imageio-ffmpeg is installed for videos) and ``generate.json`` with the seconds,
+plus ``prompt_<i>.mp4`` when imageio-ffmpeg is installed for videos; ``prompt_<i>_<j>`` for the j-th of several
+outputs of one call, e.g. with ``num_images_per_prompt``) and ``generate.json`` with the seconds,
 sparsity per layer and settings of every output. :func:`run_pipeline` (one call, timed) is shared with the
 evaluation runner.
 """
@@ -45,9 +46,11 @@ def _default_steps(pipe: Any) -> int | None:
 
 
 def run_pipeline(pipe: Any, prompt: str, seed: int, pipe_kwargs: dict,
-                 on_step: Callable[[], None] | None = None) -> tuple[torch.Tensor, float]:
+                 on_step: Callable[[], None] | None = None, *, all_outputs: bool = False
+                 ) -> tuple[torch.Tensor, float]:
     """One pipeline call: the output as float frames (F, 3, H, W) in [0, 1] on the CPU (F = 1 for an image;
-    the first image when the call makes several) and its seconds (CUDA synchronised on both ends).
+    the first image or video when the call makes several, e.g. with ``num_images_per_prompt``; with
+    ``all_outputs`` every one of them, (n, F, 3, H, W)) and its seconds (CUDA synchronised on both ends).
 
     ``on_step`` is called after every denoising step where the pipeline takes ``callback_on_step_end`` (the four
     supported pipelines do); elsewhere it is not called.
@@ -67,8 +70,9 @@ def run_pipeline(pipe: Any, prompt: str, seed: int, pipe_kwargs: dict,
     _sync()
     seconds = time.perf_counter() - start
     out = result.images if hasattr(result, "images") else result.frames
-    out = out[0] if out.dim() == 5 else out[:1]  # video (B, F, C, H, W) -> (F, C, H, W); images -> (1, C, H, W)
-    return out.float().cpu().clamp(0, 1), seconds
+    out = out if out.dim() == 5 else out[:, None]  # videos (n, F, C, H, W); images (n, C, H, W) -> (n, 1, C, H, W)
+    out = out.float().cpu().clamp(0, 1)
+    return (out if all_outputs else out[0]), seconds
 
 
 def to_uint8(x: torch.Tensor):
@@ -107,7 +111,7 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
 
     Args:
         pipe: a diffusers pipeline (Flux, SD3, CogVideoX or Mochi for the sparse path).
-        prompts: one output per prompt.
+        prompts: one pipeline call per prompt (one output, or several with ``num_images_per_prompt``).
         out_dir: created if missing.
         sparse: run SpargeAttn (:func:`sparge_diffusers.apply`), or the model's own dense attention.
         settings: a :class:`~sparge_diffusers.pipelines.SpargeSettings` for every layer (layers a settings file
@@ -125,8 +129,8 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
             timings exclude Triton's compilation and (under ``torch.compile``) the model's.
         progress: show a progress bar of denoising steps.
 
-    Returns the report also written to ``generate.json``: per output the prompt, seed, seconds, files, and with
-    ``sparse`` the number of attention calls that ran sparse and the mean sparsity over layers and per layer.
+    Returns the report also written to ``generate.json``: per prompt the seed, seconds, files, number of outputs,
+    and with ``sparse`` the number of attention calls that ran sparse and the mean sparsity over layers and per layer.
     """
     from .pipelines import apply
 
@@ -163,14 +167,19 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
                     stepped.append(1)
                     bar.update()
 
-                frames, seconds = run_pipeline(pipe, prompt, seed + i, pipe_kwargs, on_step if steps else None)
+                outputs, seconds = run_pipeline(pipe, prompt, seed + i, pipe_kwargs, on_step if steps else None,
+                                                all_outputs=True)
                 bar.update(max(0, (steps or 1) - len(stepped)))  # pipelines without step callbacks: the whole call
-                files, note = save_output(frames, out_dir / f"prompt_{i}", fps)
-                if note and note not in notes:
-                    notes.append(note)
+                files = []
+                for j, frames in enumerate(outputs):  # several per prompt (num_images_per_prompt): prompt_<i>_<j>
+                    saved, note = save_output(frames, out_dir / (f"prompt_{i}" if len(outputs) == 1 else
+                                                                 f"prompt_{i}_{j}"), fps)
+                    files += saved
+                    if note and note not in notes:
+                        notes.append(note)
                 row = {"prompt_index": i, "prompt": prompt, "seed": seed + i, "seconds": seconds,
-                       "files": [str(f) for f in files], "frames": frames.shape[0],
-                       "height": frames.shape[-2], "width": frames.shape[-1]}
+                       "files": [str(f) for f in files], "outputs": len(outputs), "frames": outputs.shape[1],
+                       "height": outputs.shape[-2], "width": outputs.shape[-1]}
                 if steps:
                     row["seconds_per_step"] = seconds / steps
                 if processor is not None and not compile:  # compiled calls record no statistics

@@ -79,6 +79,23 @@ def test_keeping_every_block_gives_the_dense_video(video_model, tmp_path):
     assert json.loads((dense / "generate.json").read_text())["sparge"] is None
 
 
+def test_several_images_per_prompt_are_all_saved(tmp_path):
+    """num_images_per_prompt=2: both images of the call are saved (prompt_<i>_0, prompt_<i>_1), and they differ (two
+    latents of one generator), so the second file is not a copy of the first. (diffusers' CogVideoX pipeline fixes
+    num_videos_per_prompt to 1; videos go through the same loop.)"""
+    from PIL import Image
+
+    report = generate(TinyImagePipeline(), ["a cat", "a dog"], tmp_path, progress=False,
+                      pipe_kwargs={"num_inference_steps": 2, "num_images_per_prompt": 2})
+    for i, row in enumerate(report["outputs"]):
+        assert row["outputs"] == 2 and row["frames"] == 1
+        assert [p.rsplit("/", 1)[1] for p in row["files"]] == [f"prompt_{i}_0.png", f"prompt_{i}_1.png"]
+        first, second = (np.asarray(Image.open(p), dtype=np.int16) for p in row["files"])
+        assert first.shape == second.shape == (16, 16, 3) and np.abs(first - second).max() > 10
+        assert row["sparse_calls"] == 4  # 2 steps x 2 layers: one call per layer covers both images (batch 2)
+    assert not (tmp_path / "prompt_0.png").exists()
+
+
 def test_dense_steps_reach_the_processor(video_model, tmp_path):
     """With every step dense no sparse call is recorded; with one of two, the sparse step is."""
     prompts = tmp_path / "prompts.txt"

@@ -55,14 +55,15 @@ class TinyImagePipeline:
         ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(16.0), torch.arange(16.0), indexing="ij"), -1)
         self.img_ids = ids.reshape(-1, 3)
 
-    def __call__(self, prompt, generator, output_type, num_inference_steps=1):
+    def __call__(self, prompt, generator, output_type, num_inference_steps=1, num_images_per_prompt=1):
         assert output_type == "pt"
-        x = torch.randn(1, 256, 3, generator=generator)
-        text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(len(prompt)))
+        n = num_images_per_prompt
+        x = torch.randn(n, 256, 3, generator=generator)
+        text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(len(prompt))).expand(n, -1, -1)
         with torch.no_grad():
             for _ in range(num_inference_steps):
                 x = x + 0.5 * self.transformer(hidden_states=x, encoder_hidden_states=text,
-                                               pooled_projections=torch.zeros(1, 16), timestep=torch.tensor([0.5]),
+                                               pooled_projections=torch.zeros(n, 16), timestep=torch.full((n,), 0.5),
                                                img_ids=self.img_ids, txt_ids=torch.zeros(8, 3), return_dict=False)[0]
-        image = torch.sigmoid(x).reshape(1, 16, 16, 3).permute(0, 3, 1, 2)
+        image = torch.sigmoid(x).reshape(n, 16, 16, 3).permute(0, 3, 1, 2)
         return type("Output", (), {"images": image})()
