@@ -7,7 +7,12 @@ setting (simthreshd1=-1, cdfthreshd=0.9), sparsity, and the relative L1 of the l
 against SDPA's. Random weights attend broadly and are not self-similar, so the default finds nothing to skip:
 that row shows our overhead; the aggressive row shows what a given sparsity buys.
 
-Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--layers 4] [--out results.json]
+Then one left-padded batch (``--padded``: prompt lengths, padded on the left to the longest, with the attention mask
+a tokenizer gives): SDPA computes the padded batch under transformers' boolean mask; our function runs each prompt
+without its padding. Relative L1 over the real positions only.
+
+Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096] [--layers 4]
+       [--out results.json]
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="8192,32768")
+    ap.add_argument("--padded", default="16384,12288,8192,4096", help="prompt lengths of one left-padded batch "
+                    "('' for none)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -49,26 +56,20 @@ def main(argv=None):
                "date": time.strftime("%Y-%m-%d"), "lengths": {}}
     for n in map(int, args.lengths.split(",")):
         ids = torch.randint(0, config.vocab_size, (1, n), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-
-        def prefill():
-            with torch.no_grad():
-                return model.model(input_ids=ids).last_hidden_state
-
-        model.set_attn_implementation("sdpa")
-        dense = prefill()
-        row = {"sdpa_ms": timed(prefill)}
-        for name, fn in functions.items():
-            model.set_attn_implementation(f"sparge_bench_{name}")
-            fn.stats.clear()
-            out = prefill()
-            sparsity = sum(s.sparsity for s in fn.stats) / len(fn.stats)
-            fn.collect_stats = False
-            ms = timed(prefill)
-            fn.collect_stats = True
-            row[name] = {"ms": ms, "speedup": row["sdpa_ms"] / ms, "sparsity": sparsity,
-                         "relative_l1": relative_l1(out.float(), dense.float())}
-        results["lengths"][n] = row
+        results["lengths"][n] = row = compare(model, functions, ids)
         print(n, row, flush=True)
+    padded = [int(n) for n in args.padded.split(",") if n]
+    if padded:
+        longest = max(padded)
+        ids = torch.randint(0, config.vocab_size, (len(padded), longest), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(2))
+        mask = torch.zeros_like(ids)
+        for b, n in enumerate(padded):
+            mask[b, longest - n:] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        results["padded"] = row = compare(model, functions, ids, attention_mask=mask, position_ids=positions)
+        row["prompt_lengths"] = padded
+        print("padded", padded, row, flush=True)
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}, transformers {transformers.__version__}); "
              f"Llama-3.1-8B shapes, {args.layers} layers, bf16, random weights; prefill ms (median of 5)",
              f"{'tokens':>7} {'sdpa ms':>9} {'default ms':>10} {'x':>5} {'spars':>6} {'aggr ms':>8} {'x':>5} "
@@ -77,7 +78,44 @@ def main(argv=None):
         d, a = r["default"], r["aggressive"]
         lines.append(f"{n:7d} {r['sdpa_ms']:9.1f} {d['ms']:10.1f} {d['speedup']:5.2f} {d['sparsity']:6.3f} "
                      f"{a['ms']:8.1f} {a['speedup']:5.2f} {a['sparsity']:6.3f} {a['relative_l1']:6.3f}")
+    if padded:
+        r = results["padded"]
+        d, a = r["default"], r["aggressive"]
+        lines.append(f"left-padded batch of {len(padded)} prompts ({', '.join(map(str, padded))} tokens, padded to "
+                     f"{max(padded)}; SDPA under the mask, ours per prompt; L1 over real positions):")
+        lines.append(f"{'padded':>7} {r['sdpa_ms']:9.1f} {d['ms']:10.1f} {d['speedup']:5.2f} {d['sparsity']:6.3f} "
+                     f"{a['ms']:8.1f} {a['speedup']:5.2f} {a['sparsity']:6.3f} {a['relative_l1']:6.3f}"
+                     f"  (default L1 {d['relative_l1']:.4f})")
     save_report(results, "\n".join(lines), args.out)
+
+
+def compare(model, functions, ids, **inputs) -> dict:
+    """Prefill ms with SDPA and with each registered function; sparsity and relative L1 against SDPA's last
+    hidden states (at the real positions where an attention mask marks padding)."""
+    real = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones_like(ids, dtype=torch.bool)
+
+    def prefill():
+        with torch.no_grad():
+            return model.model(input_ids=ids, **inputs).last_hidden_state
+
+    model.set_attn_implementation("sdpa")
+    dense = prefill()[real].float()
+    row = {"sdpa_ms": timed(prefill)}
+    for name, fn in functions.items():
+        model.set_attn_implementation(f"sparge_bench_{name}")
+        fn.stats.clear()
+        calls = fn.sparse_calls
+        out = prefill()[real].float()
+        if fn.sparse_calls - calls != model.config.num_hidden_layers:
+            raise RuntimeError(f"{name}: {fn.sparse_calls - calls} of {model.config.num_hidden_layers} layers ran "
+                               "sparse")
+        sparsity = sum(s.sparsity for s in fn.stats) / len(fn.stats)
+        fn.collect_stats = False
+        ms = timed(prefill)
+        fn.collect_stats = True
+        row[name] = {"ms": ms, "speedup": row["sdpa_ms"] / ms, "sparsity": sparsity,
+                     "relative_l1": relative_l1(out, dense)}
+    return row
 
 
 if __name__ == "__main__":

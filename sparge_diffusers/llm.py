@@ -6,10 +6,11 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sparge", torch_dtype=torch.bfloat16)
 
 The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as
-they come (no repeat of K/V): a whole prompt without padding, and chunked prefill against a KV cache (fewer
-queries than keys, with the lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``).
-Everything else is left to transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode
-steps (one query), and, with one warning per reason, padding or other explicit masks, dropout, softcapping,
+they come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (fewer queries than keys, with
+the lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``), and left-padded batches
+(each prompt its own call without its padding). Everything else is left to transformers' own SDPA function, the
+one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, right padding
+or other explicit masks, dropout, softcapping,
 sliding windows, non-causal modules and unsupported dtypes or head dims. ``strict=True`` raises instead of falling
 back. Composes the kernels and the segmented key permutation of PBS-Attn (``pbs_segment``, see
 :func:`pbs_sparge_attention`); knows nothing of diffusers.
@@ -72,7 +73,12 @@ class SpargeLLMAttention:
       chunked prefill against a KV cache (``generate(..., prefill_chunk_size=...)``, a prompt continued on a
       cache). The mask is compared with that pattern once per mask tensor (transformers hands every layer of a
       forward the same one): one pass over it on its device and one read-back (a device sync per forward).
-      Eager calls only: under torch.compile masks go to SDPA.
+    - the same mask with each prompt's first keys hidden: a left-padded batch (``tokenizer(..., padding=True)``
+      with ``padding_side="left"``, as ``generate`` wants), whole or chunked. Each prompt then runs as its own
+      call without its padding (one kernel call per prompt; rows of padding queries get zeros, as from SDPA),
+      and its stats are joined over the batch (:meth:`SparsityStats.concat`).
+
+    Masks are read in eager calls only: under torch.compile calls with a mask go to SDPA.
 
     Args:
         simthreshd1, cdfthreshd, pvthreshd, attention_sink: as in :func:`sparge_attention` (upstream names;
@@ -92,7 +98,7 @@ class SpargeLLMAttention:
     pbs_segment: int | None = None
     strict: bool = False
     collect_stats: bool = False
-    sparse_calls: int = 0  # calls answered by sparge_attention (the rest went to SDPA)
+    sparse_calls: int = 0  # calls answered by sparge_attention (the rest went to SDPA); a padded batch counts one
 
     def __post_init__(self):
         if self.pbs_segment is not None and (not isinstance(self.pbs_segment, int) or self.pbs_segment <= 0
@@ -100,40 +106,43 @@ class SpargeLLMAttention:
             raise ValueError(f"pbs_segment must be None or a positive multiple of 64, got {self.pbs_segment!r}")
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
-        self._mask_verdict: tuple | None = None  # (weakref to a mask, its version, lower-right causal?)
+        self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its left padding)
 
     def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None, kwargs: dict
-              ) -> tuple[str | None, str | None]:
+              ) -> tuple[str | None, str | None, list[int] | None]:
         """(why this call cannot run sparse: None when it can, "" for the expected SDPA case of a decode step;
-        the causal variant it runs with: "upper_left" without a mask, "lower_right" with the lower-right mask)."""
+        the causal variant it runs with: "upper_left" without a mask, "lower_right" with the lower-right mask;
+        the left padding of each prompt where the mask has some, else None)."""
         if query.shape[2] == 1:
-            return "", None  # decode step
+            return "", None, None  # decode step
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if not causal:
-            return "a non-causal attention module", None
+            return "a non-causal attention module", None, None
         if dropout:
-            return "dropout", None
+            return "dropout", None, None
         if kwargs.get("softcap") is not None:
-            return "softcapping", None
+            return "softcapping", None, None
         if kwargs.get("sliding_window") is not None:
-            return "a sliding window", None
+            return "a sliding window", None, None
         reason = unsupported_reason(query)
         if reason is not None:
-            return reason, None
+            return reason, None, None
         if attention_mask is None:
-            return None, "upper_left"  # SDPA's is_causal, which transformers' SDPA function would use here
-        if not compiling() and self._is_lower_right_causal(attention_mask, query.shape[2], key.shape[2]):
-            return None, "lower_right"
-        return "an explicit attention mask (padding, packed sequences or a custom mask)", None
+            return None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
+        if not compiling():
+            padding = self._left_padding(attention_mask, query.shape[2], key.shape[2])
+            if padding is not None:
+                return None, "lower_right", (padding if any(padding) else None)
+        return "an explicit attention mask (right padding, packed sequences or a custom mask)", None, None
 
-    def _is_lower_right_causal(self, mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
-        """Whether a (B|1, 1, Nq, >= Nkv) boolean mask, cut to the first Nkv keys as SDPA's function cuts it, lets
-        query i see exactly keys 0..i + Nkv - Nq. Remembered for the mask tensor (while it lives, unmodified)."""
+    def _left_padding(self, mask: torch.Tensor, q_len: int, kv_len: int) -> list[int] | None:
+        """:func:`left_padded_causal_mask` of the mask, remembered for the mask tensor (while it lives, unmodified):
+        transformers hands every layer of a forward the same one."""
         verdict = self._mask_verdict
         if verdict is not None and verdict[0]() is mask and verdict[1] == (mask._version, q_len, kv_len):
             return verdict[2]
-        result = lower_right_causal_mask(mask, q_len, kv_len)
+        result = left_padded_causal_mask(mask, q_len, kv_len)
         self._mask_verdict = (weakref.ref(mask), (mask._version, q_len, kv_len), result)
         return result
 
@@ -141,7 +150,7 @@ class SpargeLLMAttention:
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """query (B, H, N, D), key/value (B, H_kv, N, D) -> ((B, N, H, D), None), as transformers' SDPA function."""
-        reason, variant = self.route(module, query, key, attention_mask, dropout, is_causal, kwargs)
+        reason, variant, padding = self.route(module, query, key, attention_mask, dropout, is_causal, kwargs)
         if reason is not None:
             if reason:
                 self._warn(reason)
@@ -149,31 +158,64 @@ class SpargeLLMAttention:
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
-        thresholds = dict(is_causal=True, scale=scaling, simthreshd1=self.simthreshd1, cdfthreshd=self.cdfthreshd,
+        thresholds = dict(scale=scaling, simthreshd1=self.simthreshd1, cdfthreshd=self.cdfthreshd,
                           pvthreshd=self.pvthreshd, attention_sink=self.attention_sink)
-        if query.shape[2] != key.shape[2]:
-            thresholds["causal_variant"] = variant
         if compiling():
             # one node of the compiled graph (see kernels/library.py); no statistics, no call count: a Python
             # counter read under compilation would be a guard that recompiles at every call
             if self.pbs_segment is not None:
                 warn_once("SpargeLLMAttention: pbs_segment has no effect under torch.compile (keys stay in order)",
                           self._warned, stacklevel=2)
-            return sparge_attention_op(query, key, value, **thresholds).transpose(1, 2).contiguous(), None
+            if query.shape[2] != key.shape[2]:
+                thresholds["causal_variant"] = variant
+            out = sparge_attention_op(query, key, value, is_causal=True, **thresholds)
+            return out.transpose(1, 2).contiguous(), None
+        if padding is None:
+            out, stats = self._prefill(query, key, value, variant, thresholds)
+            out = out.transpose(1, 2).contiguous()
+        else:
+            out, stats = self._left_padded_prefill(query, key, value, padding, thresholds)
+        if stats is not None:
+            self.stats.append(stats)
+        self.sparse_calls += 1
+        return out, None
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, variant: str | None,
+                 thresholds: dict) -> tuple[torch.Tensor, SparsityStats | None]:
+        """Causal SpargeAttn of one call without padding: (B, H, Nq, D) output, its stats when collected."""
         if self.pbs_segment is not None and query.shape[2] == key.shape[2]:
-            del thresholds["is_causal"]
             out = pbs_sparge_attention(query, key, value, segment=self.pbs_segment,
                                        return_sparsity=self.collect_stats, **thresholds)
         else:
             if self.pbs_segment is not None:
                 warn_once("SpargeLLMAttention: pbs_segment applies to whole-prompt prefill; chunked calls run keys "
-                          "in order", self._warned, stacklevel=2)
-            out = sparge_attention(query, key, value, return_sparsity=self.collect_stats, **thresholds)
-        if self.collect_stats:
-            out, stats = out
-            self.stats.append(stats)
-        self.sparse_calls += 1
-        return out.transpose(1, 2).contiguous(), None
+                          "in order", self._warned, stacklevel=3)
+            variant_arg = {"causal_variant": variant} if query.shape[2] != key.shape[2] else {}
+            out = sparge_attention(query, key, value, is_causal=True, return_sparsity=self.collect_stats,
+                                   **variant_arg, **thresholds)
+        return out if self.collect_stats else (out, None)
+
+    def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             padding: list[int], thresholds: dict) -> tuple[torch.Tensor, SparsityStats | None]:
+        """A left-padded batch: each prompt runs as its own causal call without its padding, the queries aligned
+        to the keys' end (lower right). Rows of padding queries, which see no key, stay zero, as SDPA gives them.
+        Returns the (B, Nq, H, D) output and, when collected, the prompts' stats joined over the batch."""
+        batch, q_len = query.shape[0], query.shape[2]
+        offset = key.shape[2] - q_len  # positions of the keys before the first query (the cache)
+        out = query.new_zeros(batch, q_len, query.shape[1], query.shape[3])
+        stats = []
+        for b in range(batch):
+            pad = padding[b] if len(padding) > 1 else padding[0]
+            first = max(0, pad - offset)  # the first query that is no padding
+            if first >= q_len:
+                continue  # this prompt's queries are all padding
+            rows = slice(b, b + 1)
+            o, s = self._prefill(query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:], "lower_right",
+                                 thresholds)
+            out[b, first:] = o[0].transpose(0, 1)
+            if s is not None:
+                stats.append(s)
+        return out, (SparsityStats.concat(stats) if stats else None)
 
     def _warn(self, reason: str) -> None:
         if self.strict:
@@ -181,21 +223,30 @@ class SpargeLLMAttention:
         warn_once(f"SpargeLLMAttention: falling back to SDPA: {reason}", self._warned, stacklevel=3)
 
 
-def lower_right_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26) -> bool:
-    """Whether a boolean (B|1, 1, Nq, >= Nkv) mask (True = attend), cut to its first ``kv_len`` keys, is the
-    lower-right causal mask: query i sees keys 0..i + kv_len - q_len, in every batch row. Compared in row chunks of
-    at most ``max_elements`` (no full-size pattern is built); one read-back (a device sync) at the end."""
+def left_padded_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26
+                            ) -> list[int] | None:
+    """The left padding of each prompt if a boolean (B|1, 1, Nq, >= Nkv) mask (True = attend), cut to its first
+    ``kv_len`` keys, is the lower-right causal mask with each batch row's first p_b keys hidden: query i sees keys
+    p_b..i + kv_len - q_len (rows of padding queries see none), as transformers builds it for a left-padded batch,
+    with or without a cache. Returns [p_b] per mask row (all 0: the plain lower-right causal mask), or None for any
+    other mask (right padding, packed sequences, per-head or additive masks). p_b is read off the last query, which
+    sees every key but the padding; then every row is compared, in chunks of at most ``max_elements``, with no
+    full-size pattern built; one read-back (a device sync) at the end."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q_len \
-            or mask.shape[3] < kv_len:
-        return False
-    mask = mask[..., :kv_len]
+            or mask.shape[3] < kv_len or q_len == 0:
+        return None
+    mask = mask[:, 0, :, :kv_len]
+    padding = kv_len - mask[:, -1].sum(-1)  # (B,)
     keys = torch.arange(kv_len, device=mask.device)
-    rows = max(1, max_elements // max(kv_len, 1))
+    seen_from = keys[None, None, :] >= padding[:, None, None]  # (B, 1, Nkv): no padding key
+    rows = max(1, max_elements // max(kv_len * mask.shape[0], 1))
     matches = []
     for start in range(0, q_len, rows):
         queries = torch.arange(start, min(start + rows, q_len), device=mask.device) + (kv_len - q_len)
-        matches.append((mask[:, :, start:start + rows] == (keys[None, :] <= queries[:, None])).all())
-    return bool(torch.stack(matches).all())
+        expected = (keys[None, :] <= queries[:, None])[None] & seen_from
+        matches.append((mask[:, start:start + rows] == expected).all())
+    verdict = torch.cat([torch.stack(matches).all().long()[None], padding.long()]).tolist()  # one read-back
+    return verdict[1:] if verdict[0] else None
 
 
 def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, **settings: Any

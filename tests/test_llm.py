@@ -104,8 +104,8 @@ def test_chunked_prefill_runs_sparse_with_the_lower_right_mask(tiny_llama, monke
     import sparge_diffusers.llm as llm
 
     checks = []
-    original = llm.lower_right_causal_mask
-    monkeypatch.setattr(llm, "lower_right_causal_mask", lambda *a, **k: checks.append(a[1:]) or original(*a, **k))
+    original = llm.left_padded_causal_mask
+    monkeypatch.setattr(llm, "left_padded_causal_mask", lambda *a, **k: checks.append(a[1:]) or original(*a, **k))
     attention = register("sparge_test_chunked", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
     ids = prompt(400)
     with warnings.catch_warnings():
@@ -144,30 +144,92 @@ def test_continued_prompt_and_static_cache_prefill_run_sparse(tiny_llama):
     assert static.sparse_calls == 2
 
 
-def test_lower_right_mask_check_accepts_only_that_pattern():
-    from sparge_diffusers.llm import lower_right_causal_mask
+def test_mask_check_accepts_only_the_left_padded_lower_right_pattern():
+    from sparge_diffusers.llm import left_padded_causal_mask as check
 
-    def pattern(nq, nkv, batch=2, extra=0):
+    def pattern(nq, nkv, batch=2, extra=0, padding=(0, 0)):
         m = torch.ones(nq, nkv + extra, dtype=torch.bool).tril(diagonal=nkv - nq)
-        return m.expand(batch, 1, nq, nkv + extra).clone()
+        m = m.expand(batch, 1, nq, nkv + extra).clone()
+        for b, p in enumerate(padding[:batch]):
+            m[b, :, :, :p] = False  # transformers hides a left-padded prompt's first p keys from every query
+        return m
 
-    assert lower_right_causal_mask(pattern(100, 300), 100, 300)
-    assert lower_right_causal_mask(pattern(100, 300, extra=50), 100, 300, max_elements=1000)  # cut, row chunks
-    assert lower_right_causal_mask(pattern(300, 300), 300, 300)
-    padded = pattern(100, 300)
-    padded[1, :, :, :5] = False  # left padding of the second prompt
-    assert not lower_right_causal_mask(padded, 100, 300)
-    assert not lower_right_causal_mask(pattern(100, 300)[..., :299].contiguous(), 100, 299)  # one key more each
-    assert not lower_right_causal_mask(torch.ones(1, 1, 100, 300, dtype=torch.bool).tril(), 100, 300)  # upper-left
-    assert not lower_right_causal_mask(pattern(100, 300).float(), 100, 300)  # additive masks are not read
-    assert not lower_right_causal_mask(pattern(100, 300).expand(2, 4, 100, 300), 100, 300)  # per-head masks
+    assert check(pattern(100, 300), 100, 300) == [0, 0]
+    assert check(pattern(100, 300, extra=50), 100, 300, max_elements=1000) == [0, 0]  # cut, row chunks
+    assert check(pattern(300, 300), 300, 300) == [0, 0]
+    assert check(pattern(100, 300, padding=(0, 5)), 100, 300) == [0, 5]  # padding inside the cache
+    assert check(pattern(100, 300, padding=(250, 0)), 100, 300, max_elements=700) == [250, 0]  # padding queries too
+    assert check(pattern(100, 300, padding=(300, 7)), 100, 300) == [300, 7]  # a chunk of padding only
+    assert check(pattern(150, 150, batch=1, padding=(20,)), 150, 150) == [20]  # one mask row for the batch
+    right = pattern(150, 150)
+    right[1, :, :, 140:] = False  # right padding of the second prompt
+    assert check(right, 150, 150) is None
+    inner = pattern(100, 300, padding=(0, 5))
+    inner[1, :, 50:, 7] = False  # a hole that is no padding
+    assert check(inner, 100, 300) is None
+    assert check(pattern(100, 300)[..., :299].contiguous(), 100, 299) is None  # one key more each
+    assert check(torch.ones(1, 1, 100, 300, dtype=torch.bool).tril(), 100, 300) is None  # upper-left
+    assert check(pattern(100, 300).float(), 100, 300) is None  # additive masks are not read
+    assert check(pattern(100, 300).expand(2, 4, 100, 300), 100, 300) is None  # per-head masks
 
 
-def test_padding_mask_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_llama):
+def left_padded(ids, padding):
+    """The batch with prompt b's first padding[b] tokens marked as padding, and the position ids generate gives
+    them (counted from the first real token)."""
+    mask = torch.ones_like(ids)
+    for b, p in enumerate(padding):
+        mask[b, :p] = 0
+    return mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def test_left_padded_batch_runs_each_prompt_sparse_as_if_alone(tiny_llama):
+    """A left-padded batch runs sparse (no warning): keeping every block gives SDPA's logits at every real position;
+    with TopCdf skipping blocks, the padded prompt gives the logits of the same tokens run alone without padding
+    (its padding is neither attended nor part of stage 1's blocks), and the stats cover both prompts."""
+    ids = prompt(300, batch=3)
+    mask, positions = left_padded(ids, (0, 70, 299))  # the third prompt is a single token
+    real = mask.bool()
+    keep_all = register("sparge_test_padded_keep", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    skipping = register("sparge_test_padded_skip", simthreshd1=-1.0, cdfthreshd=0.5, collect_stats=True)
+    dense = logits(load(tiny_llama, "sdpa"), ids, attention_mask=mask, position_ids=positions)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        ours = logits(load(tiny_llama, "sparge_test_padded_keep"), ids, attention_mask=mask, position_ids=positions)
+        sparse = logits(load(tiny_llama, "sparge_test_padded_skip"), ids, attention_mask=mask, position_ids=positions)
+    assert keep_all.sparse_calls == 2 and skipping.sparse_calls == 2
+    assert relative_l1(ours[real], dense[real]) < 1e-5
+    alone = logits(load(tiny_llama, "sparge_test_padded_skip"), ids[1:, 70:])
+    assert relative_l1(sparse[1, 70:], alone[0]) < 1e-5
+    assert relative_l1(sparse[1, 70:], dense[1, 70:]) > 1e-3, "the settings must skip blocks"
+    joined, single = skipping.stats[0], skipping.stats[2]  # layer 0 of the padded batch and of the prompt alone
+    assert joined.qk_skipped.shape == (4,) and 0 < joined.sparsity < 1 and single.sparsity > 0
+    assert joined.sparsity != single.sparsity  # the other prompts' rows are in the joined stats too
+    assert torch.isfinite(sparse[real]).all()
+
+
+def test_left_padded_generate_chunked_or_not_gives_sdpa_tokens(tiny_llama):
+    """generate on a left-padded batch, whole and in 128-token chunks (whose first chunk is mostly padding for
+    the second prompt): the sparse prefill with every block kept gives SDPA's tokens, and no call falls back."""
+    ids = prompt(300, batch=2, seed=3)
+    mask, _ = left_padded(ids, (0, 170))
+    attention = register("sparge_test_padded_generate", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    for chunk in (None, 128):
+        options = dict(max_new_tokens=4, do_sample=False, attention_mask=mask, pad_token_id=0)
+        if chunk:
+            options["prefill_chunk_size"] = chunk
+        calls = attention.sparse_calls
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="SpargeLLMAttention")
+            ours = load(tiny_llama, "sparge_test_padded_generate").generate(ids, **options)
+        assert torch.equal(ours, load(tiny_llama, "sdpa").generate(ids, **options)), chunk
+        assert attention.sparse_calls - calls == (6 if chunk else 2), chunk  # 3 chunks (128, 128, 44) x 2 layers
+
+
+def test_right_padding_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_llama):
     register("sparge_test_padding")
     ids = prompt(150, batch=2)
     mask = torch.ones_like(ids)
-    mask[1, :20] = 0  # left padding in the second prompt
+    mask[1, 130:] = 0  # right padding in the second prompt
     dense = logits(load(tiny_llama, "sdpa"), ids, attention_mask=mask)
     with pytest.warns(UserWarning, match="explicit attention mask"):
         ours = logits(load(tiny_llama, "sparge_test_padding"), ids, attention_mask=mask)
@@ -245,3 +307,21 @@ def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
         chunked[name] = logits(model, prompt(600, batch=2, seed=5).cuda(), past_key_values=cache, use_cache=True)
     assert attention.sparse_calls == 8 and torch.isfinite(chunked["ours"]).all()
     assert relative_l1(chunked["ours"].float(), chunked["sdpa"].float()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_left_padded_prefill_on_gpu_matches_sdpa(tiny_llama):
+    """The kernels on a left-padded batch (bf16): SDPA's logits at the real positions, padded prompt as if alone."""
+    attention = register("sparge_test_gpu_padded", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    ids = prompt(1000, batch=3, seed=7).cuda()
+    mask, positions = left_padded(ids, (0, 333, 999))
+    real = mask.bool()
+    ours = load(tiny_llama, "sparge_test_gpu_padded").to("cuda", torch.bfloat16)
+    sdpa = load(tiny_llama, "sdpa").to("cuda", torch.bfloat16)
+    got = logits(ours, ids, attention_mask=mask, position_ids=positions)
+    assert attention.sparse_calls == 2 and torch.isfinite(got[real]).all()
+    assert relative_l1(got[real].float(), logits(sdpa, ids, attention_mask=mask, position_ids=positions)[real].float()
+                       ) < 2e-2
+    assert relative_l1(got[1, 333:].float(), logits(ours, ids[1:, 333:])[0].float()) < 1e-2
+    options = dict(max_new_tokens=3, do_sample=False, attention_mask=mask, pad_token_id=0, prefill_chunk_size=256)
+    assert ours.generate(ids, **options).shape == (3, 1003) and attention.sparse_calls == 4 + 8  # 4 chunks

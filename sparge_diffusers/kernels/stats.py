@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 
@@ -26,12 +27,32 @@ class SparsityStats:
             skipped by the block mask (stage 1).
         pv_skipped: [H] fraction of P.V block products skipped, by the block mask or by stage 2.
         pv_skipped_stage2: [H] fraction of the computed Q.K^T blocks whose P.V stage 2 skipped.
-        dense_blocks: number of block products dense attention computes per (batch, head).
+        dense_blocks: number of block products dense attention computes per (batch, head): an int, or for
+            stats joined over calls of different lengths (:meth:`concat`) a [B, 1] float64 tensor, one per row.
     """
 
-    def __init__(self, qk_computed: torch.Tensor, pv_computed: torch.Tensor, dense_blocks: int):
+    def __init__(self, qk_computed: torch.Tensor, pv_computed: torch.Tensor, dense_blocks: int | torch.Tensor):
         """``qk_computed`` and ``pv_computed``: [B, H] float64 block products computed per (batch, head)."""
         self._qk, self._pv, self.dense_blocks = qk_computed, pv_computed, dense_blocks
+
+    @staticmethod
+    def concat(parts: Sequence[SparsityStats]) -> SparsityStats:
+        """The stats of several calls as one call's over their batch rows (the rows' fractions averaged, as for one
+        call's batch), e.g. the prompts of a left-padded batch, each run at its own length. Calls must have the same
+        heads; their lengths, hence their dense block counts, may differ. Nothing is read back from the device."""
+        if not parts:
+            raise ValueError("SparsityStats.concat needs at least one SparsityStats")
+        if len(parts) == 1:
+            return parts[0]
+        if len({p._qk.shape[-1] for p in parts}) != 1:
+            raise ValueError(f"SparsityStats.concat: head counts differ ({[p._qk.shape[-1] for p in parts]})")
+        qk = torch.cat([p._qk for p in parts])
+        pv = torch.cat([p._pv for p in parts])
+        dense = [p.dense_blocks for p in parts]
+        if all(isinstance(d, int) for d in dense) and len(set(dense)) == 1:
+            return SparsityStats(qk, pv, dense[0])
+        return SparsityStats(qk, pv, torch.cat([torch.as_tensor(d, dtype=torch.float64, device=qk.device)
+                                                .expand(p._qk.shape[0], 1) for d, p in zip(dense, parts)]))
 
     @functools.cached_property
     def qk_skipped(self) -> torch.Tensor:
@@ -61,7 +82,8 @@ class SparsityStats:
         }
 
     def __repr__(self) -> str:
-        return f"SparsityStats(dense_blocks={self.dense_blocks}, heads={self._qk.shape[-1]})"
+        dense = self.dense_blocks if isinstance(self.dense_blocks, int) else "per row"
+        return f"SparsityStats(dense_blocks={dense}, heads={self._qk.shape[-1]})"
 
 
 @functools.lru_cache(maxsize=256)
