@@ -41,3 +41,33 @@ def test_stats_figures_and_ops_per_call(causal):
     assert float(same.pv_skipped_stage2.abs().max()) == 0.0
     d = stats.as_dict()
     assert d["qk_skipped_per_head"] == pytest.approx(want_qk.tolist()) and len(d["pv_skipped_per_head"]) == 3
+
+
+def test_concat_joins_calls_over_their_batch_rows():
+    """Joining the stats of the batch rows run as separate calls gives the batched call's stats; calls of different
+    lengths keep each row's own dense count (the rows' fractions are averaged, as within one call)."""
+    from sparge_diffusers.kernels.stats import SparsityStats
+
+    shape = AttentionShape(batch=3, heads=2, kv_heads=2, q_len=300, kv_len=300, head_dim=64)
+    qk = torch.randint(1, 12, (3, 2, 3), dtype=torch.int32)
+    pv = qk - torch.randint(0, 2, qk.shape, dtype=torch.int32)
+    whole = sparsity_stats(qk, pv, shape, True)
+    row = AttentionShape(batch=1, heads=2, kv_heads=2, q_len=300, kv_len=300, head_dim=64)
+    parts = [sparsity_stats(qk[b:b + 1], pv[b:b + 1], row, True) for b in range(3)]
+    joined = SparsityStats.concat(parts)
+    assert joined.dense_blocks == whole.dense_blocks
+    for name in ("qk_skipped", "pv_skipped", "pv_skipped_stage2"):
+        torch.testing.assert_close(getattr(joined, name), getattr(whole, name))
+    short = AttentionShape(batch=1, heads=2, kv_heads=2, q_len=100, kv_len=100, head_dim=64)  # 1 x 2 blocks
+    mixed = SparsityStats.concat([parts[0], sparsity_stats(torch.full((1, 2, 1), 2, dtype=torch.int32),
+                                                           torch.zeros(1, 2, 1, dtype=torch.int32), short, True)])
+    want = (1 - qk[0].double().sum(-1) / 11 + 0) / 2  # the short call skipped no Q.K^T product, every P.V one
+    torch.testing.assert_close(mixed.qk_skipped, want.float())
+    torch.testing.assert_close(mixed.pv_skipped, ((1 - pv[0].double().sum(-1) / 11) + 1) / 2, check_dtype=False)
+    assert "per row" in repr(mixed) and SparsityStats.concat([parts[1]]) is parts[1]
+    with pytest.raises(ValueError, match="at least one"):
+        SparsityStats.concat([])
+    other_heads = sparsity_stats(torch.ones(1, 4, 1, dtype=torch.int32), torch.ones(1, 4, 1, dtype=torch.int32),
+                                 AttentionShape(batch=1, heads=4, kv_heads=4, q_len=100, kv_len=100, head_dim=64), True)
+    with pytest.raises(ValueError, match="head counts differ"):
+        SparsityStats.concat([parts[0], other_heads])
