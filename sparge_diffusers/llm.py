@@ -10,22 +10,23 @@ they come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache
 the lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``), and left-padded batches
 (each prompt its own call without its padding). Everything else is left to transformers' own SDPA function, the
 one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, right padding
-or other explicit masks, dropout, softcapping,
-sliding windows, non-causal modules and unsupported dtypes or head dims. ``strict=True`` raises instead of falling
-back. Composes the kernels and the segmented key permutation of PBS-Attn (``pbs_segment``, see
-:func:`pbs_sparge_attention`); knows nothing of diffusers.
+or other explicit masks, dropout, softcapping, sliding windows, non-causal modules and unsupported dtypes or head
+dims. ``strict=True`` raises instead of falling back. Composes the kernels (SpargeAttn by default; S2O's ranked walk or FSA's per-token block selection with
+``method=``, a small registry: :data:`PREFILL_METHODS`) and the segmented key permutation of PBS-Attn
+(``pbs_segment``, see :func:`pbs_sparge_attention`); knows nothing of diffusers.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ._compile import compiling, warn_once
-from .kernels import PermutedKeys, SparsityStats, sparge_attention, sparge_attention_op
+from .kernels import (PermutedKeys, SparsityStats, s2o_attention, select_key_blocks, select_key_blocks_op,
+                      selected_block_attention, selected_block_attention_op, sparge_attention, sparge_attention_op)
 from .kernels._inputs import PerHead, unsupported_reason
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
 
@@ -61,9 +62,85 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
                             **sparge_settings)
 
 
+def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float | None, variant: str | None, stats: bool):
+    """SpargeAttn (stage 1's TopCdf mask, then the block-sparse kernel); PBS's key order where asked."""
+    settings = dict(scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
+                    pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink)
+    if attention.pbs_segment is not None and q.shape[2] == k.shape[2]:
+        return pbs_sparge_attention(q, k, v, segment=attention.pbs_segment, return_sparsity=stats, **settings)
+    if attention.pbs_segment is not None:
+        warn_once("SpargeLLMAttention: pbs_segment applies to whole-prompt prefill; chunked calls run keys in order",
+                  attention._warned, stacklevel=4)
+    if q.shape[2] != k.shape[2]:
+        settings["causal_variant"] = variant
+    return sparge_attention(q, k, v, is_causal=True, return_sparsity=stats, **settings)
+
+
+def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float | None, variant: str | None) -> torch.Tensor:
+    if attention.pbs_segment is not None:
+        warn_once("SpargeLLMAttention: pbs_segment has no effect under torch.compile (keys stay in order)",
+                  attention._warned, stacklevel=4)
+    settings = {"causal_variant": variant} if q.shape[2] != k.shape[2] else {}
+    return sparge_attention_op(q, k, v, is_causal=True, scale=scale, simthreshd1=attention.simthreshd1,
+                               cdfthreshd=attention.cdfthreshd, pvthreshd=attention.pvthreshd,
+                               attention_sink=attention.attention_sink, **settings)
+
+
+def _s2o_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float | None, variant: str | None, stats: bool):
+    """S2O's selection: key blocks visited by compressed score, stopped once the normaliser stops growing."""
+    return s2o_attention(q, k, v, is_causal=True, scale=scale, tau=attention.tau, segment=attention.s2o_segment,
+                         simthreshd1=attention.simthreshd1, pvthreshd=attention.pvthreshd,
+                         attention_sink=attention.attention_sink, return_sparsity=stats)
+
+
+def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float | None, variant: str | None, stats: bool):
+    """NSA-style selection of ``top_k`` key blocks per query token, computed by FSA's KV-outer kernel."""
+    selection = select_key_blocks(q, k, top_k=attention.top_k, block_size=attention.block_size, is_causal=True,
+                                  scale=scale)
+    out = selected_block_attention(q, k, v, selection, block_size=attention.block_size, is_causal=True,
+                                   scale=scale, validate=False)  # the selector's indices are in range
+    return (out, None) if stats else out
+
+
+def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float | None, variant: str | None) -> torch.Tensor:
+    selection = select_key_blocks_op(q, k, top_k=attention.top_k, block_size=attention.block_size, is_causal=True,
+                                     scale=scale)
+    return selected_block_attention_op(q, k, v, selection, block_size=attention.block_size, is_causal=True,
+                                       scale=scale, validate=False)
+
+
+@dataclass(frozen=True)
+class PrefillMethod:
+    """One way :class:`SpargeLLMAttention` computes a causal prefill call.
+
+    ``eager(attention, q, k, v, scale, variant, stats)`` returns the (B, H, Nq, D) output, or ``(output,
+    SparsityStats | None)`` when ``stats``; ``compiled(attention, q, k, v, scale, variant)`` is its form inside
+    torch.compile (custom operators only), None where there is none. ``chunks``: it takes fewer queries than keys
+    (a lower-right chunk against a cache). ``reports_stats``: it can fill :attr:`SpargeLLMAttention.stats`.
+    Calls a method cannot take (chunks, compiled calls) run ``"sparge"`` instead, with one warning."""
+
+    eager: Callable[..., Any]
+    compiled: Callable[..., torch.Tensor] | None
+    chunks: bool
+    reports_stats: bool
+
+
+PREFILL_METHODS: dict[str, PrefillMethod] = {
+    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, chunks=True, reports_stats=True),
+    "s2o": PrefillMethod(_s2o_prefill, None, chunks=False, reports_stats=True),
+    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled, chunks=False, reports_stats=False),
+}
+
+
 @dataclass
 class SpargeLLMAttention:
-    """A transformers attention function (``AttentionInterface``) computing causal prefill with SpargeAttn.
+    """A transformers attention function (``AttentionInterface``) computing causal prefill sparsely (SpargeAttn by
+    default, or S2O or FSA: ``method``).
 
     Which calls run sparse (the rest go to transformers' SDPA function):
 
@@ -81,8 +158,19 @@ class SpargeLLMAttention:
     Masks are read in eager calls only: under torch.compile calls with a mask go to SDPA.
 
     Args:
+        method: how a sparse call selects its keys (:data:`PREFILL_METHODS`): ``"sparge"`` (SpargeAttn: stage 1's
+            TopCdf block mask), ``"s2o"`` (S2O: key blocks ranked by compressed score, stopped once the softmax
+            normaliser stops growing; :func:`s2o_attention`) or ``"fsa"`` (NSA's selection of ``top_k`` key blocks
+            per query token, computed by FSA's KV-outer kernel; :func:`selected_block_attention`). ``"s2o"`` and
+            ``"fsa"`` need as many queries as keys: chunks against a cache run ``"sparge"`` (one warning), as do
+            ``"s2o"`` calls under torch.compile. ``"fsa"`` reports no statistics.
         simthreshd1, cdfthreshd, pvthreshd, attention_sink: as in :func:`sparge_attention` (upstream names;
-            ``attention_sink`` keeps the first key block of every query block, as LLMs' sink token needs).
+            ``attention_sink`` keeps the first key block of every query block, as LLMs' sink token needs);
+            ``"s2o"`` takes all but cdfthreshd, ``"fsa"`` none (it always keeps the first block).
+        tau, s2o_segment: :func:`s2o_attention`'s ``tau`` (early-stop threshold) and ``segment`` (the causal
+            segment of dense key blocks), for ``method="s2o"``.
+        top_k, block_size: key blocks each query token keeps, and keys per block (32, 64 or 128), for
+            ``method="fsa"`` (:func:`select_key_blocks`).
         strict: raise instead of falling back to SDPA for a call that cannot run sparse (decode steps always
             use SDPA: that is where a sparse prefill kernel does not apply).
         collect_stats: keep each sparse call's :class:`SparsityStats` in ``stats`` (on the device until read).
@@ -96,14 +184,30 @@ class SpargeLLMAttention:
     pvthreshd: PerHead | None = 50
     attention_sink: bool = True
     pbs_segment: int | None = None
+    method: str = "sparge"
+    tau: PerHead | None = 0.0005
+    s2o_segment: int = 2048
+    top_k: int = 16
+    block_size: int = 64
     strict: bool = False
     collect_stats: bool = False
     sparse_calls: int = 0  # calls answered by sparge_attention (the rest went to SDPA); a padded batch counts one
 
     def __post_init__(self):
+        if self.method not in PREFILL_METHODS:
+            raise ValueError(f"method must be one of {sorted(PREFILL_METHODS)}, got {self.method!r}")
         if self.pbs_segment is not None and (not isinstance(self.pbs_segment, int) or self.pbs_segment <= 0
                                              or self.pbs_segment % 64):
             raise ValueError(f"pbs_segment must be None or a positive multiple of 64, got {self.pbs_segment!r}")
+        if self.pbs_segment is not None and self.method != "sparge":
+            raise ValueError(f"pbs_segment pairs the key permutation with SpargeAttn's stage 1 (method='sparge'), "
+                             f"not method={self.method!r}")
+        if not isinstance(self.s2o_segment, int) or self.s2o_segment <= 0 or self.s2o_segment % 128:
+            raise ValueError(f"s2o_segment must be a positive multiple of 128, got {self.s2o_segment!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {self.top_k!r}")
+        if self.block_size not in (32, 64, 128):
+            raise ValueError(f"block_size must be 32, 64 or 128, got {self.block_size!r}")
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
         self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its left padding)
@@ -158,45 +262,47 @@ class SpargeLLMAttention:
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
-        thresholds = dict(scale=scaling, simthreshd1=self.simthreshd1, cdfthreshd=self.cdfthreshd,
-                          pvthreshd=self.pvthreshd, attention_sink=self.attention_sink)
+        method = self._method(query.shape[2] == key.shape[2])
         if compiling():
-            # one node of the compiled graph (see kernels/library.py); no statistics, no call count: a Python
-            # counter read under compilation would be a guard that recompiles at every call
-            if self.pbs_segment is not None:
-                warn_once("SpargeLLMAttention: pbs_segment has no effect under torch.compile (keys stay in order)",
-                          self._warned, stacklevel=2)
-            if query.shape[2] != key.shape[2]:
-                thresholds["causal_variant"] = variant
-            out = sparge_attention_op(query, key, value, is_causal=True, **thresholds)
-            return out.transpose(1, 2).contiguous(), None
+            # one node of the compiled graph per operator (see kernels/library.py); no statistics, no call count: a
+            # Python counter read under compilation would be a guard that recompiles at every call
+            compiled = method.compiled
+            if compiled is None:
+                warn_once(f"SpargeLLMAttention: method {self.method!r} has no compiled form; calls under "
+                          "torch.compile run 'sparge'", self._warned, stacklevel=2)
+                compiled = PREFILL_METHODS["sparge"].compiled
+            return compiled(self, query, key, value, scaling, variant).transpose(1, 2).contiguous(), None
         if padding is None:
-            out, stats = self._prefill(query, key, value, variant, thresholds)
+            out, stats = self._prefill(method, query, key, value, scaling, variant)
             out = out.transpose(1, 2).contiguous()
         else:
-            out, stats = self._left_padded_prefill(query, key, value, padding, thresholds)
+            out, stats = self._left_padded_prefill(query, key, value, padding, scaling)
         if stats is not None:
             self.stats.append(stats)
         self.sparse_calls += 1
         return out, None
 
-    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, variant: str | None,
-                 thresholds: dict) -> tuple[torch.Tensor, SparsityStats | None]:
-        """Causal SpargeAttn of one call without padding: (B, H, Nq, D) output, its stats when collected."""
-        if self.pbs_segment is not None and query.shape[2] == key.shape[2]:
-            out = pbs_sparge_attention(query, key, value, segment=self.pbs_segment,
-                                       return_sparsity=self.collect_stats, **thresholds)
-        else:
-            if self.pbs_segment is not None:
-                warn_once("SpargeLLMAttention: pbs_segment applies to whole-prompt prefill; chunked calls run keys "
-                          "in order", self._warned, stacklevel=3)
-            variant_arg = {"causal_variant": variant} if query.shape[2] != key.shape[2] else {}
-            out = sparge_attention(query, key, value, is_causal=True, return_sparsity=self.collect_stats,
-                                   **variant_arg, **thresholds)
-        return out if self.collect_stats else (out, None)
+    def _method(self, equal_lengths: bool) -> PrefillMethod:
+        """The configured method, or "sparge" (with one warning) for a chunk it cannot take."""
+        method = PREFILL_METHODS[self.method]
+        if not equal_lengths and not method.chunks:
+            warn_once(f"SpargeLLMAttention: method {self.method!r} needs as many queries as keys; chunks against a "
+                      "cache run 'sparge'", self._warned, stacklevel=3)
+            return PREFILL_METHODS["sparge"]
+        return method
+
+    def _prefill(self, method: PrefillMethod, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scale: float | None, variant: str | None) -> tuple[torch.Tensor, SparsityStats | None]:
+        """One causal call without padding: (B, H, Nq, D) output, its stats when collected."""
+        if self.collect_stats and not method.reports_stats:
+            warn_once(f"SpargeLLMAttention: method {self.method!r} reports no statistics (collect_stats)",
+                      self._warned, stacklevel=3)
+        want_stats = self.collect_stats and method.reports_stats
+        out = method.eager(self, query, key, value, scale, variant, want_stats)
+        return out if want_stats else (out, None)
 
     def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             padding: list[int], thresholds: dict) -> tuple[torch.Tensor, SparsityStats | None]:
+                             padding: list[int], scale: float | None) -> tuple[torch.Tensor, SparsityStats | None]:
         """A left-padded batch: each prompt runs as its own causal call without its padding, the queries aligned
         to the keys' end (lower right). Rows of padding queries, which see no key, stay zero, as SDPA gives them.
         Returns the (B, Nq, H, D) output and, when collected, the prompts' stats joined over the batch."""
@@ -210,8 +316,8 @@ class SpargeLLMAttention:
             if first >= q_len:
                 continue  # this prompt's queries are all padding
             rows = slice(b, b + 1)
-            o, s = self._prefill(query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:], "lower_right",
-                                 thresholds)
+            q_b, k_b, v_b = query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:]
+            o, s = self._prefill(self._method(q_b.shape[2] == k_b.shape[2]), q_b, k_b, v_b, scale, "lower_right")
             out[b, first:] = o[0].transpose(0, 1)
             if s is not None:
                 stats.append(s)

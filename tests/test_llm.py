@@ -239,6 +239,67 @@ def test_right_padding_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_
         logits(load(tiny_llama, "sparge_test_strict"), ids, attention_mask=mask)
 
 
+@pytest.mark.parametrize("method, keep_all, skipping", [
+    ("s2o", dict(tau=0.0, simthreshd1=-1.0), dict(tau=0.2, simthreshd1=-1.0, s2o_segment=128)),
+    ("fsa", dict(top_k=8), dict(top_k=2)),
+])
+def test_s2o_and_fsa_methods_run_the_prefill(tiny_llama, method, keep_all, skipping):
+    """method="s2o" / "fsa" through from_pretrained: visiting every block (tau 0; top_k at least the 5 blocks of 300
+    tokens) gives SDPA's logits; skipping changes them (the method ran, not SDPA); the left-padded batch runs each
+    prompt by the method too (its logits those of the prompt alone); S2O reports its sparsity, FSA says it has
+    none to report."""
+    ids = prompt(300)
+    dense = logits(load(tiny_llama, "sdpa"), ids)
+    full = register(f"sparge_test_{method}_all", method=method, **keep_all)
+    assert relative_l1(logits(load(tiny_llama, f"sparge_test_{method}_all"), ids), dense) < 1e-5
+    assert full.sparse_calls == 2
+    skip = register(f"sparge_test_{method}_skip", method=method, collect_stats=True, **skipping)
+    model = load(tiny_llama, f"sparge_test_{method}_skip")
+    if method == "s2o":  # S2O tests its stop every 16 ranked tiles: a query block needs more than 16 to skip any
+        ids = prompt(1500)
+        dense = logits(load(tiny_llama, "sdpa"), ids)
+    if method == "fsa":
+        with pytest.warns(UserWarning, match="reports no statistics"):
+            sparse = logits(model, ids)
+        assert skip.stats == []
+    else:
+        sparse = logits(model, ids)
+        assert len(skip.stats) == 2 and all(s.sparsity > 0 for s in skip.stats)
+    assert skip.sparse_calls == 2 and relative_l1(sparse, dense) > 1e-3
+    batch = torch.cat([prompt(ids.shape[1], seed=4), ids])
+    mask, positions = left_padded(batch, (0, 40))
+    padded = logits(model, batch, attention_mask=mask, position_ids=positions)
+    assert relative_l1(padded[1, 40:], logits(model, ids[:, 40:])[0]) < 1e-5
+
+
+def test_s2o_and_fsa_chunks_run_sparge_and_bad_settings_raise(tiny_llama):
+    """A chunk against a cache (fewer queries than keys) runs "sparge" with one warning, and gives its result."""
+    import copy
+
+    ids = prompt(400)
+    sdpa = load(tiny_llama, "sdpa")
+    prefix = transformers.DynamicCache(config=sdpa.config)  # one cache for all, so that only the chunk differs
+    logits(sdpa, ids[:, :250], past_key_values=prefix, use_cache=True)
+    results = {}
+    for name, settings in (("sparge", {}), ("s2o", dict(method="s2o")), ("fsa", dict(method="fsa"))):
+        attention = register(f"sparge_test_chunk_{name}", simthreshd1=-1.0, cdfthreshd=0.5, **settings)
+        model = load(tiny_llama, f"sparge_test_chunk_{name}")
+        cache = copy.deepcopy(prefix)
+        if name == "sparge":
+            results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
+        else:
+            with pytest.warns(UserWarning, match="chunks against a cache run 'sparge'"):
+                results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
+        assert attention.sparse_calls == 2
+    assert torch.equal(results["s2o"], results["sparge"]) and torch.equal(results["fsa"], results["sparge"])
+    assert relative_l1(results["sparge"], logits(sdpa, ids[:, 250:], past_key_values=prefix, use_cache=True)) > 1e-3
+    for bad, message in ((dict(method="topk"), "method must be one of"), (dict(method="fsa", pbs_segment=256),
+                         "pbs_segment pairs"), (dict(s2o_segment=100), "s2o_segment"), (dict(top_k=0), "top_k"),
+                         (dict(block_size=48), "block_size")):
+        with pytest.raises(ValueError, match=message):
+            SpargeLLMAttention(**bad)
+
+
 def test_attention_function_answers_in_transformers_layout():
     """query (B, H, N, D), key/value (B, H_kv, N, D) in; (B, N, H, D) out, contiguous, like SDPA's function."""
     torch.manual_seed(2)
@@ -284,6 +345,27 @@ def test_compiled_prefill_says_pbs_segment_has_no_effect(tiny_llama):
     assert torch.equal(got, logits(plain, ids))  # keys in order, as documented
 
 
+def test_compiled_fsa_is_one_graph_and_s2o_runs_sparge(tiny_llama):
+    """method="fsa" compiles to its two operators (fullgraph) and equals its eager result; "s2o" has no compiled
+    form: under torch.compile it warns and runs "sparge" (equal to a compiled "sparge" of the same thresholds)."""
+    ids = prompt(300)
+    register("sparge_test_compile_fsa", method="fsa", top_k=2)
+    model = load(tiny_llama, "sparge_test_compile_fsa")
+    eager = logits(model, ids)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(logits(torch.compile(model, backend="aot_eager", fullgraph=True), ids), eager)
+    register("sparge_test_compile_s2o", method="s2o", simthreshd1=-1.0, cdfthreshd=0.9, tau=0.2)
+    register("sparge_test_compile_s2o_as_sparge", simthreshd1=-1.0, cdfthreshd=0.9)
+    torch._dynamo.reset()
+    compiled = torch.compile(load(tiny_llama, "sparge_test_compile_s2o"), backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match="'s2o' has no compiled form"):
+        got = logits(compiled, ids)
+    torch._dynamo.reset()
+    plain = torch.compile(load(tiny_llama, "sparge_test_compile_s2o_as_sparge"), backend="aot_eager", fullgraph=True)
+    assert torch.equal(got, logits(plain, ids))
+
+
 @pytest.mark.gpu
 def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
     attention = register("sparge_test_gpu", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, collect_stats=True)
@@ -325,3 +407,34 @@ def test_left_padded_prefill_on_gpu_matches_sdpa(tiny_llama):
     assert relative_l1(got[1, 333:].float(), logits(ours, ids[1:, 333:])[0].float()) < 1e-2
     options = dict(max_new_tokens=3, do_sample=False, attention_mask=mask, pad_token_id=0, prefill_chunk_size=256)
     assert ours.generate(ids, **options).shape == (3, 1003) and attention.sparse_calls == 4 + 8  # 4 chunks
+
+
+@pytest.mark.gpu
+def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
+    """The S2O and FSA kernels behind the attention function (bf16): visiting every block gives SDPA's logits;
+    skipping changes them; compiled FSA (inductor) gives its eager output."""
+    ids = prompt(2000, batch=2).cuda()  # 32 key blocks: S2O tests its stop every 16 ranked tiles
+    sdpa = load(tiny_llama, "sdpa").to("cuda", torch.bfloat16)
+    dense = logits(sdpa, ids).float()
+    for method, keep_all, skipping in (("s2o", dict(tau=0.0), dict(tau=0.2, s2o_segment=128)),
+                                       ("fsa", dict(top_k=32), dict(top_k=2))):
+        full = register(f"sparge_test_gpu_{method}", method=method, simthreshd1=-1.0, **keep_all)
+        got = logits(load(tiny_llama, f"sparge_test_gpu_{method}").to("cuda", torch.bfloat16), ids).float()
+        assert full.sparse_calls == 2 and torch.isfinite(got).all()
+        assert relative_l1(got, dense) < 2e-2, method
+        register(f"sparge_test_gpu_{method}_skip", method=method, simthreshd1=-1.0, **skipping)
+        model = load(tiny_llama, f"sparge_test_gpu_{method}_skip").to("cuda", torch.bfloat16)
+        sparse = logits(model, ids).float()
+        assert torch.isfinite(sparse).all() and relative_l1(sparse, dense) > 3e-2, method
+    # compiled FSA (inductor): its two operators on the same inputs give the eager call's output (through a whole
+    # model, inductor's bf16 fusions move q and k enough to flip top-2 choices, so that is not compared)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    generator = torch.Generator("cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, h, 2000, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+               for h in (4, 2, 2))
+    fsa = SpargeLLMAttention(method="fsa", top_k=2)
+    eager = fsa(module, q, k, v, None)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fsa(module, q, k, v, None)[0], fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, eager)
