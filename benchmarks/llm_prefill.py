@@ -86,7 +86,6 @@ def main(argv=None):
     if padded:
         lines.append(f"padded: a left-padded batch of {len(padded)} prompts ({', '.join(map(str, padded))} tokens, "
                      f"padded to {max(padded)}); SDPA under the mask, ours per prompt; L1 over real positions")
-    lines.append("spars -: the method reports no statistics (fsa)")
     save_report(results, "\n".join(lines), args.out)
 
 

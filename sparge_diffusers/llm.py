@@ -26,7 +26,8 @@ import torch
 
 from ._compile import compiling, warn_once
 from .kernels import (PermutedKeys, SparsityStats, s2o_attention, select_key_blocks, select_key_blocks_op,
-                      selected_block_attention, selected_block_attention_op, sparge_attention, sparge_attention_op)
+                      selected_block_attention, selected_block_attention_op, selection_sparsity, sparge_attention,
+                      sparge_attention_op)
 from .kernels._inputs import PerHead, unsupported_reason
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
 
@@ -103,7 +104,9 @@ def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor
                                   scale=scale)
     out = selected_block_attention(q, k, v, selection, block_size=attention.block_size, is_causal=True,
                                    scale=scale, validate=False)  # the selector's indices are in range
-    return (out, None) if stats else out
+    if not stats:
+        return out
+    return out, selection_sparsity(selection, heads=q.shape[1], kv_len=k.shape[2], block_size=attention.block_size)
 
 
 def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -121,19 +124,18 @@ class PrefillMethod:
     ``eager(attention, q, k, v, scale, variant, stats)`` returns the (B, H, Nq, D) output, or ``(output,
     SparsityStats | None)`` when ``stats``; ``compiled(attention, q, k, v, scale, variant)`` is its form inside
     torch.compile (custom operators only), None where there is none. ``chunks``: it takes fewer queries than keys
-    (a lower-right chunk against a cache). ``reports_stats``: it can fill :attr:`SpargeLLMAttention.stats`.
+    (a lower-right chunk against a cache).
     Calls a method cannot take (chunks, compiled calls) run ``"sparge"`` instead, with one warning."""
 
     eager: Callable[..., Any]
     compiled: Callable[..., torch.Tensor] | None
     chunks: bool
-    reports_stats: bool
 
 
 PREFILL_METHODS: dict[str, PrefillMethod] = {
-    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, chunks=True, reports_stats=True),
-    "s2o": PrefillMethod(_s2o_prefill, None, chunks=False, reports_stats=True),
-    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled, chunks=False, reports_stats=False),
+    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, chunks=True),
+    "s2o": PrefillMethod(_s2o_prefill, None, chunks=False),
+    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled, chunks=False),
 }
 
 
@@ -163,7 +165,8 @@ class SpargeLLMAttention:
             normaliser stops growing; :func:`s2o_attention`) or ``"fsa"`` (NSA's selection of ``top_k`` key blocks
             per query token, computed by FSA's KV-outer kernel; :func:`selected_block_attention`). ``"s2o"`` and
             ``"fsa"`` need as many queries as keys: chunks against a cache run ``"sparge"`` (one warning), as do
-            ``"s2o"`` calls under torch.compile. ``"fsa"`` reports no statistics.
+            ``"s2o"`` calls under torch.compile. ``"fsa"``'s statistics count (query, key) pairs
+            (:func:`selection_sparsity`), not block products.
         simthreshd1, cdfthreshd, pvthreshd, attention_sink: as in :func:`sparge_attention` (upstream names;
             ``attention_sink`` keeps the first key block of every query block, as LLMs' sink token needs);
             ``"s2o"`` takes all but cdfthreshd, ``"fsa"`` none (it always keeps the first block).
@@ -294,12 +297,8 @@ class SpargeLLMAttention:
     def _prefill(self, method: PrefillMethod, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scale: float | None, variant: str | None) -> tuple[torch.Tensor, SparsityStats | None]:
         """One causal call without padding: (B, H, Nq, D) output, its stats when collected."""
-        if self.collect_stats and not method.reports_stats:
-            warn_once(f"SpargeLLMAttention: method {self.method!r} reports no statistics (collect_stats)",
-                      self._warned, stacklevel=3)
-        want_stats = self.collect_stats and method.reports_stats
-        out = method.eager(self, query, key, value, scale, variant, want_stats)
-        return out if want_stats else (out, None)
+        out = method.eager(self, query, key, value, scale, variant, self.collect_stats)
+        return out if self.collect_stats else (out, None)
 
     def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              padding: list[int], scale: float | None) -> tuple[torch.Tensor, SparsityStats | None]:

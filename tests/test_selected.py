@@ -162,6 +162,38 @@ def test_selection_index_reuse_is_checked():
         selected_block_attention(q, k, v, index, block_size=32, is_causal=False, backend="triton")
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_selection_sparsity_counts_the_pairs_a_selection_covers(is_causal):
+    """Against a dense (query, key) coverage mask built pair by pair: repeats, -1, out-of-range picks, hidden and
+    partly hidden blocks (causal), the short last block; per query head of each group."""
+    from sparge_diffusers import selection_sparsity
+
+    n, block, heads = 150, 32, 4  # 5 blocks, the last of 22 keys
+    generator = torch.Generator().manual_seed(4)
+    sel = torch.randint(-1, 7, (2, 2, n, 4), generator=generator)  # -1 = none, 5 and 6 = out of range
+    sel[0, 0, :, 1] = sel[0, 0, :, 0]  # repeats
+    stats = selection_sparsity(sel, heads=heads, kv_len=n, block_size=block, is_causal=is_causal)
+    covered = torch.zeros(2, 2, n, n, dtype=torch.bool)
+    for b, h, i, t in torch.nonzero(sel >= 0).tolist():
+        j = int(sel[b, h, i, t])
+        covered[b, h, i, j * block:(j + 1) * block] = True  # slicing past n covers nothing
+    visible = torch.ones(n, n, dtype=torch.bool)
+    if is_causal:
+        visible = visible.tril()
+    covered &= visible
+    want = 1 - covered.sum(dim=(2, 3)).double() / visible.sum()
+    want = want.repeat_interleave(heads // 2, dim=1).mean(0).float()
+    torch.testing.assert_close(stats.qk_skipped, want)
+    torch.testing.assert_close(stats.pv_skipped, want)
+    assert stats.dense_blocks == int(visible.sum()) and 0 < stats.sparsity < 1
+    everything = torch.arange(5).expand(1, 1, n, 5)
+    assert selection_sparsity(everything, heads=1, kv_len=n, block_size=block, is_causal=is_causal).sparsity == 0
+    with pytest.raises(ValueError, match="multiple"):
+        selection_sparsity(sel, heads=3, kv_len=n, block_size=block)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        selection_sparsity(sel, heads=4, kv_len=n + 1, block_size=block)
+
+
 def test_cpu_auto_runs_reference_and_fp32_only_there():
     q, k, v = make_qkv(1, 2, 1, 70, 70, 16, torch.float32, "HND", seed=2)
     idx = random_selection(1, 1, 70, 3, 2, seed=2)

@@ -6,7 +6,7 @@ from .api import block_sparse_attention, predict_block_mask, relative_l1, s2o_at
 from .library import select_key_blocks_op, selected_block_attention_op, sparge_attention_op
 from .s2o import VisitOrder, s2o_visit_order
 from .block_selection import select_key_blocks
-from .selected import SelectionIndex, build_selection_index, selected_block_attention
+from .selected import SelectionIndex, build_selection_index, selected_block_attention, selection_sparsity
 from .stats import SparsityStats
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "select_key_blocks_op",
     "selected_block_attention",
     "selected_block_attention_op",
+    "selection_sparsity",
     "VisitOrder",
     "sparge_attention",
     "sparge_attention_op",

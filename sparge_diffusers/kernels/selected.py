@@ -48,6 +48,7 @@ import triton.language as tl
 from .._launch import launch
 from .api import _check_out, new_output
 from .attention import LOG2E
+from .stats import SparsityStats
 from ._inputs import (
     AttentionShape,
     Backend,
@@ -395,3 +396,38 @@ def selected_block_attention(
                                       kv_len=shape.kv_len, block_size=block_size, is_causal=is_causal, q_start=start)
         selected_attention_triton(*views, shape, index, scale=scale)
     return out
+
+
+def selection_sparsity(block_indices: torch.Tensor, *, heads: int, kv_len: int, block_size: int = 64,
+                       is_causal: bool = True) -> SparsityStats:
+    """How much of dense attention a per-query selection leaves out, as :class:`SparsityStats`.
+
+    The unit is the (query, key) pair, not the block product of SpargeAttn's stats: per query head, the fraction of
+    the pairs dense attention computes (under causal masking those with key <= query; needs Nq == Nkv, as the
+    causal kernel does) that the selection does not cover. Repeated, negative, out-of-range and (causal) wholly
+    hidden picks cover nothing, a block partly after the query covers its visible keys. No P.V product is skipped
+    on its own, so ``pv_skipped`` equals ``qk_skipped`` and ``dense_blocks`` holds the dense pair count.
+    Elementwise device ops over the selection (a sort along top_k), no host sync.
+
+    Args:
+        block_indices: (B, H_kv, Nq, top_k) as for :func:`selected_block_attention`.
+        heads: query heads (a multiple of H_kv; each KV head's figures hold for its group).
+    """
+    B, HK, Nq, T = block_indices.shape
+    if heads % HK:
+        raise ValueError(f"heads ({heads}) must be a multiple of the selection's KV heads ({HK})")
+    if is_causal and Nq != kv_len:
+        raise ValueError(f"causal selection sparsity needs as many queries as keys, got Nq={Nq}, Nkv={kv_len}")
+    n_blocks = math.ceil(kv_len / block_size)
+    x = block_indices.long()
+    x = torch.where((x >= 0) & (x < n_blocks), x, n_blocks).sort(dim=-1).values
+    x = torch.where(torch.cat([torch.zeros_like(x[..., :1], dtype=torch.bool), x[..., 1:] == x[..., :-1]], -1),
+                    n_blocks, x)  # repeats cover nothing
+    first_key = x * block_size
+    keys = (kv_len - first_key).clamp(min=0, max=block_size)  # the last block may be short; "none" has 0
+    if is_causal:
+        query = torch.arange(Nq, device=x.device).view(1, 1, Nq, 1)
+        keys = torch.minimum(keys, (query - first_key + 1).clamp(min=0))
+    covered = keys.sum(dim=(2, 3), dtype=torch.float64).repeat_interleave(heads // HK, dim=1)  # [B, H]
+    dense = Nq * (Nq + 1) // 2 if is_causal else Nq * kv_len
+    return SparsityStats(covered, covered, dense)

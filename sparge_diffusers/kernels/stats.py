@@ -17,6 +17,8 @@ class SparsityStats:
     pair, or under causal masking only the pairs with at least one visible key. With keys permuted within
     segments (``_inputs.PermutedKeys``) the denominator stays plain causal attention's: the blocks of the
     diagonal segment are all computed, so a mask that keeps almost everything can skip a negative fraction.
+    Per-query selections (FSA, :func:`~sparge_diffusers.kernels.selected.selection_sparsity`) count (query, key)
+    pairs instead of block products.
 
     Building one costs a single reduction on the device (the per-(batch, head) sums of the kernel's counts);
     the fractions below are computed when first read. Every call of a pipeline layer builds one when stats
