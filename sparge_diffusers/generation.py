@@ -75,6 +75,12 @@ def run_pipeline(pipe: Any, prompt: str, seed: int, pipe_kwargs: dict,
     return (out if all_outputs else out[0]), seconds
 
 
+def device_name(pipe: Any) -> str:
+    """Where a pipeline runs, for reports: the GPU's name on CUDA, else the device type ("cpu")."""
+    device = torch.device(getattr(pipe, "device", "cpu"))
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def to_uint8(x: torch.Tensor):
     """(3, H, W) in [0, 1] -> (H, W, 3) uint8 numpy array."""
     return (x.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
@@ -200,8 +206,7 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
         settings_out = {"settings": vars(processor.settings), "dense_steps": dense_steps,
                         "layer_settings": str(layer_settings) if isinstance(layer_settings, (str, Path)) else
                         (sorted(layer_settings) if layer_settings else None)}
-    device = torch.device(getattr(pipe, "device", "cpu"))
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+    report = {"device": device_name(pipe),
               "date": time.strftime("%Y-%m-%d %H:%M"),
               "model_class": type(getattr(pipe, "transformer", pipe)).__name__,
               "attention": "sparge" if sparse else "dense", "sparge": settings_out, "compile": compile,

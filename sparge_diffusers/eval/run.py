@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from tqdm import tqdm
 
-from ..generation import to_uint8, run_pipeline
+from ..generation import device_name, run_pipeline, to_uint8
 from .clip import ClipModel, clip_score, clip_temp, clipsim
 from .distribution import fid
 from .fidelity import LPIPS, psnr, ssim
@@ -158,7 +158,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
                 summary[mode.name]["fid_vs_real"] = fid(real_images, fake, feature=fid_feature,
                                                         inception_weights=inception_weights)
 
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    report = {"device": device_name(pipe),
               "date": time.strftime("%Y-%m-%d %H:%M"), "model_class": type(getattr(pipe, "transformer", pipe)).__name__,
               "kind": "video" if is_video else "image", "prompts": list(prompts), "seed": seed,
               "pipe_kwargs": {k: v for k, v in pipe_kwargs.items() if isinstance(v, (int, float, str, bool))},
