@@ -328,38 +328,36 @@ def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
         logits(compiled, prompt(300, batch=2), attention_mask=mask)
 
 
-def test_compiled_prefill_says_pbs_segment_has_no_effect(tiny_llama):
-    register("sparge_test_compile_pbs", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, pbs_segment=128)
+@pytest.mark.parametrize("name, settings, message", [
+    ("pbs", dict(pbs_segment=128), "pbs_segment has no effect under torch.compile"),
+    ("s2o", dict(method="s2o", tau=0.2), "'s2o' has no compiled form"),
+])
+def test_compiled_prefill_without_a_compiled_form_runs_sparge_in_order(tiny_llama, name, settings, message):
+    """PBS's key order and S2O have no compiled form: under torch.compile the call warns (while tracing) and runs
+    "sparge" on keys in order, as documented: equal to a compiled "sparge" of the same thresholds."""
+    register(f"sparge_test_compile_{name}", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, **settings)
     register("sparge_test_compile_in_order", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
     ids = prompt(300)
     torch._dynamo.reset()
-    compiled = torch.compile(load(tiny_llama, "sparge_test_compile_pbs"), backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match="pbs_segment has no effect under torch.compile"):
+    compiled = torch.compile(load(tiny_llama, f"sparge_test_compile_{name}"), backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match=message):
         got = logits(compiled, ids)
     torch._dynamo.reset()
     plain = torch.compile(load(tiny_llama, "sparge_test_compile_in_order"), backend="aot_eager", fullgraph=True)
-    assert torch.equal(got, logits(plain, ids))  # keys in order, as documented
+    assert torch.equal(got, logits(plain, ids))
 
 
-def test_compiled_fsa_is_one_graph_and_s2o_runs_sparge(tiny_llama):
-    """method="fsa" compiles to its two operators (fullgraph) and equals its eager result; "s2o" has no compiled
-    form: under torch.compile it warns and runs "sparge" (equal to a compiled "sparge" of the same thresholds)."""
+def test_compiled_fsa_is_one_graph_and_matches_eager(tiny_llama):
+    """method="fsa" compiles to its two operators (fullgraph, no recompile) and equals its eager result."""
     ids = prompt(300)
     register("sparge_test_compile_fsa", method="fsa", top_k=2)
     model = load(tiny_llama, "sparge_test_compile_fsa")
     eager = logits(model, ids)
+    assert relative_l1(eager, logits(load(tiny_llama, "sdpa"), ids)) > 1e-3, "top_k=2 must skip blocks"
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(logits(torch.compile(model, backend="aot_eager", fullgraph=True), ids), eager)
-    register("sparge_test_compile_s2o", method="s2o", simthreshd1=-1.0, cdfthreshd=0.9, tau=0.2)
-    register("sparge_test_compile_s2o_as_sparge", simthreshd1=-1.0, cdfthreshd=0.9)
-    torch._dynamo.reset()
-    compiled = torch.compile(load(tiny_llama, "sparge_test_compile_s2o"), backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match="'s2o' has no compiled form"):
-        got = logits(compiled, ids)
-    torch._dynamo.reset()
-    plain = torch.compile(load(tiny_llama, "sparge_test_compile_s2o_as_sparge"), backend="aot_eager", fullgraph=True)
-    assert torch.equal(got, logits(plain, ids))
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        assert torch.equal(logits(compiled, ids), eager) and torch.equal(logits(compiled, ids), eager)
 
 
 @pytest.mark.gpu
