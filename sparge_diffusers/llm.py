@@ -153,9 +153,9 @@ class SpargeLLMAttention:
       cache). The mask is compared with that pattern once per mask tensor (transformers hands every layer of a
       forward the same one): one pass over it on its device and one read-back (a device sync per forward).
     - the same mask with each prompt's first keys hidden: a left-padded batch (``tokenizer(..., padding=True)``
-      with ``padding_side="left"``, as ``generate`` wants), whole or chunked. Each prompt then runs as its own
-      call without its padding (one kernel call per prompt; rows of padding queries get zeros, as from SDPA),
-      and its stats are joined over the batch (:meth:`SparsityStats.concat`).
+      with ``padding_side="left"``, as ``generate`` wants), whole or chunked, of at least ``min_padded_tokens``
+      keys. Each prompt then runs as its own call without its padding (rows of padding queries get zeros, as
+      from SDPA), and its stats are joined over the batch (:meth:`SparsityStats.concat`).
 
     Masks are read in eager calls only: under torch.compile calls with a mask go to SDPA.
 
@@ -170,6 +170,11 @@ class SpargeLLMAttention:
         simthreshd1, cdfthreshd, pvthreshd, attention_sink: as in :func:`sparge_attention` (upstream names;
             ``attention_sink`` keeps the first key block of every query block, as LLMs' sink token needs);
             ``"s2o"`` takes all but cdfthreshd, ``"fsa"`` none (it always keeps the first block).
+        min_padded_tokens: a left-padded batch runs one call per prompt only from this many keys (its padded length)
+            on; shorter ones go to SDPA under the mask, with a warning. Each call costs 0.3-0.5 ms of host time, which
+            short prompts do not repay (H100, one attention call of Llama-3.1-8B's heads, benchmarks/padded_batch.py:
+            64 prompts of 256-512 tokens 25.1 ms against 2.0 ms under the mask; 16 of 3-4K 5.5 against 15.4 ms; 4 of
+            4-16K 7.7 against 62.3 ms). 0: every left-padded batch runs per prompt.
         tau, s2o_segment: :func:`s2o_attention`'s ``tau`` (early-stop threshold) and ``segment`` (the causal
             segment of dense key blocks), for ``method="s2o"``.
         top_k, block_size: key blocks each query token keeps, and keys per block (32, 64 or 128), for
@@ -187,6 +192,7 @@ class SpargeLLMAttention:
     pvthreshd: PerHead | None = 50
     attention_sink: bool = True
     pbs_segment: int | None = None
+    min_padded_tokens: int = 4096
     method: str = "sparge"
     tau: PerHead | None = 0.0005
     s2o_segment: int = 2048
@@ -207,6 +213,8 @@ class SpargeLLMAttention:
                              f"not method={self.method!r}")
         if not isinstance(self.s2o_segment, int) or self.s2o_segment <= 0 or self.s2o_segment % 128:
             raise ValueError(f"s2o_segment must be a positive multiple of 128, got {self.s2o_segment!r}")
+        if not isinstance(self.min_padded_tokens, int) or self.min_padded_tokens < 0:
+            raise ValueError(f"min_padded_tokens must be an int >= 0, got {self.min_padded_tokens!r}")
         if not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"top_k must be a positive int, got {self.top_k!r}")
         if self.block_size not in (32, 64, 128):
@@ -239,6 +247,9 @@ class SpargeLLMAttention:
             return None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
         if not compiling():
             padding = self._left_padding(attention_mask, query.shape[2], key.shape[2])
+            if padding is not None and any(padding) and key.shape[2] < self.min_padded_tokens:
+                return (f"a left-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
+                        "per prompt would cost more than SDPA under the mask)"), None, None
             if padding is not None:
                 return None, "lower_right", (padding if any(padding) else None)
         return "an explicit attention mask (right padding, packed sequences or a custom mask)", None, None

@@ -189,8 +189,10 @@ def test_left_padded_batch_runs_each_prompt_sparse_as_if_alone(tiny_llama):
     ids = prompt(300, batch=3)
     mask, positions = left_padded(ids, (0, 70, 299))  # the third prompt is a single token
     real = mask.bool()
-    keep_all = register("sparge_test_padded_keep", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
-    skipping = register("sparge_test_padded_skip", simthreshd1=-1.0, cdfthreshd=0.5, collect_stats=True)
+    keep_all = register("sparge_test_padded_keep", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                        min_padded_tokens=0)
+    skipping = register("sparge_test_padded_skip", simthreshd1=-1.0, cdfthreshd=0.5, collect_stats=True,
+                        min_padded_tokens=0)
     dense = logits(load(tiny_llama, "sdpa"), ids, attention_mask=mask, position_ids=positions)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="SpargeLLMAttention")
@@ -212,7 +214,8 @@ def test_left_padded_generate_chunked_or_not_gives_sdpa_tokens(tiny_llama):
     the second prompt): the sparse prefill with every block kept gives SDPA's tokens, and no call falls back."""
     ids = prompt(300, batch=2, seed=3)
     mask, _ = left_padded(ids, (0, 170))
-    attention = register("sparge_test_padded_generate", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    attention = register("sparge_test_padded_generate", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                         min_padded_tokens=0)
     for chunk in (None, 128):
         options = dict(max_new_tokens=4, do_sample=False, attention_mask=mask, pad_token_id=0)
         if chunk:
@@ -223,6 +226,29 @@ def test_left_padded_generate_chunked_or_not_gives_sdpa_tokens(tiny_llama):
             ours = load(tiny_llama, "sparge_test_padded_generate").generate(ids, **options)
         assert torch.equal(ours, load(tiny_llama, "sdpa").generate(ids, **options)), chunk
         assert attention.sparse_calls - calls == (6 if chunk else 2), chunk  # 3 chunks (128, 128, 44) x 2 layers
+
+
+def test_short_left_padded_batch_goes_to_sdpa_unless_asked(tiny_llama):
+    """Below min_padded_tokens (default 4096 keys) a left-padded batch runs SDPA under the mask, with a warning
+    that names the setting (one call per prompt would cost more there); min_padded_tokens=0 runs it sparse."""
+    ids = prompt(300, batch=2)
+    mask, positions = left_padded(ids, (0, 30))
+    short = register("sparge_test_padded_short", simthreshd1=-1.0, cdfthreshd=0.5)
+    with pytest.warns(UserWarning, match="min_padded_tokens=4096"):
+        got = logits(load(tiny_llama, "sparge_test_padded_short"), ids, attention_mask=mask, position_ids=positions)
+    assert short.sparse_calls == 0
+    assert torch.equal(got, logits(load(tiny_llama, "sdpa"), ids, attention_mask=mask, position_ids=positions))
+    assert SpargeLLMAttention(min_padded_tokens=300).route(
+        torch.nn.Module(), torch.zeros(2, 4, 300, 64), torch.zeros(2, 2, 300, 64),
+        left_padded_mask_4d(mask), 0.0, True, {})[0] is None, "300 keys reach a threshold of 300"
+    with pytest.raises(ValueError, match="min_padded_tokens"):
+        SpargeLLMAttention(min_padded_tokens=-1)
+
+
+def left_padded_mask_4d(mask):
+    """transformers' boolean (B, 1, N, N) mask of a left-padded batch without a cache."""
+    n = mask.shape[1]
+    return torch.ones(n, n, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
 
 
 def test_right_padding_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_llama):
@@ -252,7 +278,7 @@ def test_s2o_and_fsa_methods_run_the_prefill(tiny_llama, method, keep_all, skipp
     full = register(f"sparge_test_{method}_all", method=method, **keep_all)
     assert relative_l1(logits(load(tiny_llama, f"sparge_test_{method}_all"), ids), dense) < 1e-5
     assert full.sparse_calls == 2
-    skip = register(f"sparge_test_{method}_skip", method=method, collect_stats=True, **skipping)
+    skip = register(f"sparge_test_{method}_skip", method=method, collect_stats=True, min_padded_tokens=0, **skipping)
     model = load(tiny_llama, f"sparge_test_{method}_skip")
     if method == "s2o":  # S2O tests its stop every 16 ranked tiles: a query block needs more than 16 to skip any
         ids = prompt(1500)
@@ -388,7 +414,8 @@ def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
 @pytest.mark.gpu
 def test_left_padded_prefill_on_gpu_matches_sdpa(tiny_llama):
     """The kernels on a left-padded batch (bf16): SDPA's logits at the real positions, padded prompt as if alone."""
-    attention = register("sparge_test_gpu_padded", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    attention = register("sparge_test_gpu_padded", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                         min_padded_tokens=0)
     ids = prompt(1000, batch=3, seed=7).cuda()
     mask, positions = left_padded(ids, (0, 333, 999))
     real = mask.bool()
