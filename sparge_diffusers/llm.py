@@ -100,21 +100,22 @@ def _s2o_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor
 def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float | None, variant: str | None, stats: bool):
     """NSA-style selection of ``top_k`` key blocks per query token, computed by FSA's KV-outer kernel."""
-    selection = select_key_blocks(q, k, top_k=attention.top_k, block_size=attention.block_size, is_causal=True,
-                                  scale=scale)
-    out = selected_block_attention(q, k, v, selection, block_size=attention.block_size, is_causal=True,
-                                   scale=scale, validate=False)  # the selector's indices are in range
+    settings = dict(block_size=attention.block_size, is_causal=True,
+                    causal_variant=variant if q.shape[2] != k.shape[2] else None)
+    selection = select_key_blocks(q, k, top_k=attention.top_k, scale=scale, **settings)
+    out = selected_block_attention(q, k, v, selection, scale=scale, validate=False,  # the selector's are in range
+                                   **settings)
     if not stats:
         return out
-    return out, selection_sparsity(selection, heads=q.shape[1], kv_len=k.shape[2], block_size=attention.block_size)
+    return out, selection_sparsity(selection, heads=q.shape[1], kv_len=k.shape[2], **settings)
 
 
 def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float | None, variant: str | None) -> torch.Tensor:
-    selection = select_key_blocks_op(q, k, top_k=attention.top_k, block_size=attention.block_size, is_causal=True,
-                                     scale=scale)
-    return selected_block_attention_op(q, k, v, selection, block_size=attention.block_size, is_causal=True,
-                                       scale=scale, validate=False)
+    settings = dict(block_size=attention.block_size, is_causal=True,
+                    causal_variant=variant if q.shape[2] != k.shape[2] else None)
+    selection = select_key_blocks_op(q, k, top_k=attention.top_k, scale=scale, **settings)
+    return selected_block_attention_op(q, k, v, selection, scale=scale, validate=False, **settings)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class PrefillMethod:
 PREFILL_METHODS: dict[str, PrefillMethod] = {
     "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, chunks=True),
     "s2o": PrefillMethod(_s2o_prefill, None, chunks=False),
-    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled, chunks=False),
+    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled, chunks=True),
 }
 
 
@@ -163,9 +164,9 @@ class SpargeLLMAttention:
         method: how a sparse call selects its keys (:data:`PREFILL_METHODS`): ``"sparge"`` (SpargeAttn: stage 1's
             TopCdf block mask), ``"s2o"`` (S2O: key blocks ranked by compressed score, stopped once the softmax
             normaliser stops growing; :func:`s2o_attention`) or ``"fsa"`` (NSA's selection of ``top_k`` key blocks
-            per query token, computed by FSA's KV-outer kernel; :func:`selected_block_attention`). ``"s2o"`` and
-            ``"fsa"`` need as many queries as keys: chunks against a cache run ``"sparge"`` (one warning), as do
-            ``"s2o"`` calls under torch.compile. ``"fsa"``'s statistics count (query, key) pairs
+            per query token, computed by FSA's KV-outer kernel; :func:`selected_block_attention`). ``"s2o"``
+            needs as many queries as keys: its chunks against a cache run ``"sparge"`` (one warning), as do its calls
+            under torch.compile. ``"fsa"``'s statistics count (query, key) pairs
             (:func:`selection_sparsity`), not block products.
         simthreshd1, cdfthreshd, pvthreshd, attention_sink: as in :func:`sparge_attention` (upstream names;
             ``attention_sink`` keeps the first key block of every query block, as LLMs' sink token needs);

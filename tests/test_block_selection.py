@@ -74,6 +74,33 @@ def test_kernel_matches_reference(case, dtype, layout, keys, monkeypatch):
     assert (out[..., 0] == ref[..., 0]).float().mean() > 0.97
 
 
+@pytest.mark.parametrize("nq, nkv, variant", [(70, 300, "lower_right"), (200, 90, "lower_right"),
+                                              (100, 300, "upper_left")])
+def test_causal_variants_match_the_reference_and_the_equal_length_call(nq, nkv, variant, monkeypatch):
+    """Causal calls with Nq != Nkv: the kernel against the reference (rows place their own block and visibility
+    at position i + offset; rows that see no block get only -1), and the reference's lower-right chunk equal to
+    the last rows of the equal-length call on the same keys."""
+    monkeypatch.setattr(selection_module, "SELECT_CHUNK", 16)
+    q, k = make_qk(1, 4, 2, nq, nkv, 32, torch.float16, "HND", seed=nq)
+    kwargs = dict(block_size=32, is_causal=True, scale=32 ** -0.5, sink_blocks=1, local_blocks=2)
+    offset = nkv - nq if variant == "lower_right" else 0
+    out = torch.full((1, 2, nq, 6), 7777, dtype=torch.int32)
+    selection_module.select_key_blocks_triton(q, k, out, causal_offset=offset, **kwargs)
+    ref = select_key_blocks(q, k, top_k=6, backend="reference", causal_variant=variant, **kwargs)
+    importance = reference_block_importance(q, k, q_start=offset, **kwargs)
+    check_is_top_k(out, importance, 6, tol=2e-2)
+    assert (out.sort(-1).values == ref.sort(-1).values).all(-1).float().mean() > 0.97
+    if offset < 0:
+        assert (out[:, :, :-offset] == -1).all() and (ref[:, :, :-offset] == -1).all()  # no key to see
+    if variant == "lower_right" and nq < nkv:
+        qf, _ = make_qk(1, 4, 2, nkv, nkv, 32, torch.float16, "HND", seed=nq + 1)
+        qf[:, :, nkv - nq:] = q
+        full = select_key_blocks(qf, k, top_k=6, backend="reference", **kwargs)
+        assert torch.equal(ref, full[:, :, nkv - nq:])
+    with pytest.raises(ValueError, match="causal_variant"):
+        select_key_blocks(q, k, top_k=6, backend="reference", **kwargs)
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_selection_rules(backend):
     """Forced sink and local blocks, nothing hidden, all it can up to top_k, no repeats, the scores followed."""
@@ -171,24 +198,26 @@ def test_gpu_custom_op_under_inductor():
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(12))
 def test_gpu_random_calls(seed):
-    """One random call per seed (shape, group, layout incl. non-contiguous views, dtype, block, top_k, causality)
-    against the float32 reference on the CPU."""
+    """One random call per seed (shape, group, layout incl. non-contiguous views, dtype, block, top_k, causality and
+    causal variant) against the float32 reference on the CPU."""
     g = torch.Generator().manual_seed(seed)
     pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
     B, HK, group = pick([1, 2]), pick([1, 2, 4]), pick([1, 2, 3, 4, 8, 16])
     D, block, dtype = pick([32, 64, 96, 128]), pick([32, 64, 128]), pick([torch.bfloat16, torch.float16])
     causal, layout = pick([True, False]), pick(["HND", "NHD"])
+    variant = pick([None, "lower_right", "upper_left"]) if causal else None
     Nq = int(torch.randint(1, 3000, (1,), generator=g))
-    Nkv = Nq if causal else int(torch.randint(1, 3000, (1,), generator=g))
+    Nkv = Nq if causal and variant is None else int(torch.randint(1, 3000, (1,), generator=g))
     top_k = int(torch.randint(1, 40, (1,), generator=g))
     H = HK * group
     q, k = make_qk(B, H, HK, Nq, Nkv, D, dtype, "HND", seed=seed, device="cuda")
     if layout == "NHD":  # non-contiguous (B, N, H, D) views of (B, H, N, D) tensors
         q, k = (t.transpose(1, 2) for t in (q, k))
     kwargs = dict(block_size=block, is_causal=causal, scale=D ** -0.5, sink_blocks=1, local_blocks=1)
-    got = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, **kwargs).cpu()
+    got = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, causal_variant=variant, **kwargs).cpu()
     qc, kc = q.cpu().float(), k.cpu().float()
-    importance = reference_block_importance(qc, kc, tensor_layout=layout, **kwargs)
+    importance = reference_block_importance(qc, kc, tensor_layout=layout,
+                                            q_start=Nkv - Nq if variant == "lower_right" else 0, **kwargs)
     check_is_top_k(got, importance, top_k, tol=1e-2 * group)
-    ref = select_key_blocks(qc, kc, top_k=top_k, tensor_layout=layout, **kwargs)
+    ref = select_key_blocks(qc, kc, top_k=top_k, tensor_layout=layout, causal_variant=variant, **kwargs)
     assert (got.sort(-1).values == ref.sort(-1).values).all(-1).float().mean() > 0.95

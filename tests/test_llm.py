@@ -294,27 +294,41 @@ def test_s2o_and_fsa_methods_run_the_prefill(tiny_llama, method, keep_all, skipp
     assert relative_l1(padded[1, 40:], logits(model, ids[:, 40:])[0]) < 1e-5
 
 
-def test_s2o_and_fsa_chunks_run_sparge_and_bad_settings_raise(tiny_llama):
-    """A chunk against a cache (fewer queries than keys) runs "sparge" with one warning, and gives its result."""
+def test_chunks_against_a_cache_s2o_runs_sparge_fsa_runs_itself(tiny_llama):
+    """A chunk against a cache (fewer queries than keys): "s2o" runs "sparge" with one warning (its result); "fsa"
+    runs its lower-right variant (no warning): every block kept, SDPA's logits; top_k=2, its stats over the
+    chunk's (query, key) pairs and logits that differ."""
     import copy
 
     ids = prompt(400)
     sdpa = load(tiny_llama, "sdpa")
     prefix = transformers.DynamicCache(config=sdpa.config)  # one cache for all, so that only the chunk differs
     logits(sdpa, ids[:, :250], past_key_values=prefix, use_cache=True)
-    results = {}
-    for name, settings in (("sparge", {}), ("s2o", dict(method="s2o")), ("fsa", dict(method="fsa"))):
-        attention = register(f"sparge_test_chunk_{name}", simthreshd1=-1.0, cdfthreshd=0.5, **settings)
+    dense = logits(sdpa, ids[:, 250:], past_key_values=copy.deepcopy(prefix), use_cache=True)
+    results, functions = {}, {}
+    for name, settings in (("sparge", {}), ("s2o", dict(method="s2o")), ("fsa", dict(method="fsa", top_k=7)),
+                           ("fsa_skip", dict(method="fsa", top_k=2, collect_stats=True))):
+        attention = functions[name] = register(f"sparge_test_chunk_{name}", simthreshd1=-1.0, cdfthreshd=0.5,
+                                               **settings)
         model = load(tiny_llama, f"sparge_test_chunk_{name}")
         cache = copy.deepcopy(prefix)
-        if name == "sparge":
-            results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
-        else:
+        if name == "s2o":
             with pytest.warns(UserWarning, match="chunks against a cache run 'sparge'"):
                 results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="SpargeLLMAttention")
+                results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
         assert attention.sparse_calls == 2
-    assert torch.equal(results["s2o"], results["sparge"]) and torch.equal(results["fsa"], results["sparge"])
-    assert relative_l1(results["sparge"], logits(sdpa, ids[:, 250:], past_key_values=prefix, use_cache=True)) > 1e-3
+    assert torch.equal(results["s2o"], results["sparge"])
+    assert relative_l1(results["sparge"], dense) > 1e-3
+    assert relative_l1(results["fsa"], dense) < 1e-5  # 7 blocks of 64: all 400 keys
+    assert relative_l1(results["fsa_skip"], dense) > 1e-3
+    stats = functions["fsa_skip"].stats  # the chunk's rows see 251..400 keys
+    assert len(stats) == 2 and all(s.dense_blocks == sum(range(251, 401)) and s.sparsity > 0 for s in stats)
+
+
+def test_bad_settings_raise():
     for bad, message in ((dict(method="topk"), "method must be one of"), (dict(method="fsa", pbs_segment=256),
                          "pbs_segment pairs"), (dict(s2o_segment=100), "s2o_segment"), (dict(top_k=0), "top_k"),
                          (dict(block_size=48), "block_size")):
@@ -447,6 +461,15 @@ def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
         model = load(tiny_llama, f"sparge_test_gpu_{method}_skip").to("cuda", torch.bfloat16)
         sparse = logits(model, ids).float()
         assert torch.isfinite(sparse).all() and relative_l1(sparse, dense) > 3e-2, method
+    # FSA on a chunk against a cache (lower right): every block kept, SDPA's logits
+    register("sparge_test_gpu_fsa_chunk", method="fsa", top_k=32)
+    chunked = {}
+    for name in ("sdpa", "sparge_test_gpu_fsa_chunk"):
+        model = load(tiny_llama, name).to("cuda", torch.bfloat16)
+        cache = transformers.DynamicCache(config=model.config)
+        logits(model, ids[:, :1400], past_key_values=cache, use_cache=True)
+        chunked[name] = logits(model, ids[:, 1400:], past_key_values=cache, use_cache=True).float()
+    assert relative_l1(chunked["sparge_test_gpu_fsa_chunk"], chunked["sdpa"]) < 2e-2
     # compiled FSA (inductor): its two operators on the same inputs give the eager call's output (through a whole
     # model, inductor's bf16 fusions move q and k enough to flip top-2 choices, so that is not compared)
     module = torch.nn.Module()

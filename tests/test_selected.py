@@ -63,6 +63,62 @@ def test_kernel_matches_reference(case, dtype, layout, monkeypatch):
     assert (got.float() - ref.float()).abs().max() < (0.05 if dtype == torch.bfloat16 else 0.01)
 
 
+VARIANT_CASES = [
+    # B, H, HK, Nq, Nkv, D, block, top_k, causal_variant
+    (1, 4, 2, 70, 200, 64, 32, 3, "lower_right"),   # a chunk against a cache; offset 130 is no multiple of a block
+    (1, 2, 1, 130, 77, 32, 64, 4, "lower_right"),   # Nq > Nkv: the first 53 rows see no key (zeros)
+    (2, 2, 2, 90, 167, 32, 64, 2, "upper_left"),
+    (1, 2, 1, 200, 100, 16, 32, 3, "upper_left"),   # rows past the keys see all of them
+]
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_kernel_matches_reference_with_causal_variants(case, dtype, layout, monkeypatch):
+    B, H, HK, Nq, Nkv, D, block, top_k, variant = case
+    monkeypatch.setattr(selected_module, "QUERY_CHUNK", 64)
+    q, k, v = make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed=Nq + Nkv)
+    idx = random_selection(B, HK, Nq, math.ceil(Nkv / block), top_k, seed=Nq)
+    kwargs = dict(block_size=block, tensor_layout=layout, causal_variant=variant)
+    ref = selected_block_attention(q, k, v, idx, backend="reference", **kwargs)
+    got = selected_block_attention(q, k, v, idx, backend="triton", out=poisoned_like(q), **kwargs)
+    assert not torch.isnan(got).any()
+    assert relative_l1(got.float(), ref.float()) < L1_TOL[dtype]
+    assert (got.float() - ref.float()).abs().max() < (0.05 if dtype == torch.bfloat16 else 0.01)
+    if variant == "lower_right" and Nq > Nkv:
+        rows = got[:, :, :Nq - Nkv] if layout == "HND" else got[:, :Nq - Nkv]
+        assert (rows == 0).all()  # rows before the first key see none
+
+
+def test_causal_variants_reproduce_the_equal_length_call():
+    """The semantics, against the equal-length causal call: a lower-right chunk of the last C queries gives the full
+    call's last C rows (same selections); upper-left with fewer queries than keys gives the call on the first Nq
+    keys. Both backends."""
+    q, k, v = make_qkv(1, 4, 2, 230, 230, 32, torch.float16, "HND", seed=9)
+    idx = random_selection(1, 2, 230, 8, 4, seed=9)
+    for backend in ("reference", "triton"):
+        kw = dict(block_size=32, backend=backend)
+        full = selected_block_attention(q, k, v, idx, **kw)
+        chunk = selected_block_attention(q[:, :, 150:], k, v, idx[:, :, 150:], causal_variant="lower_right", **kw)
+        assert relative_l1(chunk.float(), full[:, :, 150:].float()) < 1e-6, backend
+        early = torch.where(idx[:, :, :100] >= 4, -1, idx[:, :, :100])  # blocks past key 99: hidden from these rows
+        first = selected_block_attention(q[:, :, :100], k[:, :, :100], v[:, :, :100], early, **kw)
+        upper = selected_block_attention(q[:, :, :100], k, v, idx[:, :, :100], causal_variant="upper_left", **kw)
+        assert relative_l1(upper.float(), first.float()) < 1e-6, backend
+        with pytest.raises(ValueError, match="causal_variant"):
+            selected_block_attention(q[:, :, 150:], k, v, idx[:, :, 150:], **kw)
+    index = build_selection_index(idx[:, :, 150:], q_len=80, kv_len=230, block_size=32, is_causal=True,
+                                  causal_offset=150)
+    chunk = selected_block_attention(q[:, :, 150:], k, v, idx[:, :, 150:], block_size=32, backend="triton",
+                                     causal_variant="lower_right")
+    assert torch.equal(selected_block_attention(q[:, :, 150:], k, v, index, block_size=32, backend="triton",
+                                                causal_variant="lower_right"), chunk)
+    with pytest.raises(ValueError, match="causal_offset=150"):  # an index of the chunk, used upper-left
+        selected_block_attention(q[:, :, 150:], k, v, index, block_size=32, backend="triton",
+                                 causal_variant="upper_left")
+
+
 def test_every_block_selected_equals_sdpa_and_empty_rows_are_zero():
     B, H, HK, N, D, block = 1, 4, 2, 150, 32, 32
     q, k, v = make_qkv(B, H, HK, N, N, D, torch.float16, "HND", seed=3)
@@ -143,6 +199,10 @@ def test_query_chunks_give_the_one_piece_output():
     per_query = 3 * 4 * (32 * 2 + 4)
     chunked = selected_block_attention(q, k, v, idx, max_partial_bytes=per_query * 70, out=poisoned_like(q), **kwargs)
     assert torch.equal(chunked, whole)  # 5 chunks of 60 queries; rows are computed independently
+    tail = dict(kwargs, causal_variant="lower_right")  # the last 200 queries: each chunk keeps the causal offset
+    whole = selected_block_attention(q[:, 100:], k, v, idx[:, :, 100:], **tail)
+    chunked = selected_block_attention(q[:, 100:], k, v, idx[:, :, 100:], max_partial_bytes=per_query * 70, **tail)
+    assert torch.equal(chunked, whole)
     with pytest.raises(ValueError, match="outside"):
         build_selection_index(idx, q_len=300, kv_len=300, block_size=32, is_causal=True, q_start=10)
     part = build_selection_index(idx[:, :, 100:], q_len=300, kv_len=300, block_size=32, is_causal=True, q_start=100)
@@ -162,35 +222,39 @@ def test_selection_index_reuse_is_checked():
         selected_block_attention(q, k, v, index, block_size=32, is_causal=False, backend="triton")
 
 
-@pytest.mark.parametrize("is_causal", [True, False])
-def test_selection_sparsity_counts_the_pairs_a_selection_covers(is_causal):
+@pytest.mark.parametrize("is_causal, nq, variant", [(True, 150, None), (False, 150, None), (True, 60, "lower_right"),
+                                                     (True, 60, "upper_left"), (True, 200, "lower_right")])
+def test_selection_sparsity_counts_the_pairs_a_selection_covers(is_causal, nq, variant):
     """Against a dense (query, key) coverage mask built pair by pair: repeats, -1, out-of-range picks, hidden and
-    partly hidden blocks (causal), the short last block; per query head of each group."""
+    partly hidden blocks (causal, both variants with Nq != Nkv), the short last block; per query head of each
+    group."""
     from sparge_diffusers import selection_sparsity
 
-    n, block, heads = 150, 32, 4  # 5 blocks, the last of 22 keys
+    n, block, heads = 150, 32, 4  # 5 blocks of keys, the last of 22
     generator = torch.Generator().manual_seed(4)
-    sel = torch.randint(-1, 7, (2, 2, n, 4), generator=generator)  # -1 = none, 5 and 6 = out of range
+    sel = torch.randint(-1, 7, (2, 2, nq, 4), generator=generator)  # -1 = none, 5 and 6 = out of range
     sel[0, 0, :, 1] = sel[0, 0, :, 0]  # repeats
-    stats = selection_sparsity(sel, heads=heads, kv_len=n, block_size=block, is_causal=is_causal)
-    covered = torch.zeros(2, 2, n, n, dtype=torch.bool)
+    stats = selection_sparsity(sel, heads=heads, kv_len=n, block_size=block, is_causal=is_causal,
+                               causal_variant=variant)
+    covered = torch.zeros(2, 2, nq, n, dtype=torch.bool)
     for b, h, i, t in torch.nonzero(sel >= 0).tolist():
         j = int(sel[b, h, i, t])
         covered[b, h, i, j * block:(j + 1) * block] = True  # slicing past n covers nothing
-    visible = torch.ones(n, n, dtype=torch.bool)
+    visible = torch.ones(nq, n, dtype=torch.bool)
     if is_causal:
-        visible = visible.tril()
+        visible = visible.tril(diagonal=n - nq if variant == "lower_right" else 0)
     covered &= visible
     want = 1 - covered.sum(dim=(2, 3)).double() / visible.sum()
     want = want.repeat_interleave(heads // 2, dim=1).mean(0).float()
     torch.testing.assert_close(stats.qk_skipped, want)
     torch.testing.assert_close(stats.pv_skipped, want)
     assert stats.dense_blocks == int(visible.sum()) and 0 < stats.sparsity < 1
-    everything = torch.arange(5).expand(1, 1, n, 5)
-    assert selection_sparsity(everything, heads=1, kv_len=n, block_size=block, is_causal=is_causal).sparsity == 0
+    everything = torch.arange(5).expand(1, 1, nq, 5)
+    assert selection_sparsity(everything, heads=1, kv_len=n, block_size=block, is_causal=is_causal,
+                              causal_variant=variant).sparsity == 0
     with pytest.raises(ValueError, match="multiple"):
         selection_sparsity(sel, heads=3, kv_len=n, block_size=block)
-    with pytest.raises(ValueError, match="as many queries as keys"):
+    with pytest.raises(ValueError, match="pass causal_variant"):
         selection_sparsity(sel, heads=4, kv_len=n + 1, block_size=block)
 
 
@@ -223,6 +287,14 @@ def test_custom_op_compiles_as_one_graph_and_matches(layout):
     assert torch.equal(first, eager + 1.0) and torch.equal(first, second)
     with pytest.raises(ValueError, match="block_size"):
         selected_block_attention_op(q, k, v, idx, block_size=48, tensor_layout=layout)
+    chunk = (q[:, :, 100:] if layout == "HND" else q[:, 100:]).contiguous()  # a lower-right chunk, through the op
+    args = (chunk, k, v, idx[:, :, 100:])
+    want = selected_block_attention(*args, causal_variant="lower_right", **kwargs)
+    assert torch.equal(selected_block_attention_op(*args, causal_variant="lower_right", **kwargs), want)
+    torch.library.opcheck(torch.ops.sparge_diffusers.selected_block_attention.default,
+                          args + (32, True, 0.25, layout, True, 1 << 30, "lower_right"))
+    with pytest.raises(ValueError, match="causal_variant"):
+        selected_block_attention_op(*args, **kwargs)
 
 
 @pytest.mark.gpu
@@ -244,22 +316,23 @@ def test_gpu_matches_reference(layout, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(24))
 def test_gpu_random_calls(seed):
-    """One random call per seed: shape, GQA, layout (incl. non-contiguous views), dtype, block, top_k, causality,
-    a reused index, against the float32 reference on the CPU; every output element written."""
+    """One random call per seed: shape, GQA, layout (incl. non-contiguous views), dtype, block, top_k, causality
+    and causal variant, a reused index, against the float32 reference on the CPU; every output element written."""
     g = torch.Generator().manual_seed(seed)
     pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
     B, HK, group = pick([1, 2]), pick([1, 2, 4]), pick([1, 2, 4, 8])
     D, block, dtype = pick([32, 64, 96, 128]), pick([32, 64, 128]), pick([torch.bfloat16, torch.float16])
     causal, layout = pick([True, False]), pick(["HND", "NHD"])
+    variant = pick([None, "lower_right", "upper_left"]) if causal else None
     Nq = int(torch.randint(1, 2500, (1,), generator=g))
-    Nkv = Nq if causal else int(torch.randint(1, 2500, (1,), generator=g))
+    Nkv = Nq if causal and variant is None else int(torch.randint(1, 2500, (1,), generator=g))
     top_k = int(torch.randint(1, 20, (1,), generator=g))
     H = HK * group
     q, k, v = make_qkv(B, H, HK, Nq, Nkv, D, dtype, "HND", seed=seed, device="cuda")
     if layout == "NHD":  # non-contiguous (B, N, H, D) views of (B, H, N, D) tensors
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     sel = random_selection(B, HK, Nq, math.ceil(Nkv / block), top_k, seed=seed, device="cuda")
-    kwargs = dict(block_size=block, is_causal=causal, tensor_layout=layout)
+    kwargs = dict(block_size=block, is_causal=causal, tensor_layout=layout, causal_variant=variant)
     budget = pick([selected_module.MAX_PARTIAL_BYTES, 1 << 20])  # one piece, or query chunks
     got = selected_block_attention(q, k, v, sel, out=poisoned_like(q), max_partial_bytes=budget, **kwargs)
     ref = selected_block_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), sel.cpu(), **kwargs)
@@ -267,8 +340,10 @@ def test_gpu_random_calls(seed):
     if ref.abs().sum() == 0:  # every selection empty (a tiny Nq): zero rows
         assert (got == 0).all()
     else:
-        assert relative_l1(got.cpu().float(), ref) < L1_TOL[dtype], (B, H, HK, Nq, Nkv, D, block, top_k, causal)
-    index = build_selection_index(sel, q_len=Nq, kv_len=Nkv, block_size=block, is_causal=causal)
+        assert relative_l1(got.cpu().float(), ref) < L1_TOL[dtype], (B, H, HK, Nq, Nkv, D, block, top_k, causal,
+                                                                     variant)
+    index = build_selection_index(sel, q_len=Nq, kv_len=Nkv, block_size=block, is_causal=causal,
+                                  causal_offset=Nkv - Nq if variant == "lower_right" else 0)
     assert torch.equal(selected_block_attention(q, k, v, index, **kwargs), got)
 
 

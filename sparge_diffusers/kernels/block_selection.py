@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from .._launch import launch
-from ._inputs import (Backend, TensorLayout, check_attention_inputs, check_kernel_dtype, pick_backend, resolve_scale,
-                      to_hnd)
+from ._inputs import (Backend, CausalVariant, TensorLayout, check_attention_inputs, check_kernel_dtype, pick_backend,
+                      resolve_scale, to_hnd)
 from .attention import LOG2E
 from .selected import _check_block_size
 
@@ -89,22 +89,23 @@ def _bitonic_merge_descending(x, LOG_K: tl.constexpr):
 
 
 @triton.jit
-def _block_scores(q, means_base, stride_mn, blocks, offs_d, d_mask, n_blocks, row_token, scale_log2,
+def _block_scores(q, means_base, stride_mn, blocks, offs_d, d_mask, n_blocks, row_position, scale_log2,
                   BLOCK_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Base-2 scores of q's rows against the means of ``blocks``; -inf where a row's token cannot see a block."""
+    """Base-2 scores of q's rows against the means of ``blocks``; -inf where a row's token (at key position
+    ``row_position``) cannot see a block."""
     means = tl.load(means_base + blocks[:, None].to(tl.int64) * stride_mn + offs_d[None, :],
                     mask=(blocks < n_blocks)[:, None] & d_mask[None, :], other=0.0)
     s = tl.dot(q, tl.trans(means)) * scale_log2
     visible = (blocks < n_blocks)[None, :]
     if IS_CAUSAL:
-        visible = visible & (blocks[None, :] * BLOCK_SIZE <= row_token[:, None])
+        visible = visible & (blocks[None, :] * BLOCK_SIZE <= row_position[:, None])
     return tl.where(visible, s, -float("inf"))
 
 
 @triton.jit
 def _select_key_blocks_kernel(
     Q, MEANS, OUT,
-    scale_log2, q_len, kv_heads, group, n_blocks, top_k, sink_blocks, local_blocks,
+    scale_log2, q_len, kv_heads, group, n_blocks, top_k, sink_blocks, local_blocks, causal_offset,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_mb, stride_mh, stride_mn,
     stride_ob, stride_oh, stride_on,
@@ -123,6 +124,7 @@ def _select_key_blocks_kernel(
     # so the importance is a sum over the middle axis of a [BLOCK_Q, GROUP_PAD, K_PAD] reshape
     rows = tl.arange(0, ROWS)
     row_token = q0 + rows // GROUP_PAD
+    row_position = row_token + causal_offset  # the token's key position under causal masking
     row_head = rows % GROUP_PAD
     row_valid = (row_token < q_len) & (row_head < group)
     offs_d = tl.arange(0, D_PAD)
@@ -134,7 +136,7 @@ def _select_key_blocks_kernel(
     offs_c = tl.arange(0, CHUNK)
 
     if IS_CAUSAL:  # blocks past the tile's last token are hidden from all of its tokens
-        walk_end = tl.minimum(n_blocks, (q0 + BLOCK_Q - 1) // BLOCK_SIZE + 1)
+        walk_end = tl.minimum(n_blocks, tl.maximum(q0 + BLOCK_Q - 1 + causal_offset, 0) // BLOCK_SIZE + 1)
     else:
         walk_end = n_blocks
 
@@ -142,13 +144,13 @@ def _select_key_blocks_kernel(
     m = tl.full([ROWS], -float("inf"), tl.float32)
     den = tl.zeros([ROWS], tl.float32)
     for c0 in range(0, walk_end, CHUNK):
-        s = _block_scores(q, means_base, stride_mn, c0 + offs_c, offs_d, d_mask, n_blocks, row_token, scale_log2,
-                          BLOCK_SIZE, IS_CAUSAL)
+        s = _block_scores(q, means_base, stride_mn, c0 + offs_c, offs_d, d_mask, n_blocks, row_position,
+                          scale_log2, BLOCK_SIZE, IS_CAUSAL)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
         den = den * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m = m_new
-    # padded heads and rows weigh nothing; every real row sees block 0 (causal) or all blocks, so den > 0
+    # padded heads and rows weigh nothing, and so do rows that see no block (a lower-right row before the keys)
     weight = tl.where(row_valid & (den > 0), 1.0 / tl.where(den > 0, den, 1.0), 0.0)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
 
@@ -160,15 +162,16 @@ def _select_key_blocks_kernel(
     offs_m = tl.arange(0, K_PAD)
     for c0 in range(0, walk_end, K_PAD):
         blocks = c0 + offs_m
-        s = _block_scores(q, means_base, stride_mn, blocks, offs_d, d_mask, n_blocks, row_token, scale_log2,
+        s = _block_scores(q, means_base, stride_mn, blocks, offs_d, d_mask, n_blocks, row_position, scale_log2,
                           BLOCK_SIZE, IS_CAUSAL)
         p = tl.exp2(s - m_safe[:, None]) * weight[:, None]  # hidden blocks: exp2(-inf) = 0
         importance = tl.sum(tl.reshape(p, [BLOCK_Q, GROUP_PAD, K_PAD]), 1)  # in [0, group]
         seen = (blocks < n_blocks)[None, :] & (tokens < q_len)[:, None]
         forced = (blocks < sink_blocks)[None, :]
         if IS_CAUSAL:
-            seen = seen & (blocks[None, :] * BLOCK_SIZE <= tokens[:, None])
-            own = (tokens // BLOCK_SIZE)[:, None]
+            positions = tokens + causal_offset
+            seen = seen & (blocks[None, :] * BLOCK_SIZE <= positions[:, None])
+            own = (tl.maximum(positions, 0) // BLOCK_SIZE)[:, None]  # rows before the keys see nothing (seen)
             forced = forced | ((blocks[None, :] <= own) & (blocks[None, :] > own - local_blocks))
         importance = tl.where(forced, FORCED, importance)
         bits = importance.to(tl.int32, bitcast=True)
@@ -200,7 +203,8 @@ def block_mean_keys(kh: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def select_key_blocks_triton(qh: torch.Tensor, kh: torch.Tensor, out: torch.Tensor, *, block_size: int,
-                             is_causal: bool, scale: float, sink_blocks: int, local_blocks: int) -> None:
+                             is_causal: bool, scale: float, sink_blocks: int, local_blocks: int,
+                             causal_offset: int = 0) -> None:
     """Launch the selection kernel on (B, H, Nq, D) / (B, H_kv, Nkv, D) views; writes every element of ``out``
     ((B, H_kv, Nq, top_k) int32, last dim contiguous)."""
     B, H, Nq, D = qh.shape
@@ -214,7 +218,7 @@ def select_key_blocks_triton(qh: torch.Tensor, kh: torch.Tensor, out: torch.Tens
     k_pad = max(16, triton.next_power_of_2(top_k))
     config = SELECT_LAUNCH if SELECT_LAUNCH is not None else {"num_warps": 4, "num_stages": 2}
     launch(_select_key_blocks_kernel, (triton.cdiv(Nq, block_q), B * HK),
-           qh, means, out, scale * LOG2E, Nq, HK, group, n_blocks, top_k, sink_blocks, local_blocks,
+           qh, means, out, scale * LOG2E, Nq, HK, group, n_blocks, top_k, sink_blocks, local_blocks, causal_offset,
            *qh.stride(), *means.stride()[:3], *out.stride()[:3],
            HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), GROUP_PAD=group_pad, BLOCK_Q=block_q,
            CHUNK=SELECT_CHUNK, K_PAD=k_pad, LOG_K=k_pad.bit_length() - 1, BLOCK_SIZE=block_size,
@@ -235,6 +239,7 @@ def select_key_blocks(
     tensor_layout: TensorLayout = "HND",
     backend: Backend = "auto",
     query_chunk: int = 2048,
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor:
     """A per-query selection of ``top_k`` key blocks, NSA-style, from block-mean keys.
 
@@ -251,6 +256,9 @@ def select_key_blocks(
             "reference". The kernel scores in the inputs' precision (block means rounded to it, float32
             accumulation), so blocks whose importances tie to that precision may be picked differently.
         query_chunk: query tokens per step of the reference (bounds its (tokens, blocks) score buffers).
+        causal_variant: for causal calls with Nq != Nkv, as for
+            :func:`~sparge_diffusers.kernels.selected.selected_block_attention`: "lower_right" puts query i at key
+            position i + Nkv - Nq (its own block and visibility follow that position), "upper_left" at i.
     Returns:
         (B, H_kv, Nq, top_k) int32 block indices, best first (ties: the lower block); -1 where fewer than
         ``top_k`` blocks are visible.
@@ -258,7 +266,8 @@ def select_key_blocks(
     Inside ``torch.compile``d code call :func:`~sparge_diffusers.kernels.library.select_key_blocks_op` (the same
     call as one custom-operator node).
     """
-    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)
     _check_block_size(block_size)
     scale = resolve_scale(scale, shape.head_dim)
     for name, value, low in (("top_k", top_k, 1), ("sink_blocks", sink_blocks, 0), ("local_blocks", local_blocks, 0),
@@ -266,7 +275,7 @@ def select_key_blocks(
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     kwargs = dict(block_size=block_size, is_causal=is_causal, scale=scale, sink_blocks=sink_blocks,
-                  local_blocks=local_blocks)
+                  local_blocks=local_blocks, causal_offset=shape.causal_offset)
     if pick_backend(backend, q.device) == "reference":
         from .reference import reference_select_key_blocks
 

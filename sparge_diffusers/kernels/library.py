@@ -142,15 +142,17 @@ def sparge_attention_op(
 @torch.library.custom_op("sparge_diffusers::selected_block_attention", mutates_args=())
 def _selected_block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
                                  block_size: int, is_causal: bool, scale: float, tensor_layout: str, validate: bool,
-                                 max_partial_bytes: int) -> torch.Tensor:
+                                 max_partial_bytes: int, causal_variant: str | None = None) -> torch.Tensor:
     return selected_block_attention(q, k, v, block_indices, block_size=block_size, is_causal=is_causal, scale=scale,
                                     tensor_layout=tensor_layout, validate=validate, out=new_output(q),
-                                    max_partial_bytes=max_partial_bytes)
+                                    max_partial_bytes=max_partial_bytes, causal_variant=causal_variant)
 
 
 @_selected_block_attention_op.register_fake
-def _(q, k, v, block_indices, block_size, is_causal, scale, tensor_layout, validate, max_partial_bytes):
-    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)  # at trace time
+def _(q, k, v, block_indices, block_size, is_causal, scale, tensor_layout, validate, max_partial_bytes,
+      causal_variant=None):
+    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                           causal_variant=causal_variant)  # errors at trace time
     _check_block_size(block_size)
     return new_output(q)
 
@@ -167,6 +169,7 @@ def selected_block_attention_op(
     tensor_layout: TensorLayout = "HND",
     validate: bool = True,
     max_partial_bytes: int = MAX_PARTIAL_BYTES,
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor:
     """:func:`~sparge_diffusers.kernels.selected.selected_block_attention` through its custom operator, for code
     compiled with ``torch.compile``: the same arguments (a per-query ``block_indices`` tensor; a prebuilt
@@ -175,19 +178,22 @@ def selected_block_attention_op(
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.selected_block_attention(
         q, k, v, block_indices, int(block_size), bool(is_causal), scale, tensor_layout, bool(validate),
-        int(max_partial_bytes))
+        int(max_partial_bytes), causal_variant)
 
 
 @torch.library.custom_op("sparge_diffusers::select_key_blocks", mutates_args=())
 def _select_key_blocks_op(q: torch.Tensor, k: torch.Tensor, top_k: int, block_size: int, is_causal: bool,
-                          scale: float, sink_blocks: int, local_blocks: int, tensor_layout: str) -> torch.Tensor:
+                          scale: float, sink_blocks: int, local_blocks: int, tensor_layout: str,
+                          causal_variant: str | None = None) -> torch.Tensor:
     return select_key_blocks(q, k, top_k=top_k, block_size=block_size, is_causal=is_causal, scale=scale,
-                             sink_blocks=sink_blocks, local_blocks=local_blocks, tensor_layout=tensor_layout)
+                             sink_blocks=sink_blocks, local_blocks=local_blocks, tensor_layout=tensor_layout,
+                             causal_variant=causal_variant)
 
 
 @_select_key_blocks_op.register_fake
-def _(q, k, top_k, block_size, is_causal, scale, sink_blocks, local_blocks, tensor_layout):
-    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)
+def _(q, k, top_k, block_size, is_causal, scale, sink_blocks, local_blocks, tensor_layout, causal_variant=None):
+    shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)
     _check_block_size(block_size)
     return q.new_empty((shape.batch, shape.kv_heads, shape.q_len, top_k), dtype=torch.int32)
 
@@ -203,9 +209,11 @@ def select_key_blocks_op(
     sink_blocks: int = 1,
     local_blocks: int = 1,
     tensor_layout: TensorLayout = "HND",
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor:
     """:func:`~sparge_diffusers.kernels.block_selection.select_key_blocks` through its custom operator, for code
     compiled with ``torch.compile``: the same arguments (backend "auto") and output."""
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.select_key_blocks(q, k, int(top_k), int(block_size), bool(is_causal), scale,
-                                                        int(sink_blocks), int(local_blocks), tensor_layout)
+                                                        int(sink_blocks), int(local_blocks), tensor_layout,
+                                                        causal_variant)

@@ -277,11 +277,12 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
 
 def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, shape: AttentionShape,
                                        block_size: int, is_causal: bool, scale: float,
-                                       tensor_layout: TensorLayout = "HND") -> torch.Tensor:
+                                       tensor_layout: TensorLayout = "HND", causal_offset: int = 0) -> torch.Tensor:
     """Attention of each query over the keys of its own selected blocks (``kernels/selected.py``), in float32.
 
     The selection becomes a dense (Nq, Nkv) key mask per KV head (indices < 0 or past the last block select
-    nothing; repeats are harmless), intersected with the causal mask; a query that sees no key gets a zero row.
+    nothing; repeats are harmless), intersected with the causal mask (query row i at key position i +
+    ``causal_offset``); a query that sees no key gets a zero row.
     """
     qh, kh, vh = (to_hnd(t, tensor_layout).float() for t in (q, k, v))
     B, H, Nq, D = qh.shape
@@ -293,7 +294,7 @@ def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, 
     chosen.scatter_(-1, torch.where((idx >= 0) & (idx < n_blocks), idx, n_blocks), True)
     keys = chosen[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :Nkv]  # (B, HK, Nq, Nkv)
     if is_causal:
-        keys = keys & torch.ones(Nq, Nkv, dtype=torch.bool, device=q.device).tril()
+        keys = keys & torch.ones(Nq, Nkv, dtype=torch.bool, device=q.device).tril(diagonal=causal_offset)
     keys = keys.repeat_interleave(group, dim=1)
     s = (qh @ kh.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
     s = s.masked_fill(~keys, -math.inf)
@@ -336,10 +337,10 @@ def reference_block_importance(q, k, *, block_size: int, is_causal: bool, scale:
 
 def reference_select_key_blocks(q, k, *, top_k: int, block_size: int, is_causal: bool, scale: float,
                                 sink_blocks: int, local_blocks: int, tensor_layout: TensorLayout = "HND",
-                                query_chunk: int = 2048) -> torch.Tensor:
+                                query_chunk: int = 2048, causal_offset: int = 0) -> torch.Tensor:
     """The ``top_k`` most important visible blocks of each query token (see :func:`reference_block_importance`),
     best first, ties to the lower block (a stable sort), -1 past the visible ones; ``query_chunk`` tokens at a
-    time. Returns (B, H_kv, Nq, top_k) int32."""
+    time; query row i at key position i + ``causal_offset``. Returns (B, H_kv, Nq, top_k) int32."""
     qh = to_hnd(q, tensor_layout)
     kh = to_hnd(k, tensor_layout)
     B, Nq = qh.shape[0], qh.shape[2]
@@ -350,7 +351,7 @@ def reference_select_key_blocks(q, k, *, top_k: int, block_size: int, is_causal:
         stop = min(start + query_chunk, Nq)
         importance = reference_block_importance(qh[:, :, start:stop], kh, block_size=block_size,
                                                 is_causal=is_causal, scale=scale, sink_blocks=sink_blocks,
-                                                local_blocks=local_blocks, q_start=start)
+                                                local_blocks=local_blocks, q_start=start + causal_offset)
         values, chosen = importance.sort(dim=-1, descending=True, stable=True)
         values, chosen = values[..., :picks], chosen[..., :picks]
         result[:, :, start:stop, :picks] = torch.where(values >= 0, chosen, -1).to(torch.int32)

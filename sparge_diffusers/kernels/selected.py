@@ -52,7 +52,9 @@ from .stats import SparsityStats
 from ._inputs import (
     AttentionShape,
     Backend,
+    CausalVariant,
     TensorLayout,
+    causal_offset,
     check_attention_inputs,
     check_kernel_dtype,
     pick_backend,
@@ -98,6 +100,7 @@ class SelectionIndex:
     block_size: int
     is_causal: bool
     q_start: int = 0
+    causal_offset: int = 0
 
 
 def _check_block_size(block_size: int) -> None:
@@ -126,7 +129,7 @@ def check_block_indices(block_indices: torch.Tensor, shape: AttentionShape, bloc
 
 
 def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: int, block_size: int,
-                          is_causal: bool, q_start: int = 0) -> SelectionIndex:
+                          is_causal: bool, q_start: int = 0, causal_offset: int = 0) -> SelectionIndex:
     """Invert a per-query selection into per-block query lists (device ops only, no host sync).
 
     Args:
@@ -134,6 +137,8 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
             ``q_len`` queries by default); negative = none, repeats count once, indices >= the number of blocks
             count as none (:func:`selected_block_attention` rejects them first).
         is_causal: drop blocks whose first key comes after the query (the kernel would mask all of them).
+        causal_offset: query row i sits at key position i + causal_offset under causal masking (lower-right
+            alignment of fewer queries than keys: Nkv - Nq; see ``_inputs.causal_offset``).
     """
     B, HK, Nq, T = block_indices.shape
     if not 0 <= q_start or q_start + Nq > q_len:
@@ -144,7 +149,7 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     x = block_indices.reshape(B * HK, Nq, T)
     x = torch.where((x >= 0) & (x < n_blocks), x, none).to(torch.int32)  # range test before the cast: no wrap-around
     if is_causal:
-        query = torch.arange(q_start, q_start + Nq, device=device, dtype=torch.int32).view(1, Nq, 1)
+        query = torch.arange(q_start, q_start + Nq, device=device, dtype=torch.int32).view(1, Nq, 1) + causal_offset
         x = torch.where(x * block_size <= query, x, none)
     x = x.sort(dim=-1).values
     repeated = torch.zeros_like(x, dtype=torch.bool)
@@ -177,13 +182,14 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     chunk_begin = block_start.gather(1, safe) + (c - first_item) * QUERY_CHUNK
     chunk_block = torch.where(block < n_blocks, safe, -1).to(torch.int32)
     return SelectionIndex(query_list.contiguous(), block_start, slot.contiguous(), chunk_block.contiguous(),
-                          chunk_begin.to(torch.int32).contiguous(), block_size, is_causal, q_start)
+                          chunk_begin.to(torch.int32).contiguous(), block_size, is_causal, q_start,
+                          causal_offset if is_causal else 0)
 
 
 @triton.jit
 def _kv_outer_kernel(
     Q, K, V, QUERY_LIST, BLOCK_START, CHUNK_BLOCK, CHUNK_BEGIN, O_PART, LSE_PART,
-    qk_scale, HK, GROUP, kv_len, n_items, pairs, n_blocks,
+    qk_scale, HK, GROUP, kv_len, n_items, pairs, n_blocks, causal_offset,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -215,7 +221,7 @@ def _kv_outer_kernel(
         query = tl.load(QUERY_LIST + bh * pairs + rows, mask=row_valid, other=0)
         visible = key_valid[None, :] & row_valid[:, None]
         if IS_CAUSAL:
-            visible = visible & (offs_n[None, :] <= query[:, None])
+            visible = visible & (offs_n[None, :] <= query[:, None] + causal_offset)
         q_rows = Q + b * stride_qb + query[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
         part_row = (bh * pairs + rows) * GROUP  # (pair, head) rows of the partial buffers
         for g in range(GROUP):
@@ -295,7 +301,7 @@ def selected_attention_triton(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tens
         "num_warps": 4, "num_stages": 3 if index.block_size <= 64 else 2}
     launch(_kv_outer_kernel, (n_items, BH),
            qh, kh, vh, index.query_list, index.block_start, index.chunk_block, index.chunk_begin, o_part, lse_part,
-           scale * LOG2E, shape.kv_heads, group, shape.kv_len, n_items, pairs, n_blocks,
+           scale * LOG2E, shape.kv_heads, group, shape.kv_len, n_items, pairs, n_blocks, index.causal_offset,
            *qh.stride(), *kh.stride(), *vh.stride(),
            HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_M=BLOCK_M, BLOCK_N=index.block_size,
            QUERY_CHUNK=QUERY_CHUNK, IS_CAUSAL=index.is_causal, **config)
@@ -319,6 +325,7 @@ def selected_block_attention(
     validate: bool = True,
     out: torch.Tensor | None = None,
     max_partial_bytes: int = MAX_PARTIAL_BYTES,
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor:
     """Attention of each query token over its own selected key blocks (NSA's selection branch), FSA's way.
 
@@ -328,10 +335,13 @@ def selected_block_attention(
         block_indices: (B, H_kv, Nq, top_k) integer indices of ``block_size``-key blocks, one list per query
             token, shared by the query heads of a KV head's group (as NSA shares them); -1 = none, repeats count
             once, the order does not matter. Or a :class:`SelectionIndex` from :func:`build_selection_index`
-            (built with this call's block size and causality), to reuse one across calls.
+            (built with this call's block size, causality and causal offset), to reuse one across calls.
         block_size: keys per block: 32, 64 or 128.
-        is_causal: a query at position i sees keys at positions <= i (needs Nq == Nkv); a selected block wholly
-            after the query adds nothing.
+        is_causal: a query at position i sees keys at positions <= i; a selected block wholly after the query adds
+            nothing. With Nq != Nkv pass ``causal_variant``.
+        causal_variant: "lower_right" (query i sits at key position i + Nkv - Nq: a chunk of queries against a
+            KV cache) or "upper_left" (query i at position i); needed by causal calls with Nq != Nkv, as for
+            :func:`~sparge_diffusers.sparge_attention`. Rows that see no key get zeros.
         validate: check that no index is >= the number of blocks (reads the indices back: a device sync on CUDA,
             which CUDA-graph capture does not allow; benchmarks turn it off). Unchecked, such an index counts as
             none.
@@ -347,7 +357,8 @@ def selected_block_attention(
     Inside ``torch.compile``d code call :func:`~sparge_diffusers.kernels.library.selected_block_attention_op`
     (the same call as one custom-operator node).
     """
-    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)
     _check_block_size(block_size)
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)
@@ -360,11 +371,13 @@ def selected_block_attention(
             raise ValueError("a SelectionIndex runs on the Triton backend only; pass block_indices to the reference")
         if index.q_start != 0:
             raise ValueError("a SelectionIndex of a query chunk (q_start > 0) covers only part of the output")
-        if (index.block_size, index.is_causal) != (block_size, is_causal) or index.slot.shape != (
-                shape.batch * shape.kv_heads, shape.q_len, index.slot.shape[-1]) or index.slot.device != q.device:
+        if (index.block_size, index.is_causal, index.causal_offset) != (block_size, is_causal, shape.causal_offset) \
+                or index.slot.shape != (shape.batch * shape.kv_heads, shape.q_len, index.slot.shape[-1]) \
+                or index.slot.device != q.device:
             raise ValueError(f"the SelectionIndex was built for block_size={index.block_size}, "
-                             f"is_causal={index.is_causal}, slot shape {tuple(index.slot.shape)} on "
-                             f"{index.slot.device}; this call has block_size={block_size}, is_causal={is_causal}, "
+                             f"is_causal={index.is_causal}, causal_offset={index.causal_offset}, slot shape "
+                             f"{tuple(index.slot.shape)} on {index.slot.device}; this call has "
+                             f"block_size={block_size}, is_causal={is_causal}, causal_offset={shape.causal_offset}, "
                              f"(B*H_kv, Nq) = ({shape.batch * shape.kv_heads}, {shape.q_len}) on {q.device}")
         if index.block_start.shape[1] - 1 != math.ceil(shape.kv_len / block_size):
             raise ValueError("the SelectionIndex was built for a different key length")
@@ -375,7 +388,8 @@ def selected_block_attention(
         from .reference import reference_selected_block_attention
 
         result = reference_selected_block_attention(q, k, v, block_indices, shape=shape, block_size=block_size,
-                                                    is_causal=is_causal, scale=scale, tensor_layout=tensor_layout)
+                                                    is_causal=is_causal, scale=scale, tensor_layout=tensor_layout,
+                                                    causal_offset=shape.causal_offset)
         if out is not None:
             out.copy_(result)
             return out
@@ -393,20 +407,22 @@ def selected_block_attention(
     rows = math.ceil(shape.q_len / pieces)
     for start in range(0, shape.q_len, rows):
         index = build_selection_index(block_indices[:, :, start:start + rows], q_len=shape.q_len,
-                                      kv_len=shape.kv_len, block_size=block_size, is_causal=is_causal, q_start=start)
+                                      kv_len=shape.kv_len, block_size=block_size, is_causal=is_causal, q_start=start,
+                                      causal_offset=shape.causal_offset)
         selected_attention_triton(*views, shape, index, scale=scale)
     return out
 
 
 def selection_sparsity(block_indices: torch.Tensor, *, heads: int, kv_len: int, block_size: int = 64,
-                       is_causal: bool = True) -> SparsityStats:
+                       is_causal: bool = True, causal_variant: CausalVariant | None = None) -> SparsityStats:
     """How much of dense attention a per-query selection leaves out, as :class:`SparsityStats`.
 
     The unit is the (query, key) pair, not the block product of SpargeAttn's stats: per query head, the fraction of
-    the pairs dense attention computes (under causal masking those with key <= query; needs Nq == Nkv, as the
-    causal kernel does) that the selection does not cover. Repeated, negative, out-of-range and (causal) wholly
-    hidden picks cover nothing, a block partly after the query covers its visible keys. No P.V product is skipped
-    on its own, so ``pv_skipped`` equals ``qk_skipped`` and ``dense_blocks`` holds the dense pair count.
+    the pairs dense attention computes (under causal masking those with key <= the query's position;
+    ``causal_variant`` as for :func:`selected_block_attention`) that the selection does not cover. Repeated,
+    negative, out-of-range and (causal) wholly hidden picks cover nothing, a block partly after the query covers
+    its visible keys. No P.V product is skipped on its own, so ``pv_skipped`` equals ``qk_skipped`` and
+    ``dense_blocks`` holds the dense pair count.
     Elementwise device ops over the selection (a sort along top_k), no host sync.
 
     Args:
@@ -416,8 +432,7 @@ def selection_sparsity(block_indices: torch.Tensor, *, heads: int, kv_len: int, 
     B, HK, Nq, T = block_indices.shape
     if heads % HK:
         raise ValueError(f"heads ({heads}) must be a multiple of the selection's KV heads ({HK})")
-    if is_causal and Nq != kv_len:
-        raise ValueError(f"causal selection sparsity needs as many queries as keys, got Nq={Nq}, Nkv={kv_len}")
+    offset = causal_offset(Nq, kv_len, is_causal, causal_variant)
     n_blocks = math.ceil(kv_len / block_size)
     x = block_indices.long()
     x = torch.where((x >= 0) & (x < n_blocks), x, n_blocks).sort(dim=-1).values
@@ -426,8 +441,11 @@ def selection_sparsity(block_indices: torch.Tensor, *, heads: int, kv_len: int, 
     first_key = x * block_size
     keys = (kv_len - first_key).clamp(min=0, max=block_size)  # the last block may be short; "none" has 0
     if is_causal:
-        query = torch.arange(Nq, device=x.device).view(1, 1, Nq, 1)
+        query = torch.arange(Nq, device=x.device).view(1, 1, Nq, 1) + offset  # each row's key position
         keys = torch.minimum(keys, (query - first_key + 1).clamp(min=0))
     covered = keys.sum(dim=(2, 3), dtype=torch.float64).repeat_interleave(heads // HK, dim=1)  # [B, H]
-    dense = Nq * (Nq + 1) // 2 if is_causal else Nq * kv_len
+    if is_causal:  # keys 0..position of each row, at most all of them (counted on the CPU: no device sync)
+        dense = int(torch.arange(offset + 1, offset + 1 + Nq).clamp(0, kv_len).sum())
+    else:
+        dense = Nq * kv_len
     return SparsityStats(covered, covered, dense)
