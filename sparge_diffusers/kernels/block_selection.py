@@ -157,6 +157,10 @@ def _select_key_blocks_kernel(
     # pass 2: importance per (token, block) as packed keys, merged chunk by chunk into the running top-K_PAD
     # (best, descending): max(best, chunk ascending) is the top K_PAD of both, a bitonic sequence, sorted again
     tokens = q0 + tl.arange(0, BLOCK_Q)
+    # each token's key position and own block; a row before the keys (lower right, Nq > Nkv) sees no block, and
+    # ``seen`` below drops whatever its (truncated) own block would force
+    positions = tokens + causal_offset
+    own = (positions // BLOCK_SIZE)[:, None]
     cols = tl.arange(0, K_PAD)
     best = tl.full([BLOCK_Q, K_PAD], -1, tl.int32 if KEY32 else tl.int64)
     offs_m = tl.arange(0, K_PAD)
@@ -169,9 +173,7 @@ def _select_key_blocks_kernel(
         seen = (blocks < n_blocks)[None, :] & (tokens < q_len)[:, None]
         forced = (blocks < sink_blocks)[None, :]
         if IS_CAUSAL:
-            positions = tokens + causal_offset
             seen = seen & (blocks[None, :] * BLOCK_SIZE <= positions[:, None])
-            own = (tl.maximum(positions, 0) // BLOCK_SIZE)[:, None]  # rows before the keys see nothing (seen)
             forced = forced | ((blocks[None, :] <= own) & (blocks[None, :] > own - local_blocks))
         importance = tl.where(forced, FORCED, importance)
         bits = importance.to(tl.int32, bitcast=True)
