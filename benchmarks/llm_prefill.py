@@ -4,8 +4,9 @@ one GPU, random weights built on the GPU in bf16.
 
 Reports per prompt length: prefill ms with SDPA, with SpargeAttn at default thresholds and at an aggressive
 setting (simthreshd1=-1, cdfthreshd=0.9), with the S2O and FSA methods at their defaults, sparsity, and the
-relative L1 of the last layer's hidden states against SDPA's. Random weights attend broadly and are not self-similar, so the default finds nothing to skip:
-that row shows our overhead; the aggressive row shows what a given sparsity buys.
+relative L1 of the last layer's hidden states against SDPA's. Random weights attend broadly and are not
+self-similar, so the default finds nothing to skip: that row shows our overhead; the aggressive row shows what a
+given sparsity buys.
 
 Then one left-padded batch (``--padded``: prompt lengths, padded on the left to the longest, with the attention mask
 a tokenizer gives): SDPA computes the padded batch under transformers' boolean mask; our function runs each prompt
@@ -57,7 +58,8 @@ def main(argv=None):
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
                "date": time.strftime("%Y-%m-%d"), "lengths": {}}
     for n in map(int, args.lengths.split(",")):
-        ids = torch.randint(0, config.vocab_size, (1, n), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        ids = torch.randint(0, config.vocab_size, (1, n), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(1))
         results["lengths"][n] = row = compare(model, functions, ids)
         print(n, row, flush=True)
     padded = [int(n) for n in args.padded.split(",") if n]

@@ -11,9 +11,10 @@ the lower-right causal mask transformers builds for it; ``causal_variant="lower_
 (each prompt its own call without its padding). Everything else is left to transformers' own SDPA function, the
 one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, right padding
 or other explicit masks, dropout, softcapping, sliding windows, non-causal modules and unsupported dtypes or head
-dims. ``strict=True`` raises instead of falling back. Composes the kernels (SpargeAttn by default; S2O's ranked walk or FSA's per-token block selection with
-``method=``, a small registry: :data:`PREFILL_METHODS`) and the segmented key permutation of PBS-Attn
-(``pbs_segment``, see :func:`pbs_sparge_attention`); knows nothing of diffusers.
+dims. ``strict=True`` raises instead of falling back. Composes the kernels (SpargeAttn by default; S2O's ranked
+walk or FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the
+segmented key permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention`); knows nothing of
+diffusers.
 """
 
 from __future__ import annotations
