@@ -159,9 +159,10 @@ def test_errors_name_the_problem():
         (lambda: sparge_attention(q, k, v, causal_variant="lower_right"), "needs is_causal=True"),
         (lambda: sparge_attention(q, k, v, is_causal=True, causal_variant="bottom_right"), "must be 'upper_left'"),
         (lambda: s2o_attention(q, k, v, is_causal=True), "equal query and key lengths here"),
-        (lambda: select_key_blocks(q, k, top_k=2, is_causal=True), "equal query and key lengths here"),
+        # FSA takes the variants too, so it asks for one, as sparge_attention does
+        (lambda: select_key_blocks(q, k, top_k=2, is_causal=True), "causal_variant='lower_right'"),
         (lambda: selected_block_attention(q, k, v, torch.zeros(1, 2, 100, 1, dtype=torch.int32), is_causal=True),
-         "equal query and key lengths here"),
+         "causal_variant='lower_right'"),
         (lambda: sparge_attention(q, k, v, is_causal=True, causal_variant="lower_right",
                                   permuted_keys=PermutedKeys(torch.arange(300).view(1, 1, -1), 64)),
          "permuted_keys needs equal query and key lengths"),
