@@ -64,19 +64,30 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
                             **sparge_settings)
 
 
+def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> str | None:
+    """The call's causal variant where its lengths differ (None for equal lengths, where both variants agree)."""
+    return variant if q.shape[2] != k.shape[2] else None
+
+
+def _sparge_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
+                     variant: str | None) -> dict:
+    """sparge_attention's keyword arguments for one causal call, eager or through its operator."""
+    return dict(is_causal=True, scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
+                pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink,
+                causal_variant=_causal_variant(q, k, variant))
+
+
 def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float | None, variant: str | None, stats: bool):
     """SpargeAttn (stage 1's TopCdf mask, then the block-sparse kernel); PBS's key order where asked."""
-    settings = dict(scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
-                    pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink)
+    settings = _sparge_settings(attention, q, k, scale, variant)
     if attention.pbs_segment is not None and q.shape[2] == k.shape[2]:
+        del settings["is_causal"]  # pbs_sparge_attention is always causal
         return pbs_sparge_attention(q, k, v, segment=attention.pbs_segment, return_sparsity=stats, **settings)
     if attention.pbs_segment is not None:
         warn_once("SpargeLLMAttention: pbs_segment applies to whole-prompt prefill; chunked calls run keys in order",
                   attention._warned, stacklevel=4)
-    if q.shape[2] != k.shape[2]:
-        settings["causal_variant"] = variant
-    return sparge_attention(q, k, v, is_causal=True, return_sparsity=stats, **settings)
+    return sparge_attention(q, k, v, return_sparsity=stats, **settings)
 
 
 def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -84,10 +95,7 @@ def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Te
     if attention.pbs_segment is not None:
         warn_once("SpargeLLMAttention: pbs_segment has no effect under torch.compile (keys stay in order)",
                   attention._warned, stacklevel=4)
-    settings = {"causal_variant": variant} if q.shape[2] != k.shape[2] else {}
-    return sparge_attention_op(q, k, v, is_causal=True, scale=scale, simthreshd1=attention.simthreshd1,
-                               cdfthreshd=attention.cdfthreshd, pvthreshd=attention.pvthreshd,
-                               attention_sink=attention.attention_sink, **settings)
+    return sparge_attention_op(q, k, v, **_sparge_settings(attention, q, k, scale, variant))
 
 
 def _s2o_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -101,8 +109,7 @@ def _s2o_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor
 def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float | None, variant: str | None, stats: bool):
     """NSA-style selection of ``top_k`` key blocks per query token, computed by FSA's KV-outer kernel."""
-    settings = dict(block_size=attention.block_size, is_causal=True,
-                    causal_variant=variant if q.shape[2] != k.shape[2] else None)
+    settings = dict(block_size=attention.block_size, is_causal=True, causal_variant=_causal_variant(q, k, variant))
     selection = select_key_blocks(q, k, top_k=attention.top_k, scale=scale, **settings)
     out = selected_block_attention(q, k, v, selection, scale=scale, validate=False,  # the selector's are in range
                                    **settings)
@@ -113,8 +120,7 @@ def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor
 
 def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float | None, variant: str | None) -> torch.Tensor:
-    settings = dict(block_size=attention.block_size, is_causal=True,
-                    causal_variant=variant if q.shape[2] != k.shape[2] else None)
+    settings = dict(block_size=attention.block_size, is_causal=True, causal_variant=_causal_variant(q, k, variant))
     selection = select_key_blocks_op(q, k, top_k=attention.top_k, scale=scale, **settings)
     return selected_block_attention_op(q, k, v, selection, scale=scale, validate=False, **settings)
 
