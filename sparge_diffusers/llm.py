@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 
 from ._compile import compiling, warn_once
-from .kernels import (PermutedKeys, SparsityStats, s2o_attention, select_key_blocks, select_key_blocks_op,
-                      selected_block_attention, selected_block_attention_op, selection_sparsity, sparge_attention,
-                      sparge_attention_op)
+from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_op, select_key_blocks,
+                      select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
+                      sparge_attention, sparge_attention_op)
 from .kernels._inputs import PerHead, unsupported_reason
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
 
@@ -98,12 +98,23 @@ def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Te
     return sparge_attention_op(q, k, v, **_sparge_settings(attention, q, k, scale, variant))
 
 
+def _s2o_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
+                  variant: str | None) -> dict:
+    """s2o_attention's keyword arguments for one causal call, eager or through its operator."""
+    return dict(is_causal=True, scale=scale, tau=attention.tau, segment=attention.s2o_segment,
+                simthreshd1=attention.simthreshd1, pvthreshd=attention.pvthreshd,
+                attention_sink=attention.attention_sink, causal_variant=_causal_variant(q, k, variant))
+
+
 def _s2o_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float | None, variant: str | None, stats: bool):
     """S2O's selection: key blocks visited by compressed score, stopped once the normaliser stops growing."""
-    return s2o_attention(q, k, v, is_causal=True, scale=scale, tau=attention.tau, segment=attention.s2o_segment,
-                         simthreshd1=attention.simthreshd1, pvthreshd=attention.pvthreshd,
-                         attention_sink=attention.attention_sink, return_sparsity=stats)
+    return s2o_attention(q, k, v, return_sparsity=stats, **_s2o_settings(attention, q, k, scale, variant))
+
+
+def _s2o_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float | None, variant: str | None) -> torch.Tensor:
+    return s2o_attention_op(q, k, v, **_s2o_settings(attention, q, k, scale, variant))
 
 
 def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -131,19 +142,17 @@ class PrefillMethod:
 
     ``eager(attention, q, k, v, scale, variant, stats)`` returns the (B, H, Nq, D) output, or ``(output,
     SparsityStats | None)`` when ``stats``; ``compiled(attention, q, k, v, scale, variant)`` is its form inside
-    torch.compile (custom operators only), None where there is none. ``chunks``: it takes fewer queries than keys
-    (a lower-right chunk against a cache).
-    Calls a method cannot take (chunks, compiled calls) run ``"sparge"`` instead, with one warning."""
+    torch.compile (custom operators only, no statistics). Both take whole prompts and lower-right chunks against a
+    cache (``variant``)."""
 
     eager: Callable[..., Any]
-    compiled: Callable[..., torch.Tensor] | None
-    chunks: bool
+    compiled: Callable[..., torch.Tensor]
 
 
 PREFILL_METHODS: dict[str, PrefillMethod] = {
-    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, chunks=True),
-    "s2o": PrefillMethod(_s2o_prefill, None, chunks=False),
-    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled, chunks=True),
+    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled),
+    "s2o": PrefillMethod(_s2o_prefill, _s2o_compiled),
+    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled),
 }
 
 
@@ -171,10 +180,9 @@ class SpargeLLMAttention:
         method: how a sparse call selects its keys (:data:`PREFILL_METHODS`): ``"sparge"`` (SpargeAttn: stage 1's
             TopCdf block mask), ``"s2o"`` (S2O: key blocks ranked by compressed score, stopped once the softmax
             normaliser stops growing; :func:`s2o_attention`) or ``"fsa"`` (NSA's selection of ``top_k`` key blocks
-            per query token, computed by FSA's KV-outer kernel; :func:`selected_block_attention`). ``"s2o"``
-            needs as many queries as keys: its chunks against a cache run ``"sparge"`` (one warning), as do its calls
-            under torch.compile. ``"fsa"``'s statistics count (query, key) pairs
-            (:func:`selection_sparsity`), not block products.
+            per query token, computed by FSA's KV-outer kernel; :func:`selected_block_attention`). Each takes whole
+            prompts, chunks against a cache and calls under torch.compile (through its custom operators).
+            ``"fsa"``'s statistics count (query, key) pairs (:func:`selection_sparsity`), not block products.
         simthreshd1, cdfthreshd, pvthreshd, attention_sink: as in :func:`sparge_attention` (upstream names;
             ``attention_sink`` keeps the first key block of every query block, as LLMs' sink token needs);
             ``"s2o"`` takes all but cdfthreshd, ``"fsa"`` none (it always keeps the first block).
@@ -284,18 +292,13 @@ class SpargeLLMAttention:
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
-        method = self._method(query.shape[2] == key.shape[2])
         if compiling():
             # one node of the compiled graph per operator (see kernels/library.py); no statistics, no call count: a
             # Python counter read under compilation would be a guard that recompiles at every call
-            compiled = method.compiled
-            if compiled is None:
-                warn_once(f"SpargeLLMAttention: method {self.method!r} has no compiled form; calls under "
-                          "torch.compile run 'sparge'", self._warned, stacklevel=2)
-                compiled = PREFILL_METHODS["sparge"].compiled
+            compiled = PREFILL_METHODS[self.method].compiled
             return compiled(self, query, key, value, scaling, variant).transpose(1, 2).contiguous(), None
         if padding is None:
-            out, stats = self._prefill(method, query, key, value, scaling, variant)
+            out, stats = self._prefill(query, key, value, scaling, variant)
             out = out.transpose(1, 2).contiguous()
         else:
             out, stats = self._left_padded_prefill(query, key, value, padding, scaling)
@@ -304,19 +307,11 @@ class SpargeLLMAttention:
         self.sparse_calls += 1
         return out, None
 
-    def _method(self, equal_lengths: bool) -> PrefillMethod:
-        """The configured method, or "sparge" (with one warning) for a chunk it cannot take."""
-        method = PREFILL_METHODS[self.method]
-        if not equal_lengths and not method.chunks:
-            warn_once(f"SpargeLLMAttention: method {self.method!r} needs as many queries as keys; chunks against a "
-                      "cache run 'sparge'", self._warned, stacklevel=3)
-            return PREFILL_METHODS["sparge"]
-        return method
-
-    def _prefill(self, method: PrefillMethod, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scale: float | None, variant: str | None) -> tuple[torch.Tensor, SparsityStats | None]:
-        """One causal call without padding: (B, H, Nq, D) output, its stats when collected."""
-        out = method.eager(self, query, key, value, scale, variant, self.collect_stats)
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                 variant: str | None) -> tuple[torch.Tensor, SparsityStats | None]:
+        """One causal call without padding, by the configured method: (B, H, Nq, D) output, its stats when
+        collected."""
+        out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, self.collect_stats)
         return out if self.collect_stats else (out, None)
 
     def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -335,7 +330,7 @@ class SpargeLLMAttention:
                 continue  # this prompt's queries are all padding
             rows = slice(b, b + 1)
             q_b, k_b, v_b = query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:]
-            o, s = self._prefill(self._method(q_b.shape[2] == k_b.shape[2]), q_b, k_b, v_b, scale, "lower_right")
+            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right")
             out[b, first:] = o[0].transpose(0, 1)
             if s is not None:
                 stats.append(s)

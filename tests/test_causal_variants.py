@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_attention, compact_block_mask,
-                              predict_block_mask, relative_l1, s2o_attention, select_key_blocks,
+                              predict_block_mask, relative_l1, s2o_attention, s2o_visit_order, select_key_blocks,
                               selected_block_attention, sparge_attention, sparge_attention_op)
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.reference import reference_prediction_details
 from sparge_diffusers.kernels.stats import dense_block_count
+from sparge_diffusers.testing import llm_like_qkv
 from test_kernels import L1_TOL, make_qkv
 
 # Nq, Nkv, variant: offsets that are not multiples of a block (the diagonal then straddles three 64-key blocks),
@@ -158,8 +159,8 @@ def test_errors_name_the_problem():
         (lambda: sparge_attention(q, k, v, is_causal=True), "causal_variant='lower_right'"),
         (lambda: sparge_attention(q, k, v, causal_variant="lower_right"), "needs is_causal=True"),
         (lambda: sparge_attention(q, k, v, is_causal=True, causal_variant="bottom_right"), "must be 'upper_left'"),
-        (lambda: s2o_attention(q, k, v, is_causal=True), "equal query and key lengths here"),
-        # FSA takes the variants too, so it asks for one, as sparge_attention does
+        # S2O and FSA take the variants too, so they ask for one, as sparge_attention does
+        (lambda: s2o_attention(q, k, v, is_causal=True), "causal_variant='lower_right'"),
         (lambda: select_key_blocks(q, k, top_k=2, is_causal=True), "causal_variant='lower_right'"),
         (lambda: selected_block_attention(q, k, v, torch.zeros(1, 2, 100, 1, dtype=torch.int32), is_causal=True),
          "causal_variant='lower_right'"),
@@ -182,6 +183,112 @@ def test_errors_name_the_problem():
     base = block_sparse_attention(qe, ke, ve, cm, is_causal=True)
     for variant in ("lower_right", "upper_left"):
         assert torch.equal(block_sparse_attention(qe, ke, ve, cm, is_causal=True, causal_variant=variant), base)
+
+
+def s2o_order(q, k, shape, variant, segment, theta=0.3, sink=False, backend="reference"):
+    from sparge_diffusers.kernels.reference import reference_block_statistics
+
+    (qm, qs), (km, ks) = reference_block_statistics(q, BLOCK_Q), reference_block_statistics(k, BLOCK_K)
+    return s2o_visit_order(qm, km, qs, ks, shape, is_causal=True, scale=q.shape[-1] ** -0.5,
+                           simthreshd1=torch.full((shape.heads,), float(theta), device=q.device), segment=segment,
+                           attention_sink=sink, backend=backend)
+
+
+@pytest.mark.parametrize("Nq,Nkv,variant", CASES)
+@pytest.mark.parametrize("segment", [128, 256])
+def test_s2o_visit_order_with_variants(Nq, Nkv, variant, segment):
+    """Each block some query of the block sees is visited once; the blocks it sees in part, and those of the
+    segment of its first position, come first; the Triton order equals PyTorch's on the same scores."""
+    from sparge_diffusers.kernels.s2o import _visit_order_torch, _visit_order_triton
+
+    q, k, _ = make_qkv(1, 4, 2, Nq, Nkv, 64, torch.float32, "HND", seed=Nq + 7 * Nkv)
+    shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=True, causal_variant=variant)
+    index, n_unmasked, n_forced, count = s2o_order(q, k, shape, variant, segment)
+    seen = element_mask(Nq, Nkv, variant)
+    offset = offset_of(Nq, Nkv, variant)
+    for h in range(4):
+        for i in range(math.ceil(Nq / BLOCK_Q)):
+            tiles = [seen[i * BLOCK_Q:(i + 1) * BLOCK_Q, j * BLOCK_K:(j + 1) * BLOCK_K]
+                     for j in range(math.ceil(Nkv / BLOCK_K))]
+            visible = [j for j, t in enumerate(tiles) if t.any()]
+            c, f, u = int(count[0, h, i]), int(n_forced[0, h, i]), int(n_unmasked[0, h, i])
+            walk = index[0, h, i, :c].tolist()
+            assert sorted(walk) == visible, "each visible block once"
+            partly = [j for j in visible if not tiles[j][:, :min(BLOCK_K, Nkv - j * BLOCK_K)].all()]
+            assert set(partly) <= set(walk[u:f]), "blocks seen in part: forced, with element masking"
+            start = max(i * BLOCK_Q + offset, 0) // segment * segment
+            assert {j for j in visible if j * BLOCK_K >= start} <= set(walk[:f]), "own segment forced"
+    g = torch.Generator().manual_seed(Nq)
+    scores = (torch.randn(1, 4, shape.q_blocks, shape.k_blocks, generator=g) * 4).round() / 4
+    q_sim, k_sim = torch.rand(1, 4, shape.q_blocks, generator=g), torch.rand(1, 2, shape.k_blocks, generator=g)
+    kw = dict(is_causal=True, simthreshd1=torch.full((4,), 0.2), segment=segment, attention_sink=True)
+    for name, a, b in zip(("index", "n_unmasked", "n_forced", "count"),
+                          _visit_order_triton(scores, q_sim, k_sim, shape, **kw),
+                          _visit_order_torch(scores, q_sim, k_sim, shape, **kw)):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("Nq,Nkv,variant", CASES)
+def test_s2o_reference_visiting_everything_is_attention_under_the_element_mask(Nq, Nkv, variant):
+    q, k, v = make_qkv(1, 4, 2, Nq, Nkv, 64, torch.float32, "HND", seed=Nq + Nkv)
+    expected = masked_sdpa(q, k, v, element_mask(Nq, Nkv, variant))
+    for tau in (0.0, None):
+        out, stats = s2o_attention(q, k, v, is_causal=True, causal_variant=variant, tau=tau, segment=128,
+                                   return_sparsity=True)
+        assert relative_l1(out, expected) < 1e-5
+        assert float(stats.sparsity) == 0.0, "visits exactly the blocks dense causal attention computes"
+    if variant == "lower_right" and Nq > Nkv:
+        assert (out[:, :, :Nq - Nkv] == 0).all()
+
+
+@pytest.mark.parametrize("Nq,Nkv,variant", CASES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_s2o_triton_matches_reference(Nq, Nkv, variant, layout, dtype):
+    """The ordered walk in the interpreter against its reference on the same order: visiting everything, and
+    stopping early (the stop test counts only rows that see a key), with stage 2's PV skip."""
+    q, k, v = make_qkv(2, 4, 2, Nq, Nkv, 64, dtype, layout, seed=Nq * 5 + Nkv)
+    q = q + 0.5  # a shared direction: self-similar blocks, so blocks are ranked (and stops can happen)
+    qh, kh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k))
+    shape = check_attention_inputs(q, k, None, tensor_layout=layout, is_causal=True, causal_variant=variant)
+    order = s2o_order(qh, kh, shape, variant, segment=128, theta=-1.0, sink=True)
+    for tau, pvthreshd, check_every in ((0.0, None, 16), (0.3, None, 1), (0.2, 4.0, 2)):
+        kw = dict(is_causal=True, causal_variant=variant, tau=tau, pvthreshd=pvthreshd, check_every=check_every,
+                  segment=128, tensor_layout=layout, return_sparsity=True, order=order)
+        out, stats = s2o_attention(q, k, v, backend="triton", out=torch.full_like(q, float("nan")), **kw)
+        ref, ref_stats = s2o_attention(q, k, v, backend="reference", **kw)
+        assert not torch.isnan(out).any(), "every output element must be written, and never NaN"
+        assert relative_l1(out, ref) < L1_TOL[dtype], (tau, pvthreshd)
+        torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
+        torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped)
+        if variant == "lower_right" and Nq > Nkv:
+            rows = out[:, :, :Nq - Nkv] if layout == "HND" else out[:, :Nq - Nkv]
+            assert (rows == 0).all()
+
+
+def test_s2o_stops_alike_with_a_query_block_before_the_first_key():
+    """A lower-right chunk with one query block more than keys: that block sees nothing (zeros), and every other
+    block sits at the same positions as in the plain causal call, so the early stops visit the same tiles."""
+    q, k, v = llm_like_qkv(1024, heads=2, kv_heads=2, head_dim=64, dtype=torch.float32, seed=4)
+    kw = dict(is_causal=True, tau=0.05, check_every=1, segment=128, simthreshd1=-1.0, return_sparsity=True)
+    _, whole = s2o_attention(q, k, v, **kw)
+    padded_q = torch.cat([torch.randn(1, 2, 128, 64), q], dim=2)  # one more query block, all before key 0
+    out, padded = s2o_attention(padded_q, k, v, causal_variant="lower_right", **kw)
+    assert (out[:, :, :128] == 0).all()
+    assert float(whole.sparsity) > 0.1, "the test needs early stops"
+    assert float(padded._qk.sum()) == float(whole._qk.sum()), "the same tiles visited"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_s2o_lower_right_chunks_reproduce_the_causal_prompt(backend):
+    N, chunk = 700, 256
+    q, k, v = make_qkv(1, 4, 2, N, N, 64, torch.float16, "HND", seed=8)
+    kw = dict(is_causal=True, tau=0.0, segment=256, backend=backend)
+    whole = s2o_attention(q, k, v, **kw)
+    for start in range(0, N, chunk):
+        stop = min(start + chunk, N)
+        part = s2o_attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], causal_variant="lower_right", **kw)
+        assert relative_l1(part, whole[:, :, start:stop]) < 2e-3, start
 
 
 @pytest.mark.gpu
@@ -209,3 +316,27 @@ def test_gpu_kernels_match_reference(D):
         assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
         if variant == "lower_right" and Nq > Nkv:
             assert (out[:, :, :Nq - Nkv] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_s2o_matches_reference(D):
+    """S2O's order (Triton sort) and ordered walk on the GPU with causal variants, against the reference walk on
+    the same order, visiting everything and stopping early (bf16)."""
+    for Nq, Nkv, variant in CASES + [(1000, 3000, "lower_right"), (2048, 4100, "lower_right"),
+                                     (3000, 1000, "lower_right"), (700, 2000, "upper_left")]:
+        q, k, v = (t.cuda() for t in make_qkv(1, 8, 2, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + Nkv))
+        q = q + 0.5
+        shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=True, causal_variant=variant)
+        order = s2o_order(q, k, shape, variant, segment=256, theta=-1.0, sink=True, backend="triton")
+        for tau, check_every in ((0.0, 16), (0.2, 1)):
+            kw = dict(is_causal=True, causal_variant=variant, tau=tau, check_every=check_every, segment=256,
+                      return_sparsity=True)
+            out, stats = s2o_attention(q, k, v, order=order, out=torch.full_like(q, float("nan")), **kw)
+            ref, ref_stats = s2o_attention(q.cpu(), k.cpu(), v.cpu(), order=tuple(t.cpu() for t in order),
+                                           backend="reference", **kw)
+            assert not torch.isnan(out).any()
+            assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16], (Nq, Nkv, variant, tau)
+            torch.testing.assert_close(stats.qk_skipped.cpu(), ref_stats.qk_skipped)
+            if variant == "lower_right" and Nq > Nkv:
+                assert (out[:, :, :Nq - Nkv] == 0).all()

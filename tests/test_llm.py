@@ -294,10 +294,10 @@ def test_s2o_and_fsa_methods_run_the_prefill(tiny_llama, method, keep_all, skipp
     assert relative_l1(padded[1, 40:], logits(model, ids[:, 40:])[0]) < 1e-5
 
 
-def test_chunks_against_a_cache_s2o_runs_sparge_fsa_runs_itself(tiny_llama):
-    """A chunk against a cache (fewer queries than keys): "s2o" runs "sparge" with one warning (its result); "fsa"
-    runs its lower-right variant (no warning): every block kept, SDPA's logits; top_k=2, its stats over the
-    chunk's (query, key) pairs and logits that differ."""
+def test_chunks_against_a_cache_run_each_method(tiny_llama):
+    """A chunk against a cache (fewer queries than keys): each method runs its lower-right variant, no warning.
+    "s2o" visiting every block and "fsa" keeping every block give SDPA's logits; "fsa" with top_k=2: its stats over
+    the chunk's (query, key) pairs and logits that differ (S2O's skipping: the next test)."""
     import copy
 
     ids = prompt(400)
@@ -306,26 +306,41 @@ def test_chunks_against_a_cache_s2o_runs_sparge_fsa_runs_itself(tiny_llama):
     logits(sdpa, ids[:, :250], past_key_values=prefix, use_cache=True)
     dense = logits(sdpa, ids[:, 250:], past_key_values=copy.deepcopy(prefix), use_cache=True)
     results, functions = {}, {}
-    for name, settings in (("sparge", {}), ("s2o", dict(method="s2o")), ("fsa", dict(method="fsa", top_k=7)),
+    for name, settings in (("sparge", {}), ("s2o", dict(method="s2o", tau=0.0)), ("fsa", dict(method="fsa", top_k=7)),
                            ("fsa_skip", dict(method="fsa", top_k=2, collect_stats=True))):
         attention = functions[name] = register(f"sparge_test_chunk_{name}", simthreshd1=-1.0, cdfthreshd=0.5,
                                                **settings)
         model = load(tiny_llama, f"sparge_test_chunk_{name}")
         cache = copy.deepcopy(prefix)
-        if name == "s2o":
-            with pytest.warns(UserWarning, match="chunks against a cache run 'sparge'"):
-                results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
-        else:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="SpargeLLMAttention")
-                results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="SpargeLLMAttention")
+            results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
         assert attention.sparse_calls == 2
-    assert torch.equal(results["s2o"], results["sparge"])
     assert relative_l1(results["sparge"], dense) > 1e-3
+    assert relative_l1(results["s2o"], dense) < 1e-5
     assert relative_l1(results["fsa"], dense) < 1e-5  # 7 blocks of 64: all 400 keys
     assert relative_l1(results["fsa_skip"], dense) > 1e-3
     stats = functions["fsa_skip"].stats  # the chunk's rows see 251..400 keys
     assert len(stats) == 2 and all(s.dense_blocks == sum(range(251, 401)) and s.sparsity > 0 for s in stats)
+
+
+def test_s2o_chunk_against_a_cache_stops_early(tiny_llama):
+    """S2O on a chunk of 200 queries after 1300 cached tokens (lower right): its stop test runs every 16 ranked
+    tiles, which the 24 key blocks allow; the stops change the logits, and the stats count the chunk's visible
+    blocks (2 query blocks: 23 and 24 of 64 keys)."""
+    import copy
+
+    ids = prompt(1500)
+    sdpa = load(tiny_llama, "sdpa")
+    prefix = transformers.DynamicCache(config=sdpa.config)
+    logits(sdpa, ids[:, :1300], past_key_values=prefix, use_cache=True)
+    dense = logits(sdpa, ids[:, 1300:], past_key_values=copy.deepcopy(prefix), use_cache=True)
+    attention = register("sparge_test_chunk_s2o_stop", method="s2o", tau=0.2, s2o_segment=128, simthreshd1=-1.0,
+                         collect_stats=True)
+    got = logits(load(tiny_llama, "sparge_test_chunk_s2o_stop"), ids[:, 1300:], past_key_values=copy.deepcopy(prefix),
+                 use_cache=True)
+    assert attention.sparse_calls == 2 and relative_l1(got, dense) > 1e-3
+    assert len(attention.stats) == 2 and all(s.dense_blocks == 23 + 24 and s.sparsity > 0 for s in attention.stats)
 
 
 def test_bad_settings_raise():
@@ -368,32 +383,32 @@ def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
         logits(compiled, prompt(300, batch=2), attention_mask=mask)
 
 
-@pytest.mark.parametrize("name, settings, message", [
-    ("pbs", dict(pbs_segment=128), "pbs_segment has no effect under torch.compile"),
-    ("s2o", dict(method="s2o", tau=0.2), "'s2o' has no compiled form"),
-])
-def test_compiled_prefill_without_a_compiled_form_runs_sparge_in_order(tiny_llama, name, settings, message):
-    """PBS's key order and S2O have no compiled form: under torch.compile the call warns (while tracing) and runs
-    "sparge" on keys in order, as documented: equal to a compiled "sparge" of the same thresholds."""
-    register(f"sparge_test_compile_{name}", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, **settings)
+def test_compiled_pbs_prefill_runs_sparge_in_order(tiny_llama):
+    """PBS's key order has no compiled form: under torch.compile the call warns (while tracing) and runs "sparge"
+    on keys in order, as documented: equal to a compiled "sparge" of the same thresholds."""
+    register("sparge_test_compile_pbs", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, pbs_segment=128)
     register("sparge_test_compile_in_order", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
     ids = prompt(300)
     torch._dynamo.reset()
-    compiled = torch.compile(load(tiny_llama, f"sparge_test_compile_{name}"), backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match=message):
+    compiled = torch.compile(load(tiny_llama, "sparge_test_compile_pbs"), backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match="pbs_segment has no effect under torch.compile"):
         got = logits(compiled, ids)
     torch._dynamo.reset()
     plain = torch.compile(load(tiny_llama, "sparge_test_compile_in_order"), backend="aot_eager", fullgraph=True)
     assert torch.equal(got, logits(plain, ids))
 
 
-def test_compiled_fsa_is_one_graph_and_matches_eager(tiny_llama):
-    """method="fsa" compiles to its two operators (fullgraph, no recompile) and equals its eager result."""
-    ids = prompt(300)
-    register("sparge_test_compile_fsa", method="fsa", top_k=2)
-    model = load(tiny_llama, "sparge_test_compile_fsa")
+@pytest.mark.parametrize("method, settings, ids_len", [
+    ("fsa", dict(top_k=2), 300),
+    ("s2o", dict(tau=0.2, s2o_segment=128, simthreshd1=-1.0), 1500),  # a stop needs more than 16 ranked tiles
+])
+def test_compiled_s2o_and_fsa_are_one_graph_and_match_eager(tiny_llama, method, settings, ids_len):
+    """method="fsa" / "s2o" compile to their operators (fullgraph, no recompile) and equal their eager result."""
+    ids = prompt(ids_len)
+    register(f"sparge_test_compile_{method}", method=method, **settings)
+    model = load(tiny_llama, f"sparge_test_compile_{method}")
     eager = logits(model, ids)
-    assert relative_l1(eager, logits(load(tiny_llama, "sdpa"), ids)) > 1e-3, "top_k=2 must skip blocks"
+    assert relative_l1(eager, logits(load(tiny_llama, "sdpa"), ids)) > 1e-3, "the settings must skip blocks"
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -461,24 +476,32 @@ def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
         model = load(tiny_llama, f"sparge_test_gpu_{method}_skip").to("cuda", torch.bfloat16)
         sparse = logits(model, ids).float()
         assert torch.isfinite(sparse).all() and relative_l1(sparse, dense) > 3e-2, method
-    # FSA on a chunk against a cache (lower right): every block kept, SDPA's logits
+    # S2O and FSA on a chunk against a cache (lower right): every block visited / kept, SDPA's logits; S2O
+    # stopping early changes them
     register("sparge_test_gpu_fsa_chunk", method="fsa", top_k=32)
+    register("sparge_test_gpu_s2o_chunk", method="s2o", tau=0.0)
+    register("sparge_test_gpu_s2o_chunk_skip", method="s2o", tau=0.2, s2o_segment=128, simthreshd1=-1.0)
     chunked = {}
-    for name in ("sdpa", "sparge_test_gpu_fsa_chunk"):
+    for name in ("sdpa", "sparge_test_gpu_fsa_chunk", "sparge_test_gpu_s2o_chunk", "sparge_test_gpu_s2o_chunk_skip"):
         model = load(tiny_llama, name).to("cuda", torch.bfloat16)
         cache = transformers.DynamicCache(config=model.config)
         logits(model, ids[:, :1400], past_key_values=cache, use_cache=True)
         chunked[name] = logits(model, ids[:, 1400:], past_key_values=cache, use_cache=True).float()
+        assert torch.isfinite(chunked[name]).all()
     assert relative_l1(chunked["sparge_test_gpu_fsa_chunk"], chunked["sdpa"]) < 2e-2
-    # compiled FSA (inductor): its two operators on the same inputs give the eager call's output (through a whole
-    # model, inductor's bf16 fusions move q and k enough to flip top-2 choices, so that is not compared)
+    assert relative_l1(chunked["sparge_test_gpu_s2o_chunk"], chunked["sdpa"]) < 2e-2
+    assert relative_l1(chunked["sparge_test_gpu_s2o_chunk_skip"], chunked["sdpa"]) > 3e-2
+    # compiled FSA and S2O (inductor): their operators on the same inputs give the eager call's output (through a
+    # whole model, inductor's bf16 fusions move q and k enough to flip top-2 choices, so that is not compared)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2
     generator = torch.Generator("cuda").manual_seed(3)
     q, k, v = (torch.randn(1, h, 2000, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
                for h in (4, 2, 2))
-    fsa = SpargeLLMAttention(method="fsa", top_k=2)
-    eager = fsa(module, q, k, v, None)[0]
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: fsa(module, q, k, v, None)[0], fullgraph=True)(q, k, v)
-    assert torch.equal(compiled, eager)
+    for attention in (SpargeLLMAttention(method="fsa", top_k=2),
+                      SpargeLLMAttention(method="s2o", tau=0.2, s2o_segment=128, simthreshd1=-1.0)):
+        for chunk in (slice(None), slice(1500, None)):  # whole, and 500 queries (no mask: the upper-left variant)
+            eager = attention(module, q[:, :, chunk], k, v, None)[0]
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda q, k, v: attention(module, q, k, v, None)[0], fullgraph=True)
+            assert torch.equal(compiled(q[:, :, chunk], k, v), eager), (attention.method, chunk)

@@ -156,6 +156,26 @@ def test_s2o_errors():
         s2o_attention(q.float(), k.float(), v.float(), backend="triton")
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_custom_op_matches_s2o_attention_and_passes_opcheck(layout):
+    """s2o_attention_op: s2o_attention's output through torch.ops.sparge_diffusers.s2o_attention (q's layout and
+    strides), the operator checked by opcheck, one graph under torch.compile, with a causal variant."""
+    from sparge_diffusers import s2o_attention_op
+
+    q, k, v = llm_like_qkv(700, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, seed=3, tensor_layout=layout)
+    q = q[:, :, 300:] if layout == "HND" else q[:, 300:]  # the last 400 queries: a lower-right chunk
+    kw = dict(is_causal=True, causal_variant="lower_right", tau=[0.2, 0.0, 0.1, 0.3], segment=128, check_every=2,
+              simthreshd1=-1.0, pvthreshd=6.0, attention_sink=True, tensor_layout=layout)
+    out = s2o_attention_op(q, k, v, **kw)
+    expected, stats = s2o_attention(q, k, v, return_sparsity=True, **kw)
+    assert out.shape == q.shape and torch.equal(out, expected) and stats.sparsity > 0
+    args = (q, k, v, True, 0.125, [0.2, 0.0, 0.1, 0.3], 128, 2, [-1.0], [6.0], True, layout, "lower_right")
+    torch.library.opcheck(torch.ops.sparge_diffusers.s2o_attention.default, args)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: s2o_attention_op(q, k, v, **kw), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v), expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_s2o_on_gpu_matches_reference(causal):

@@ -77,13 +77,11 @@ def check_attention_inputs(
     tensor_layout: TensorLayout,
     is_causal: bool,
     causal_variant: CausalVariant | None = None,
-    variants: bool = True,
 ) -> AttentionShape:
     """Validate q/k/v and return their sizes; raises ValueError naming the problem.
 
     ``causal_variant``: see :data:`CausalVariant`; needed by causal calls whose query and key lengths differ
-    (None: such a call raises, since SDPA and FlashAttention align it differently). ``variants=False``: the caller
-    takes no variant (causal calls need equal lengths there)."""
+    (None: such a call raises, since SDPA and FlashAttention align it differently)."""
     check_layout(tensor_layout)
     tensors = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
     for name, t in tensors.items():
@@ -117,11 +115,10 @@ def check_attention_inputs(
     if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % 8 == 0):
         raise ValueError(f"head dim {D} is not supported: use a multiple of 8 between {MIN_HEAD_DIM} and "
                          f"{MAX_HEAD_DIM} (64 and 128 are the tuned ones)")
-    return AttentionShape(B, H, HK, Nq, Nkv, D, causal_offset(Nq, Nkv, is_causal, causal_variant, variants))
+    return AttentionShape(B, H, HK, Nq, Nkv, D, causal_offset(Nq, Nkv, is_causal, causal_variant))
 
 
-def causal_offset(q_len: int, kv_len: int, is_causal: bool, causal_variant: CausalVariant | None,
-                  variants: bool = True) -> int:
+def causal_offset(q_len: int, kv_len: int, is_causal: bool, causal_variant: CausalVariant | None) -> int:
     """The key position of query row 0 under causal masking (:attr:`AttentionShape.causal_offset`); raises
     ValueError for a variant without causal masking, an unknown variant, or unequal lengths without a variant."""
     if causal_variant is not None:
@@ -131,8 +128,6 @@ def causal_offset(q_len: int, kv_len: int, is_causal: bool, causal_variant: Caus
             raise ValueError(f"causal_variant={causal_variant!r} needs is_causal=True")
     if not is_causal or q_len == kv_len:
         return 0
-    if not variants:
-        raise ValueError(f"is_causal=True needs equal query and key lengths here, got {q_len} and {kv_len}")
     if causal_variant is None:
         raise ValueError(f"is_causal=True with {q_len} queries and {kv_len} keys: pass causal_variant='lower_right' "
                          f"(the last query sees every key, as FlashAttention and a KV cache's chunked prefill align "

@@ -362,6 +362,7 @@ def s2o_attention(
     backend: Backend = "auto",
     out: torch.Tensor | None = None,
     order: VisitOrder | None = None,
+    causal_variant: CausalVariant | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Sparse attention with S2O's selection: ranked key blocks and early stopping (see kernels/s2o.py).
 
@@ -378,10 +379,14 @@ def s2o_attention(
         segment: tokens per causal segment whose key blocks are computed densely (a multiple of 128).
         check_every: ranked tiles between two stop tests (1 = after every tile; larger is faster).
         simthreshd1, attention_sink, pvthreshd: as in :func:`sparge_attention` (pvthreshd off by default).
-        order: a visiting order from :func:`s2o_visit_order` to reuse (tests, benchmarks).
+        order: a visiting order from :func:`s2o_visit_order` to reuse (tests, benchmarks); built for the same
+            shape and causal variant.
+        causal_variant: as in :func:`sparge_attention` (a chunk of queries against a KV cache: "lower_right").
+            The causal segment is then the one of each query block's first position (row + Nkv - Nq).
         Others as in :func:`sparge_attention`. Statistics count the key blocks not visited as skipped.
     """
-    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, variants=False)
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)
     scale = resolve_scale(scale, shape.head_dim)
     if not isinstance(segment, int) or segment <= 0 or segment % 128:
         raise ValueError(f"segment must be a positive multiple of 128 tokens, got {segment!r}")

@@ -1,4 +1,4 @@
-"""sparge_attention, selected_block_attention and select_key_blocks as PyTorch custom operators
+"""sparge_attention, s2o_attention, selected_block_attention and select_key_blocks as PyTorch custom operators
 (``torch.ops.sparge_diffusers.*``).
 
 torch.compile cannot trace :func:`sparge_attention` itself: it checks its inputs in Python, picks kernels by
@@ -14,8 +14,9 @@ import torch
 
 from ._inputs import (CausalVariant, PerHead, TensorLayout, _is_number, check_attention_inputs, resolve_scale,
                       to_hnd)
-from .api import new_output, sparge_attention
+from .api import new_output, s2o_attention, sparge_attention
 from .block_selection import select_key_blocks
+from .s2o import CHECK_EVERY
 from .selected import MAX_PARTIAL_BYTES, _check_block_size, selected_block_attention
 
 
@@ -137,6 +138,50 @@ def sparge_attention_op(
             q, k, v, dense, bool(is_causal), scale, *thresholds, bool(attention_sink), tensor_layout, causal_variant)
     return torch.ops.sparge_diffusers.sparge_attention(
         q, k, v, bool(is_causal), scale, *thresholds, bool(attention_sink), tensor_layout, causal_variant)
+
+
+@torch.library.custom_op("sparge_diffusers::s2o_attention", mutates_args=())
+def _s2o_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+                      tau: list[float] | None, segment: int, check_every: int, simthreshd1: list[float],
+                      pvthreshd: list[float] | None, attention_sink: bool, tensor_layout: str,
+                      causal_variant: str | None = None) -> torch.Tensor:
+    return s2o_attention(q, k, v, is_causal=is_causal, scale=scale, tau=tau, segment=segment, check_every=check_every,
+                         simthreshd1=simthreshd1, pvthreshd=pvthreshd, attention_sink=attention_sink,
+                         tensor_layout=tensor_layout, out=new_output(q), causal_variant=causal_variant)
+
+
+@_s2o_attention_op.register_fake
+def _(q, k, v, is_causal, scale, tau, segment, check_every, simthreshd1, pvthreshd, attention_sink, tensor_layout,
+      causal_variant=None):
+    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                           causal_variant=causal_variant)  # errors at trace time
+    return new_output(q)
+
+
+def s2o_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    tau: PerHead | None = 0.0005,
+    segment: int = 2048,
+    check_every: int = CHECK_EVERY,
+    simthreshd1: PerHead = 0.6,
+    pvthreshd: PerHead | None = None,
+    attention_sink: bool = False,
+    tensor_layout: TensorLayout = "HND",
+    causal_variant: CausalVariant | None = None,
+) -> torch.Tensor:
+    """:func:`~sparge_diffusers.kernels.api.s2o_attention` through its custom operator, for code compiled with
+    ``torch.compile``: the same arguments (backend "auto"; no prebuilt ``order``) and output, no statistics;
+    thresholds become lists of floats, which the compiled graph holds as constants."""
+    scale = resolve_scale(scale, q.shape[-1])
+    return torch.ops.sparge_diffusers.s2o_attention(
+        q, k, v, bool(is_causal), scale, _as_list(tau, "tau"), int(segment), int(check_every),
+        _as_list(simthreshd1, "simthreshd1"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout,
+        causal_variant)
 
 
 @torch.library.custom_op("sparge_diffusers::selected_block_attention", mutates_args=())

@@ -224,8 +224,8 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
     (B, H, N, D) inputs, visiting order (index, n_unmasked, n_forced, count) from ``s2o_visit_order``.
 
     Same order, same online softmax in the log2 domain, same stop rule (mean relative gain of the last tile
-    below tau, tested every ``check_every`` ranked tiles), same PV skip. Returns (out float32, visited,
-    pv_count).
+    below tau, tested every ``check_every`` ranked tiles), same PV skip. Query row i
+    sits at causal position i + ``shape.causal_offset``. Returns (out float32, visited, pv_count).
     """
     qh, kh, vh = (t.float() for t in (q, k, v))
     B, H, Nq, D = qh.shape
@@ -240,6 +240,7 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
         for h in range(H):
             for i in range(shape.q_blocks):
                 rows = torch.arange(i * BLOCK_Q, min((i + 1) * BLOCK_Q, Nq))
+                positions = rows + shape.causal_offset
                 qi = qh[b, h, rows]
                 m = torch.full((len(rows),), -math.inf)
                 l = torch.zeros(len(rows))
@@ -250,7 +251,7 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                     cols = torch.arange(j * BLOCK_K, min((j + 1) * BLOCK_K, shape.kv_len))
                     s = (qi @ kh[b, h, cols].T) * c
                     if is_causal:
-                        s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
+                        s = s.masked_fill(cols[None, :] > positions[:, None], -math.inf)
                     m_local = s.amax(-1)
                     m_new = torch.maximum(m, m_local)
                     m_use = torch.where(torch.isinf(m_new), 0.0, m_new)

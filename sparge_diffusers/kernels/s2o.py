@@ -10,12 +10,15 @@ second selection policy beside TopCdf, for one query block (128 rows) at a time:
    every key block of a query block that stage 1 does not trust (non-self-similar query or key block,
    SpargeAttn Eq. 5), the first key block with ``attention_sink``, the ragged last key block, and under
    causal masking every visible key block of the query block's own segment of ``segment`` tokens (S2O's
-   dense intra-segment pass, Algorithm 2 / 4 lines 7-12). The remaining visible key blocks follow in
-   descending compressed score q_mean . k_mean (stage 1's map, the same for both masks).
+   dense intra-segment pass, Algorithm 2 / 4 lines 7-12) and the diagonal. The remaining visible key blocks
+   follow in descending compressed score q_mean . k_mean (stage 1's map, the same for both masks). With
+   unequal lengths (``causal_variant``, e.g. a chunk of queries against a KV cache) a query row sits at
+   position row + ``AttentionShape.causal_offset``, and its segment is that position's.
 2. Walk (``_ordered_attention_kernel``): forced blocks unconditionally, then the ranked blocks while the
    last tile's relative gain, mean over the tile's valid rows of (l_new - l_old) / l_old (both at the new
    running max), is at least ``tau`` (the paper's deferred check, Algorithm 4 lines 14-20), tested every
-   ``check_every`` ranked tiles. The PV skip of stage 2 applies to every tile.
+   ``check_every`` ranked tiles. The PV skip of stage 2 applies to every tile. Rows that see no key (a
+   lower-right chunk with more queries than keys) are zeros.
 
 Departures from the paper, each for a reason:
 * Granularity is the 64-key block, not the token: S2O ranks individual keys (KV_perm) and gathers them; our
@@ -48,7 +51,7 @@ CHECK_EVERY = 16
 @triton.jit
 def _ordered_attention_kernel(
     Q, K, V, O, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, PV_THRESHOLD, VISITED, PV_COUNT,
-    qk_scale, H, GROUP, q_len, kv_len, NK,
+    qk_scale, H, GROUP, q_len, kv_len, NK, q_offset,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -64,6 +67,7 @@ def _ordered_attention_kernel(
 
     m_i, l_i, acc, pv_count, pv_threshold = _empty_softmax_state(PV_THRESHOLD, h, BLOCK_M=BLOCK_M, D_PAD=D_PAD,
                                                                  PV_SKIP=PV_SKIP)
+    q_pos = offs_m + q_offset  # causal positions of the rows (AttentionShape.causal_offset)
     index = INDEX + row * NK
     n_unmasked = tl.load(N_UNMASKED + row)
     n_forced = tl.load(N_FORCED + row)
@@ -74,11 +78,11 @@ def _ordered_attention_kernel(
     # forced blocks: those needing no element masking, then the diagonal / ragged ones
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, 0, n_unmasked, index, count, q, offs_n, K_base, V_base, K_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
+        stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, n_unmasked, n_forced, index, count, q, offs_n, K_base, V_base, K_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len, pv_threshold,
+        stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True)
 
     # Ranked blocks, most important first (fully visible whole tiles: no masking), in chunks of CHECK_EVERY
@@ -94,6 +98,8 @@ def _ordered_attention_kernel(
     if EARLY_STOP:
         tau = tl.load(TAU + h)
         chunk = CHECK_EVERY
+    # Rows before key 0 (a lower-right chunk with more queries than keys) need no exclusion from the mean: their
+    # block's first position is negative, so every block it sees is on its diagonal, forced, and never tested.
     n_valid = tl.sum(row_valid.to(tl.float32), axis=0)
     m_old = m_i
     l_old = l_i
@@ -110,7 +116,7 @@ def _ordered_attention_kernel(
                 l_old = tl.where(last, l_i, l_old)
             acc, l_i, m_i, pv_count = _attend_tile(
                 acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, K_base,
-                stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_d, d_mask, row_valid, kv_len,
+                stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
                 pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
         visited = tl.where(go, end, visited)
         if EARLY_STOP:
@@ -146,8 +152,8 @@ _COLUMN_BITS = 29
 
 @triton.jit
 def _visit_order_kernel(
-    SCORES, QSIM, KSIM, THETA, INDEX, N_UNMASKED, N_FORCED, COUNT, H, GROUP, NQ, NK, KV_LEN, SEGMENT,
-    NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr,
+    SCORES, QSIM, KSIM, THETA, INDEX, N_UNMASKED, N_FORCED, COUNT, H, GROUP, NQ, NK, KV_LEN, Q_OFFSET,
+    LAST_POSITION, SEGMENT, NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr, COLUMN_BITS: tl.constexpr,
 ):
     """One query block's visiting order: the same groups and order as :func:`_visit_order_torch`, by one
@@ -165,14 +171,17 @@ def _visit_order_kernel(
     forced = tl.minimum(tl.load(KSIM + bhk.to(tl.int64) * NK + cols, mask=cvalid, other=1.0),
                         tl.load(QSIM + row)) <= theta
     first_q = i * BLOCK_Q
-    # equal query and key lengths (s2o_attention takes no causal variant): offset 0, no row past the last key
-    visible, needs_masking, _ = _key_block_flags(first_q, cols, cvalid, KV_LEN, 0, KV_LEN - 1, IS_CAUSAL=IS_CAUSAL,
-                                                 BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=BLOCK_K)
-    forced = forced | needs_masking  # the ragged last block (a causal diagonal block lies in its own segment)
+    visible, needs_masking, _ = _key_block_flags(first_q, cols, cvalid, KV_LEN, Q_OFFSET, LAST_POSITION,
+                                                 IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+                                                 KEY_SEGMENT=BLOCK_K)
+    forced = forced | needs_masking  # the ragged last block and the causal diagonal
     if SINK:
         forced = forced | (cols == 0)
     if IS_CAUSAL:
-        forced = forced | (cols * BLOCK_K >= (first_q // SEGMENT) * SEGMENT)  # the dense intra-segment pass
+        # the dense intra-segment pass: the segment of the block's first causal position (a block starting before
+        # key 0, which a lower-right chunk with more queries than keys has, sees only diagonal blocks anyway)
+        segment_start = tl.maximum(first_q + Q_OFFSET, 0) // SEGMENT * SEGMENT
+        forced = forced | (cols * BLOCK_K >= segment_start)
     forced = forced & visible
     group = tl.where(visible, tl.where(forced, tl.where(needs_masking, 2, 3), 1), 0).to(tl.int64)
     # Within a group: forced blocks by ascending column, the others by descending score, through the float's
@@ -224,7 +233,7 @@ def _visit_order_triton(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.
     nk_pad = max(triton.next_power_of_2(nk), 16)
     launch(_visit_order_kernel, (nq, B * H),
         scores.contiguous(), q_sim.contiguous(), k_sim.contiguous(), simthreshd1, index, n_unmasked, n_forced,
-        count, H, H // shape.kv_heads, nq, nk, shape.kv_len, segment,
+        count, H, H // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset, shape.last_query_position, segment,
         NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         COLUMN_BITS=_COLUMN_BITS, num_warps=4 if nk_pad <= 2048 else 8)
     return VisitOrder((index, n_unmasked, n_forced, count))
@@ -248,12 +257,13 @@ def _visit_order_torch(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.T
         forced = forced | (cols == 0)
     visible = torch.ones(nq, nk, dtype=torch.bool, device=device)
     if is_causal:
-        visible = causal_block_visible(nq, nk, shape.kv_len, device)
-        first_q = torch.arange(nq, device=device) * BLOCK_Q
-        segment_start = (first_q // segment) * segment
+        visible = causal_block_visible(nq, nk, shape.kv_len, device, q_len=shape.q_len,
+                                       causal_offset=shape.causal_offset)
+        first_position = torch.arange(nq, device=device) * BLOCK_Q + shape.causal_offset
+        segment_start = first_position.clamp(min=0) // segment * segment
         forced = forced | (cols[None, :] * BLOCK_K >= segment_start[:, None])  # S2O's dense intra-segment pass
-        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1)[None, :] > first_q[:, None])
-    forced = forced & visible
+        needs_masking = needs_masking | ((cols * BLOCK_K + BLOCK_K - 1)[None, :] > first_position[:, None])
+    forced = (forced | needs_masking) & visible
     # group: 3 forced without masking, 2 forced with masking, 1 ranked, 0 invisible; inside a group forced
     # blocks go in ascending order and ranked ones by descending score (two stable sorts)
     group_id = torch.where(forced, torch.where(needs_masking, 2, 3), 1) * visible
@@ -292,7 +302,7 @@ def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: Vi
     launch(_ordered_attention_kernel, (nq, B * H),
         qh, kh, vh, out_h, index, n_unmasked, n_forced, count,
         tau if tau is not None else unused_f, pvthreshd if pvthreshd is not None else unused_f,
-        visited, pv_count, scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk,
+        visited, pv_count, scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_K,
         IS_CAUSAL=is_causal, PV_SKIP=pvthreshd is not None, EARLY_STOP=tau is not None,
