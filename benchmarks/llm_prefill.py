@@ -12,8 +12,12 @@ Then one left-padded batch (``--padded``: prompt lengths, padded on the left to 
 a tokenizer gives): SDPA computes the padded batch under transformers' boolean mask; our function runs each prompt
 without its padding. Relative L1 over the real positions only.
 
+With ``--compiled``, the padded batch also runs through ``torch.compile(model.model, fullgraph=True)`` (inductor,
+default mode) with SDPA and with the default settings, whose masked calls go through the
+``sparge_diffusers::llm_masked_prefill`` operator (the mask read at run time, each prompt its own call).
+
 Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096] [--layers 4]
-       [--out results.json]
+       [--compiled] [--out results.json]
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def main(argv=None):
     ap.add_argument("--padded", default="16384,12288,8192,4096", help="prompt lengths of one left-padded batch "
                     "('' for none)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--compiled", action="store_true", help="also time the padded batch compiled (SDPA and default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -57,7 +62,7 @@ def main(argv=None):
     functions = {name: register(f"sparge_bench_{name}", collect_stats=True, **kw) for name, kw in SETTINGS.items()}
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
                "date": time.strftime("%Y-%m-%d"), "lengths": {}}
-    for n in map(int, args.lengths.split(",")):
+    for n in [int(n) for n in args.lengths.split(",") if n]:
         ids = torch.randint(0, config.vocab_size, (1, n), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(1))
         results["lengths"][n] = row = compare(model, functions, ids)
@@ -74,6 +79,10 @@ def main(argv=None):
         results["padded"] = row = compare(model, functions, ids, attention_mask=mask, position_ids=positions)
         row["prompt_lengths"] = padded
         print("padded", padded, row, flush=True)
+        if args.compiled:
+            results["padded_compiled"] = compiled_row = compiled_compare(
+                model, ids, attention_mask=mask, position_ids=positions)
+            print("padded, compiled", compiled_row, flush=True)
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}, transformers {transformers.__version__}); "
              f"Llama-3.1-8B shapes, {args.layers} layers, bf16, random weights; prefill ms (median of 5); "
              f"settings: {SETTINGS}",
@@ -85,6 +94,10 @@ def main(argv=None):
             sparsity = f"{e['sparsity']:6.3f}" if e["sparsity"] is not None else f"{'-':>6}"
             lines.append(f"{n:>7} {r['sdpa_ms']:9.1f} {name:>10} {e['ms']:8.1f} {e['speedup']:6.2f} {sparsity} "
                          f"{e['relative_l1']:7.4f}")
+    if "padded_compiled" in results:
+        c = results["padded_compiled"]
+        lines.append(f"{'padded':>7} compiled: sdpa {c['sdpa_ms']:.1f} ms, default {c['default_ms']:.1f} ms "
+                     f"({c['sdpa_ms'] / c['default_ms']:.2f}x), rel L1 {c['relative_l1']:.4f} (inductor, default mode)")
     if padded:
         lines.append(f"padded: a left-padded batch of {len(padded)} prompts ({', '.join(map(str, padded))} tokens, "
                      f"padded to {max(padded)}); SDPA under the mask, ours per prompt; L1 over real positions")
@@ -117,6 +130,27 @@ def compare(model, functions, ids, **inputs) -> dict:
         fn.collect_stats = True
         row[name] = {"ms": ms, "speedup": row["sdpa_ms"] / ms, "sparsity": sparsity,
                      "relative_l1": relative_l1(out, dense)}
+    return row
+
+
+def compiled_compare(model, ids, **inputs) -> dict:
+    """Prefill ms of ``torch.compile(model.model, fullgraph=True)`` with SDPA and with the default settings (each
+    compiled once, outside the timing), and the relative L1 between their last hidden states at the real positions."""
+    real = inputs["attention_mask"].bool()
+    row, outs = {}, {}
+    for name, implementation in (("sdpa", "sdpa"), ("default", "sparge_bench_default")):
+        model.set_attn_implementation(implementation)
+        torch._dynamo.reset()
+        body = torch.compile(model.model, fullgraph=True)
+
+        def prefill():
+            with torch.no_grad():
+                return body(input_ids=ids, **inputs).last_hidden_state
+
+        outs[name] = prefill()[real].float()
+        row[f"{name}_ms"] = timed(prefill)
+    row["relative_l1"] = relative_l1(outs["default"], outs["sdpa"])
+    torch._dynamo.reset()
     return row
 
 

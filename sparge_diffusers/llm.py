@@ -30,6 +30,7 @@ from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
 from .kernels._inputs import PerHead, unsupported_reason
+from .kernels.library import CUDAGRAPH_UNSAFE
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
 
 
@@ -174,7 +175,10 @@ class SpargeLLMAttention:
       keys. Each prompt then runs as its own call without its padding (rows of padding queries get zeros, as
       from SDPA), and its stats are joined over the batch (:meth:`SparsityStats.concat`).
 
-    Masks are read in eager calls only: under torch.compile calls with a mask go to SDPA.
+    Under torch.compile a call without a mask is one node per kernel operator; a call with a mask is one node of the
+    operator ``sparge_diffusers::llm_masked_prefill``, which reads the mask at run time and routes the call as above
+    (a device sync, so it stays out of CUDA graphs: ``mode="reduce-overhead"`` splits the graph around it). Compiled
+    calls record no statistics and no ``sparse_calls``.
 
     Args:
         method: how a sparse call selects its keys (:data:`PREFILL_METHODS`): ``"sparge"`` (SpargeAttn: stage 1's
@@ -238,13 +242,16 @@ class SpargeLLMAttention:
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
         self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its left padding)
+        self._handle = id(self)  # how the masked-prefill operator finds this function at run time
+        _LIVE_FUNCTIONS[self._handle] = self
 
     def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None, kwargs: dict
               ) -> tuple[str | None, str | None, list[int] | None]:
         """(why this call cannot run sparse: None when it can, "" for the expected SDPA case of a decode step;
-        the causal variant it runs with: "upper_left" without a mask, "lower_right" with the lower-right mask;
-        the left padding of each prompt where the mask has some, else None)."""
+        the causal variant it runs with: "upper_left" without a mask, "lower_right" with the lower-right mask, None
+        for a mask under torch.compile, whose contents decide at run time (:meth:`_masked_call`); the left padding
+        of each prompt where the mask has some, else None)."""
         if query.shape[2] == 1:
             return "", None, None  # decode step
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -261,13 +268,19 @@ class SpargeLLMAttention:
             return reason, None, None
         if attention_mask is None:
             return None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
-        if not compiling():
-            padding = self._left_padding(attention_mask, query.shape[2], key.shape[2])
-            if padding is not None and any(padding) and key.shape[2] < self.min_padded_tokens:
-                return (f"a left-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
-                        "per prompt would cost more than SDPA under the mask)"), None, None
-            if padding is not None:
-                return None, "lower_right", (padding if any(padding) else None)
+        if compiling():
+            return None, None, None  # the mask is read at run time, inside an operator
+        return self._mask_route(attention_mask, query.shape[2], key.shape[2])
+
+    def _mask_route(self, mask: torch.Tensor, q_len: int, kv_len: int
+                    ) -> tuple[str | None, str | None, list[int] | None]:
+        """:meth:`route`'s verdict on an explicit mask, from its contents (one read-back per mask tensor)."""
+        padding = self._left_padding(mask, q_len, kv_len)
+        if padding is not None and any(padding) and kv_len < self.min_padded_tokens:
+            return (f"a left-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
+                    "per prompt would cost more than SDPA under the mask)"), None, None
+        if padding is not None:
+            return None, "lower_right", (padding if any(padding) else None)
         return "an explicit attention mask (right padding, packed sequences or a custom mask)", None, None
 
     def _left_padding(self, mask: torch.Tensor, q_len: int, kv_len: int) -> list[int] | None:
@@ -295,6 +308,9 @@ class SpargeLLMAttention:
         if compiling():
             # one node of the compiled graph per operator (see kernels/library.py); no statistics, no call count: a
             # Python counter read under compilation would be a guard that recompiles at every call
+            if attention_mask is not None:
+                return torch.ops.sparge_diffusers.llm_masked_prefill(query, key, value, attention_mask, scaling,
+                                                                     self._handle), None
             compiled = PREFILL_METHODS[self.method].compiled
             return compiled(self, query, key, value, scaling, variant).transpose(1, 2).contiguous(), None
         if padding is None:
@@ -307,22 +323,41 @@ class SpargeLLMAttention:
         self.sparse_calls += 1
         return out, None
 
+    def _masked_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scale: float | None) -> torch.Tensor:
+        """A call with an explicit mask under torch.compile, run eagerly inside the ``llm_masked_prefill`` operator:
+        the mask's contents route it as :meth:`__call__` routes an eager call (sparse for the lower-right and
+        left-padded masks, else SDPA under the mask, with one warning), without statistics or call count.
+        Returns (B, Nq, H, D)."""
+        reason, variant, padding = self._mask_route(mask, query.shape[2], key.shape[2])
+        if reason is not None:
+            self._warn(reason)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask[:, :, :, :key.shape[2]], scale=scale,
+                enable_gqa=query.shape[1] != key.shape[1])
+            return out.transpose(1, 2).contiguous()
+        if padding is not None:
+            return self._left_padded_prefill(query, key, value, padding, scale, stats=False)[0]
+        return self._prefill(query, key, value, scale, variant, stats=False)[0].transpose(1, 2).contiguous()
+
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                 variant: str | None) -> tuple[torch.Tensor, SparsityStats | None]:
-        """One causal call without padding, by the configured method: (B, H, Nq, D) output, its stats when
-        collected."""
-        out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, self.collect_stats)
-        return out if self.collect_stats else (out, None)
+                 variant: str | None, stats: bool | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
+        """One causal call without padding, by the configured method: (B, H, Nq, D) output, its stats when asked
+        (``stats``; None: when collected)."""
+        stats = self.collect_stats if stats is None else stats
+        out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, stats)
+        return out if stats else (out, None)
 
     def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             padding: list[int], scale: float | None) -> tuple[torch.Tensor, SparsityStats | None]:
+                             padding: list[int], scale: float | None, stats: bool | None = None
+                             ) -> tuple[torch.Tensor, SparsityStats | None]:
         """A left-padded batch: each prompt runs as its own causal call without its padding, the queries aligned
         to the keys' end (lower right). Rows of padding queries, which see no key, stay zero, as SDPA gives them.
         Returns the (B, Nq, H, D) output and, when collected, the prompts' stats joined over the batch."""
         batch, q_len = query.shape[0], query.shape[2]
         offset = key.shape[2] - q_len  # positions of the keys before the first query (the cache)
         out = query.new_zeros(batch, q_len, query.shape[1], query.shape[3])
-        stats = []
+        parts = []
         for b in range(batch):
             pad = padding[b] if len(padding) > 1 else padding[0]
             first = max(0, pad - offset)  # the first query that is no padding
@@ -330,16 +365,39 @@ class SpargeLLMAttention:
                 continue  # this prompt's queries are all padding
             rows = slice(b, b + 1)
             q_b, k_b, v_b = query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:]
-            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right")
+            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right", stats)
             out[b, first:] = o[0].transpose(0, 1)
             if s is not None:
-                stats.append(s)
-        return out, (SparsityStats.concat(stats) if stats else None)
+                parts.append(s)
+        return out, (SparsityStats.concat(parts) if parts else None)
 
     def _warn(self, reason: str) -> None:
         if self.strict:
             raise ValueError(f"SpargeLLMAttention: {reason}; strict=True forbids falling back to SDPA")
         warn_once(f"SpargeLLMAttention: falling back to SDPA: {reason}", self._warned, stacklevel=3)
+
+
+# SpargeLLMAttention functions by handle, for the operator below (a compiled graph holds the handle, an int)
+_LIVE_FUNCTIONS: weakref.WeakValueDictionary[int, SpargeLLMAttention] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("sparge_diffusers::llm_masked_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def _llm_masked_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                           scale: float | None, handle: int) -> torch.Tensor:
+    """A compiled model's prefill call with an explicit mask: :meth:`SpargeLLMAttention._masked_call` of the function
+    ``handle`` names. Its route depends on the mask's contents (a read-back), hence an operator opaque to the compiler
+    and kept out of CUDA graphs."""
+    attention = _LIVE_FUNCTIONS.get(handle)
+    if attention is None:
+        raise RuntimeError("sparge_diffusers::llm_masked_prefill: the SpargeLLMAttention this graph was compiled with "
+                           "no longer exists; compile the model again")
+    return attention._masked_call(query, key, value, mask, scale)
+
+
+@_llm_masked_prefill_op.register_fake
+def _(query, key, value, mask, scale, handle):
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)
 
 
 def left_padded_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26

@@ -377,10 +377,63 @@ def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
         first, second = logits(compiled, ids), logits(compiled, ids)
     assert torch.equal(first, eager) and torch.equal(second, eager)
     assert attention.sparse_calls == calls, "compiled calls are not counted (a counter would recompile)"
-    mask = torch.ones(2, 300, dtype=torch.long)
-    mask[1, :10] = 0
-    with pytest.warns(UserWarning, match="explicit attention mask"):  # raised while tracing
-        logits(compiled, prompt(300, batch=2), attention_mask=mask)
+
+
+def test_compiled_calls_with_a_mask_read_it_at_run_time(tiny_llama):
+    """Under torch.compile (fullgraph, no recompile between calls of the same shapes) a mask goes into the
+    llm_masked_prefill operator, which routes the call by the mask's contents as an eager call does: a left-padded
+    batch runs each prompt sparse and a chunk against a cache its lower-right call (both equal to eager, bitwise);
+    right padding and a short padded batch go to SDPA under the mask with the eager call's warning, at run time."""
+    import copy
+
+    attention = register("sparge_test_compile_mask", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None,
+                         min_padded_tokens=0)
+    model = load(tiny_llama, "sparge_test_compile_mask")
+    sdpa = load(tiny_llama, "sdpa")
+    batch = prompt(300, batch=2)
+    mask, positions = left_padded(batch, (0, 40))
+    eager = logits(model, batch, attention_mask=mask, position_ids=positions)
+    real = mask.bool()
+    assert relative_l1(eager[real], logits(sdpa, batch, attention_mask=mask, position_ids=positions)[real]) > 1e-3
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(), torch._dynamo.config.patch(error_on_recompile=True):
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        first = logits(compiled, batch, attention_mask=mask, position_ids=positions)
+        second = logits(compiled, batch, attention_mask=mask, position_ids=positions)
+    assert torch.equal(first, eager) and torch.equal(second, eager)
+    # a chunk against a cache: transformers' lower-right mask
+    ids = prompt(400)
+    prefix = transformers.DynamicCache(config=model.config)
+    logits(sdpa, ids[:, :250], past_key_values=prefix, use_cache=True)
+    chunk = {}
+    for name, m in (("eager", model), ("compiled", compiled)):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="SpargeLLMAttention")
+            chunk[name] = logits(m, ids[:, 250:], past_key_values=copy.deepcopy(prefix), use_cache=True)
+    assert torch.equal(chunk["compiled"], chunk["eager"])
+    assert relative_l1(chunk["eager"], logits(sdpa, ids[:, 250:], past_key_values=copy.deepcopy(prefix),
+                                              use_cache=True)) > 1e-3, "the chunk ran sparse"
+    # right padding: not a causal pattern; SDPA under the mask, warned when the operator runs
+    right = torch.ones(2, 300, dtype=torch.long)
+    right[1, 280:] = 0
+    with pytest.warns(UserWarning, match="explicit attention mask"):
+        got = logits(compiled, batch, attention_mask=right)
+    expected = logits(sdpa, batch, attention_mask=right)
+    assert relative_l1(got[right.bool()], expected[right.bool()]) < 1e-5
+    attention.min_padded_tokens = 4096  # read when the operator runs: no recompile needed
+    with pytest.warns(UserWarning, match="fewer than min_padded_tokens"):
+        got = logits(compiled, batch, attention_mask=mask, position_ids=positions)
+    assert relative_l1(got[real], logits(sdpa, batch, attention_mask=mask, position_ids=positions)[real]) < 1e-5
+
+
+def test_masked_prefill_operator_without_its_function_says_so():
+    import sparge_diffusers.llm  # noqa: F401  (registers the operator)
+
+    q, k = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        torch.ops.sparge_diffusers.llm_masked_prefill(q, k, k, mask, None, -1)
 
 
 def test_compiled_pbs_prefill_runs_sparge_in_order(tiny_llama):
@@ -457,6 +510,28 @@ def test_left_padded_prefill_on_gpu_matches_sdpa(tiny_llama):
     assert relative_l1(got[1, 333:].float(), logits(ours, ids[1:, 333:])[0].float()) < 1e-2
     options = dict(max_new_tokens=3, do_sample=False, attention_mask=mask, pad_token_id=0, prefill_chunk_size=256)
     assert ours.generate(ids, **options).shape == (3, 1003) and attention.sparse_calls == 4 + 8  # 4 chunks
+
+
+@pytest.mark.gpu
+def test_compiled_masked_prefill_on_gpu(tiny_llama):
+    """A compiled model (inductor, default and reduce-overhead modes) on a left-padded batch: the masked-prefill
+    operator runs each prompt sparse (no fallback warning), SDPA's logits at the real positions when every block is
+    kept; under reduce-overhead the operator stays out of the CUDA graphs (its mask read syncs)."""
+    register("sparge_test_gpu_compiled_mask", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, min_padded_tokens=0)
+    ids = prompt(1000, batch=3, seed=7).cuda()
+    mask, positions = left_padded(ids, (0, 333, 999))
+    real = mask.bool()
+    model = load(tiny_llama, "sparge_test_gpu_compiled_mask").to("cuda", torch.bfloat16)
+    expected = logits(load(tiny_llama, "sdpa").to("cuda", torch.bfloat16), ids, attention_mask=mask,
+                      position_ids=positions)[real].float()
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode=mode, fullgraph=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="SpargeLLMAttention")
+            for _ in range(3):  # reduce-overhead records its graphs on the first calls
+                got = logits(compiled, ids, attention_mask=mask, position_ids=positions)
+        assert torch.isfinite(got[real]).all() and relative_l1(got[real].float(), expected) < 2e-2, mode
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ def _(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_s
 
 # A graph that switches between exact and sparse attention at run time cannot be replayed as a CUDA graph (a
 # replay repeats the recorded path), hence the tag: inductor keeps this operator out of CUDA graphs.
-_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 def _check_dense_flag(dense: torch.Tensor) -> None:
@@ -72,7 +72,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
     return out
 
 
-@torch.library.custom_op("sparge_diffusers::sparge_attention_or_exact", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+@torch.library.custom_op("sparge_diffusers::sparge_attention_or_exact", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _sparge_attention_or_exact_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: torch.Tensor,
                                   is_causal: bool, scale: float, simthreshd1: list[float], cdfthreshd: list[float],
                                   pvthreshd: list[float] | None, attention_sink: bool, tensor_layout: str,
