@@ -19,6 +19,7 @@ diffusers.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -242,7 +243,7 @@ class SpargeLLMAttention:
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
         self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its left padding)
-        self._handle = id(self)  # how the masked-prefill operator finds this function at run time
+        self._handle = next(_HANDLES)  # how the masked-prefill operator finds this function at run time
         _LIVE_FUNCTIONS[self._handle] = self
 
     def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -377,8 +378,10 @@ class SpargeLLMAttention:
         warn_once(f"SpargeLLMAttention: falling back to SDPA: {reason}", self._warned, stacklevel=3)
 
 
-# SpargeLLMAttention functions by handle, for the operator below (a compiled graph holds the handle, an int)
+# SpargeLLMAttention functions by handle, for the operator below (a compiled graph holds the handle, an int; handles
+# are never reused, so a graph that outlives its function fails instead of finding another one)
 _LIVE_FUNCTIONS: weakref.WeakValueDictionary[int, SpargeLLMAttention] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
 
 
 @torch.library.custom_op("sparge_diffusers::llm_masked_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)

@@ -224,8 +224,8 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
     (B, H, N, D) inputs, visiting order (index, n_unmasked, n_forced, count) from ``s2o_visit_order``.
 
     Same order, same online softmax in the log2 domain, same stop rule (mean relative gain of the last tile
-    below tau, tested every ``check_every`` ranked tiles), same PV skip. Query row i
-    sits at causal position i + ``shape.causal_offset``. Returns (out float32, visited, pv_count).
+    below tau, tested every ``check_every`` ranked tiles), same PV skip. Query row i sits at causal position
+    i + ``shape.causal_offset``. Returns (out float32, visited, pv_count).
     """
     qh, kh, vh = (t.float() for t in (q, k, v))
     B, H, Nq, D = qh.shape
