@@ -95,7 +95,8 @@ def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Ten
 def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float | None, variant: str | None) -> torch.Tensor:
     if attention.pbs_segment is not None:
-        warn_once("SpargeLLMAttention: pbs_segment has no effect under torch.compile (keys stay in order)",
+        warn_once("SpargeLLMAttention: pbs_segment has no effect on unmasked calls under torch.compile (keys stay in "
+                  "order)",
                   attention._warned, stacklevel=4)
     return sparge_attention_op(q, k, v, **_sparge_settings(attention, q, k, scale, variant))
 
@@ -204,8 +205,9 @@ class SpargeLLMAttention:
             use SDPA: that is where a sparse prefill kernel does not apply).
         collect_stats: keep each sparse call's :class:`SparsityStats` in ``stats`` (on the device until read).
         pbs_segment: sort keys within segments of this many positions first (PBS-Attn,
-            :func:`pbs_sparge_attention`); None: keys in order. Whole-prompt eager calls only: chunked calls and
-            calls under torch.compile run :func:`sparge_attention` on keys in order.
+            :func:`pbs_sparge_attention`); None: keys in order. Whole prompts only: chunks run
+            :func:`sparge_attention` on keys in order, and so do calls without a mask under torch.compile (calls with
+            a mask run eagerly inside their operator, so a left-padded batch's prompts get the permutation there).
     """
 
     simthreshd1: PerHead = 0.6

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_attention, compact_block_mask,
-                              predict_block_mask, relative_l1, s2o_attention, s2o_visit_order, select_key_blocks,
+                              predict_block_mask, relative_l1, s2o_attention, select_key_blocks,
                               selected_block_attention, sparge_attention, sparge_attention_op)
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.reference import reference_prediction_details
 from sparge_diffusers.kernels.stats import dense_block_count
 from sparge_diffusers.testing import llm_like_qkv
 from test_kernels import L1_TOL, make_qkv
+from test_s2o import order_for
 
 # Nq, Nkv, variant: offsets that are not multiples of a block (the diagonal then straddles three 64-key blocks),
 # a query block shorter than one block, more queries than keys both ways (lower-right: rows with no key)
@@ -185,15 +186,6 @@ def test_errors_name_the_problem():
         assert torch.equal(block_sparse_attention(qe, ke, ve, cm, is_causal=True, causal_variant=variant), base)
 
 
-def s2o_order(q, k, shape, variant, segment, theta=0.3, sink=False, backend="reference"):
-    from sparge_diffusers.kernels.reference import reference_block_statistics
-
-    (qm, qs), (km, ks) = reference_block_statistics(q, BLOCK_Q), reference_block_statistics(k, BLOCK_K)
-    return s2o_visit_order(qm, km, qs, ks, shape, is_causal=True, scale=q.shape[-1] ** -0.5,
-                           simthreshd1=torch.full((shape.heads,), float(theta), device=q.device), segment=segment,
-                           attention_sink=sink, backend=backend)
-
-
 @pytest.mark.parametrize("Nq,Nkv,variant", CASES)
 @pytest.mark.parametrize("segment", [128, 256])
 def test_s2o_visit_order_with_variants(Nq, Nkv, variant, segment):
@@ -203,7 +195,7 @@ def test_s2o_visit_order_with_variants(Nq, Nkv, variant, segment):
 
     q, k, _ = make_qkv(1, 4, 2, Nq, Nkv, 64, torch.float32, "HND", seed=Nq + 7 * Nkv)
     shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=True, causal_variant=variant)
-    index, n_unmasked, n_forced, count = s2o_order(q, k, shape, variant, segment)
+    index, n_unmasked, n_forced, count = order_for(q, k, True, theta=0.3, segment=segment, causal_variant=variant)[1]
     seen = element_mask(Nq, Nkv, variant)
     offset = offset_of(Nq, Nkv, variant)
     for h in range(4):
@@ -246,12 +238,10 @@ def test_s2o_reference_visiting_everything_is_attention_under_the_element_mask(N
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_s2o_triton_matches_reference(Nq, Nkv, variant, layout, dtype):
     """The ordered walk in the interpreter against its reference on the same order: visiting everything, and
-    stopping early (the stop test counts only rows that see a key), with stage 2's PV skip."""
+    stopping early, with stage 2's PV skip; rows before the first key are zeros."""
     q, k, v = make_qkv(2, 4, 2, Nq, Nkv, 64, dtype, layout, seed=Nq * 5 + Nkv)
     q = q + 0.5  # a shared direction: self-similar blocks, so blocks are ranked (and stops can happen)
-    qh, kh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k))
-    shape = check_attention_inputs(q, k, None, tensor_layout=layout, is_causal=True, causal_variant=variant)
-    order = s2o_order(qh, kh, shape, variant, segment=128, theta=-1.0, sink=True)
+    order = order_for(q, k, True, theta=-1.0, segment=128, sink=True, layout=layout, causal_variant=variant)[1]
     for tau, pvthreshd, check_every in ((0.0, None, 16), (0.3, None, 1), (0.2, 4.0, 2)):
         kw = dict(is_causal=True, causal_variant=variant, tau=tau, pvthreshd=pvthreshd, check_every=check_every,
                   segment=128, tensor_layout=layout, return_sparsity=True, order=order)
@@ -327,8 +317,7 @@ def test_gpu_s2o_matches_reference(D):
                                      (3000, 1000, "lower_right"), (700, 2000, "upper_left")]:
         q, k, v = (t.cuda() for t in make_qkv(1, 8, 2, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + Nkv))
         q = q + 0.5
-        shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=True, causal_variant=variant)
-        order = s2o_order(q, k, shape, variant, segment=256, theta=-1.0, sink=True, backend="triton")
+        order = order_for(q, k, True, theta=-1.0, segment=256, sink=True, backend="triton", causal_variant=variant)[1]
         for tau, check_every in ((0.0, 16), (0.2, 1)):
             kw = dict(is_causal=True, causal_variant=variant, tau=tau, check_every=check_every, segment=256,
                       return_sparsity=True)

@@ -437,18 +437,30 @@ def test_masked_prefill_operator_without_its_function_says_so():
 
 
 def test_compiled_pbs_prefill_runs_sparge_in_order(tiny_llama):
-    """PBS's key order has no compiled form: under torch.compile the call warns (while tracing) and runs "sparge"
-    on keys in order, as documented: equal to a compiled "sparge" of the same thresholds."""
-    register("sparge_test_compile_pbs", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, pbs_segment=128)
-    register("sparge_test_compile_in_order", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
+    """PBS's key order has no compiled form: under torch.compile an unmasked call warns (while tracing) and runs
+    "sparge" on keys in order, as documented: equal to a compiled "sparge" of the same thresholds. A left-padded
+    batch runs eagerly inside the masked-prefill operator, PBS included: equal to the eager call."""
+    register("sparge_test_compile_pbs", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, pbs_segment=128,
+             min_padded_tokens=0)
+    register("sparge_test_compile_in_order", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, min_padded_tokens=0)
     ids = prompt(300)
+    model = load(tiny_llama, "sparge_test_compile_pbs")
     torch._dynamo.reset()
-    compiled = torch.compile(load(tiny_llama, "sparge_test_compile_pbs"), backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match="pbs_segment has no effect under torch.compile"):
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match="pbs_segment has no effect on unmasked calls under torch.compile"):
         got = logits(compiled, ids)
     torch._dynamo.reset()
     plain = torch.compile(load(tiny_llama, "sparge_test_compile_in_order"), backend="aot_eager", fullgraph=True)
     assert torch.equal(got, logits(plain, ids))
+    batch = torch.cat([prompt(300, seed=4), ids])
+    mask, positions = left_padded(batch, (0, 40))
+    eager = logits(model, batch, attention_mask=mask, position_ids=positions)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert torch.equal(logits(compiled, batch, attention_mask=mask, position_ids=positions), eager)
+    in_order = logits(load(tiny_llama, "sparge_test_compile_in_order"), batch, attention_mask=mask,
+                      position_ids=positions)
+    assert not torch.equal(eager, in_order), "PBS's order changes the blocks stage 1 keeps here"
 
 
 @pytest.mark.parametrize("method, settings, ids_len", [

@@ -6,18 +6,20 @@ import torch
 import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, s2o_attention, s2o_visit_order
-from sparge_diffusers.kernels._inputs import AttentionShape, causal_block_visible
+from sparge_diffusers.kernels._inputs import AttentionShape, causal_block_visible, check_attention_inputs
 from sparge_diffusers.kernels.reference import reference_block_statistics, reference_ordered_attention
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_kernels import L1_TOL, dense_reference, poisoned_like, relative_l1
 
 
-def order_for(q, k, causal, theta=0.6, segment=256, sink=False, layout="HND", backend="reference"):
+def order_for(q, k, causal, theta=0.6, segment=256, sink=False, layout="HND", backend="reference",
+              causal_variant=None):
+    """(shape, visiting order, stage-1 statistics) of q and k, the statistics from the float32 reference."""
+    shape = check_attention_inputs(q, k, None, tensor_layout=layout, is_causal=causal, causal_variant=causal_variant)
     qh, kh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k))
-    B, H, Nq, D = qh.shape
-    shape = AttentionShape(B, H, kh.shape[1], Nq, kh.shape[2], D)
+    D = qh.shape[-1]
     (qm, qs), (km, ks) = reference_block_statistics(qh, BLOCK_Q), reference_block_statistics(kh, BLOCK_K)
-    theta = torch.full((H,), float(theta))
+    theta = torch.full((shape.heads,), float(theta), device=q.device)
     return shape, s2o_visit_order(qm, km, qs, ks, shape, is_causal=causal, scale=D ** -0.5, simthreshd1=theta,
                                   segment=segment, attention_sink=sink, backend=backend), (qm, km, qs, ks)
 
