@@ -12,9 +12,10 @@ Per (N, C):
   * the whole method at default thresholds with the sink block kept (as the LLM attention function runs it) on
     ``llm_like_qkv`` inputs (the chunk = the last C tokens of an N-token
     prompt): sparsity, relative L1 against exact float32 attention on 1024 sampled query rows, time against cuDNN
-    and SDPA's lower-right flash; the same for the LLM function's other methods at their defaults: S2O (tau
-    0.0005, segment 2048, sink kept) and FSA (top_k 16 blocks of 64 keys per query token; its sparsity counts
-    (query, key) pairs).
+    and SDPA's lower-right flash; the same for PBS-Attn's key order (``pbs_segment=256``: the chunk's last queries
+    rank the cache's keys, which are sorted within segments and gathered every call, then SpargeAttn at the same
+    thresholds) and for the LLM function's other methods at their defaults: S2O (tau 0.0005, segment 2048, sink
+    kept) and FSA (top_k 16 blocks of 64 keys per query token; its sparsity counts (query, key) pairs).
 Times: the fastest of 3 interleaved rounds of medians over CUDA-graph replays (benchmarks/attention.py's timer).
 
 Usage: python benchmarks/chunked_prefill.py [--cases 32768:2048,32768:8192] [--out results.json]
@@ -38,12 +39,14 @@ from sparge_diffusers import (block_sparse_attention, compact_block_mask, s2o_at
                               select_key_blocks, selected_block_attention, selection_sparsity, sparge_attention)
 from sparge_diffusers.kernels._inputs import check_attention_inputs  # noqa: E402
 from sparge_diffusers.kernels.stats import dense_block_count  # noqa: E402
+from sparge_diffusers.llm import pbs_sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
 from sparge_diffusers.workloads import exact_attention_rows  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DENSITIES = (0.5, 0.25, 0.1)
 FSA_TOP_K = 16  # the LLM function's default: 16 blocks of 64 keys per query token
+PBS_SEGMENT = 256  # PBS-Attn's segment
 LOWER_RIGHT = dict(is_causal=True, causal_variant="lower_right")
 
 
@@ -138,6 +141,8 @@ def run_case(N, C, log):
     l1 = sampled_chunk_l1(out, qf, k, v)
     l1_sdpa = sampled_chunk_l1(sdpa_lower_right(q, k, v)(), qf, k, v)
     s2o_out, s2o_stats = s2o_attention(q, k, v, return_sparsity=True, attention_sink=True, **LOWER_RIGHT)
+    pbs_out, pbs_stats = pbs_sparge_attention(q, k, v, segment=PBS_SEGMENT, return_sparsity=True,
+                                              attention_sink=True, causal_variant="lower_right")
 
     def fsa():
         selection = select_key_blocks(q, k, top_k=FSA_TOP_K, **LOWER_RIGHT)
@@ -146,6 +151,8 @@ def run_case(N, C, log):
     fsa_out, selection = fsa()
     fsa_stats = selection_sparsity(selection, heads=HEADS, kv_len=N, **LOWER_RIGHT)
     fns = {"whole": lambda: sparge_attention(q, k, v, attention_sink=True, **LOWER_RIGHT),
+           "pbs": lambda: pbs_sparge_attention(q, k, v, segment=PBS_SEGMENT, attention_sink=True,
+                                               causal_variant="lower_right"),
            "s2o": lambda: s2o_attention(q, k, v, attention_sink=True, **LOWER_RIGHT),
            "fsa": lambda: fsa()[0],
            "sdpa_lower_right": sdpa_lower_right(q, k, v)}
@@ -154,12 +161,14 @@ def run_case(N, C, log):
     t, spread = bench_rounds(fns)
     res["structured_default"] = {"sparsity": stats.sparsity, "relative_l1": l1, "relative_l1_sdpa_bf16": l1_sdpa,
                                  **{f"{name}_ms": ms for name, ms in t.items()}, "round_spread": spread,
+                                 "pbs": {"sparsity": pbs_stats.sparsity, "ms": t["pbs"], "segment": PBS_SEGMENT,
+                                         "relative_l1": sampled_chunk_l1(pbs_out, qf, k, v)},
                                  "s2o": {"sparsity": s2o_stats.sparsity, "ms": t["s2o"],
                                          "relative_l1": sampled_chunk_l1(s2o_out, qf, k, v)},
                                  "fsa": {"sparsity": fsa_stats.sparsity, "ms": t["fsa"], "top_k": FSA_TOP_K,
                                          "relative_l1": sampled_chunk_l1(fsa_out, qf, k, v)}}
-    log(f"  structured: sparsity {stats.sparsity:.3f}, L1 {l1:.4f}, {t['whole']:.3f} ms; s2o {t['s2o']:.3f} ms, "
-        f"fsa {t['fsa']:.3f} ms")
+    log(f"  structured: sparsity {stats.sparsity:.3f}, L1 {l1:.4f}, {t['whole']:.3f} ms; pbs {t['pbs']:.3f} ms, "
+        f"s2o {t['s2o']:.3f} ms, fsa {t['fsa']:.3f} ms")
     del qf, q, k, v, out
     torch.cuda.empty_cache()
     return res
@@ -198,12 +207,13 @@ def table(results) -> str:
                      f"{s['relative_l1_sdpa_bf16']:8.4f} {s['whole_ms']:8.3f} {s['sdpa_lower_right_ms']:8.3f} "
                      f"{cu:8.3f} {s['sdpa_lower_right_ms'] / s['whole_ms']:7.2f} {cu / s['whole_ms']:7.2f}")
     if all("s2o" in r["structured_default"] for r in results["cases"]):
-        lines += ["the LLM function's other methods on the same chunks, defaults (FSA's sparsity: (query, key) pairs)",
+        lines += ["the LLM function's other methods on the same chunks, defaults (pbs: SpargeAttn on keys in PBS's "
+                  "order; FSA's sparsity: (query, key) pairs)",
                   f"{'N':>6} {'C':>6} {'method':>6} {'sparsity':>8} {'rel L1':>8} {'ms':>8} {'x SDPA':>7} "
                   f"{'x sparge':>8}"]
         for r in results["cases"]:
             s = r["structured_default"]
-            for name in ("s2o", "fsa"):
+            for name in (m for m in ("pbs", "s2o", "fsa") if m in s):  # pbs: results since session 33
                 m = s[name]
                 lines.append(f"{r['N']:6} {r['C']:6} {name:>6} {m['sparsity']:8.3f} {m['relative_l1']:8.4f} "
                              f"{m['ms']:8.3f} {s['sdpa_lower_right_ms'] / m['ms']:7.2f} {s['whole_ms'] / m['ms']:8.2f}")

@@ -13,8 +13,8 @@ one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one
 or other explicit masks, dropout, softcapping, sliding windows, non-causal modules and unsupported dtypes or head
 dims. ``strict=True`` raises instead of falling back. Composes the kernels (SpargeAttn by default; S2O's ranked
 walk or FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the
-segmented key permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention`); knows nothing of
-diffusers.
+segmented key permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator);
+knows nothing of diffusers.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from ._compile import compiling, warn_once
 from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_op, select_key_blocks,
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
-from .kernels._inputs import PerHead, unsupported_reason
-from .kernels.library import CUDAGRAPH_UNSAFE
+from .kernels._inputs import CausalVariant, PerHead, check_attention_inputs, resolve_scale, unsupported_reason
+from .kernels.api import new_output
+from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
 
 
 def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = 256,
-                         scale: float | None = None, return_sparsity: bool = False, **sparge_settings: Any
+                         scale: float | None = None, return_sparsity: bool = False,
+                         causal_variant: CausalVariant | None = None, **sparge_settings: Any
                          ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Causal SpargeAttn on keys in PBS-Attn's segmented order (permuted block-sparse attention, arXiv 2510.21270).
 
@@ -50,20 +52,59 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     mean pooling, XAttention or FlexPrefill selection); every block of the segments a query block overlaps is
     computed (PBS-Attn computes its diagonal segment densely as well).
 
+    A chunk of a prompt against its KV cache (Nq < Nkv, ``causal_variant="lower_right"``) ranks the cache's keys
+    and its own by the chunk's last 128 queries, which are the prompt's last so far; the last chunk of a prompt
+    thus sorts the keys as the whole prompt's call does, and computes the same rows where the chunks start on
+    query-block boundaries (tested). PBS-Attn describes whole-prompt prefill only; chunks are our extension.
+
     Args:
-        q: (B, H, N, D); k, v: (B, H_kv, N, D), HND layout (transformers' attention functions get these).
+        q: (B, H, Nq, D); k, v: (B, H_kv, Nkv, D), HND layout (transformers' attention functions get these),
+            Nq <= Nkv.
         segment: positions per segment, a positive multiple of 64; larger sorts more keys together but makes
             the always-computed diagonal segment wider. PBS-Attn uses 256.
+        causal_variant: the causal mask's alignment when Nq != Nkv (see :func:`sparge_attention`).
         sparge_settings: :func:`sparge_attention`'s thresholds (simthreshd1, cdfthreshd, pvthreshd,
-            attention_sink) and backend.
+            attention_sink), backend and ``out``.
     """
     if sparge_settings.get("tensor_layout", "HND") != "HND" or "is_causal" in sparge_settings:
         raise ValueError("pbs_sparge_attention takes HND inputs and is always causal")
-    order = segmented_key_order(last_block_key_importance(q, k, scale=scale), segment)
+    importance = last_block_key_importance(q, k, scale=scale, causal_variant=causal_variant)
+    order = segmented_key_order(importance, segment)
     positions = order.to(torch.int32)
     return sparge_attention(q, gather_keys(k, order), gather_keys(v, order), is_causal=True, scale=scale,
                             permuted_keys=PermutedKeys(positions, segment), return_sparsity=return_sparsity,
-                            **sparge_settings)
+                            causal_variant=causal_variant, **sparge_settings)
+
+
+@torch.library.custom_op("sparge_diffusers::pbs_sparge_attention", mutates_args=())
+def _pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment: int, scale: float,
+                             simthreshd1: list[float], cdfthreshd: list[float], pvthreshd: list[float] | None,
+                             attention_sink: bool, causal_variant: str | None = None) -> torch.Tensor:
+    # written into the buffer the fake describes (as the kernels' operators do)
+    return pbs_sparge_attention(q, k, v, segment=segment, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
+                                pvthreshd=pvthreshd, attention_sink=attention_sink, causal_variant=causal_variant,
+                                out=new_output(q))
+
+
+@_pbs_sparge_attention_op.register_fake
+def _(q, k, v, segment, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, causal_variant=None):
+    check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=True, causal_variant=causal_variant)
+    PermutedKeys(k.new_empty(1, 1, k.shape[2], dtype=torch.int32), segment)  # a bad segment fails while tracing
+    return new_output(q)
+
+
+def pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = 256,
+                            scale: float | None = None, simthreshd1: PerHead = 0.6, cdfthreshd: PerHead = 0.98,
+                            pvthreshd: PerHead | None = 50, attention_sink: bool = False,
+                            causal_variant: CausalVariant | None = None) -> torch.Tensor:
+    """:func:`pbs_sparge_attention` through its custom operator (``torch.ops.sparge_diffusers.pbs_sparge_attention``),
+    for code compiled with ``torch.compile``: the key ranking, the permutation and the sparse call are one opaque
+    node. The same arguments (backend "auto") and output, no statistics; thresholds become lists of floats, which
+    the compiled graph holds as constants. Free of device syncs on CUDA (the permutation is not read back), so it
+    may sit inside a CUDA graph."""
+    return torch.ops.sparge_diffusers.pbs_sparge_attention(
+        q, k, v, int(segment), resolve_scale(scale, q.shape[-1]), _as_list(simthreshd1, "simthreshd1"),
+        _as_list(cdfthreshd, "cdfthreshd"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), causal_variant)
 
 
 def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> str | None:
@@ -83,22 +124,19 @@ def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Ten
                     scale: float | None, variant: str | None, stats: bool):
     """SpargeAttn (stage 1's TopCdf mask, then the block-sparse kernel); PBS's key order where asked."""
     settings = _sparge_settings(attention, q, k, scale, variant)
-    if attention.pbs_segment is not None and q.shape[2] == k.shape[2]:
+    if attention.pbs_segment is not None:
         del settings["is_causal"]  # pbs_sparge_attention is always causal
         return pbs_sparge_attention(q, k, v, segment=attention.pbs_segment, return_sparsity=stats, **settings)
-    if attention.pbs_segment is not None:
-        warn_once("SpargeLLMAttention: pbs_segment applies to whole-prompt prefill; chunked calls run keys in order",
-                  attention._warned, stacklevel=4)
     return sparge_attention(q, k, v, return_sparsity=stats, **settings)
 
 
 def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float | None, variant: str | None) -> torch.Tensor:
+    settings = _sparge_settings(attention, q, k, scale, variant)
     if attention.pbs_segment is not None:
-        warn_once("SpargeLLMAttention: pbs_segment has no effect on unmasked calls under torch.compile (keys stay in "
-                  "order)",
-                  attention._warned, stacklevel=4)
-    return sparge_attention_op(q, k, v, **_sparge_settings(attention, q, k, scale, variant))
+        del settings["is_causal"]
+        return pbs_sparge_attention_op(q, k, v, segment=attention.pbs_segment, **settings)
+    return sparge_attention_op(q, k, v, **settings)
 
 
 def _s2o_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
@@ -205,9 +243,8 @@ class SpargeLLMAttention:
             use SDPA: that is where a sparse prefill kernel does not apply).
         collect_stats: keep each sparse call's :class:`SparsityStats` in ``stats`` (on the device until read).
         pbs_segment: sort keys within segments of this many positions first (PBS-Attn,
-            :func:`pbs_sparge_attention`); None: keys in order. Whole prompts only: chunks run
-            :func:`sparge_attention` on keys in order, and so do calls without a mask under torch.compile (calls with
-            a mask run eagerly inside their operator, so a left-padded batch's prompts get the permutation there).
+            :func:`pbs_sparge_attention`); None: keys in order. Whole prompts and chunks against a cache (ranked
+            by the chunk's last queries), eager and under torch.compile (:func:`pbs_sparge_attention_op`).
     """
 
     simthreshd1: PerHead = 0.6

@@ -165,9 +165,10 @@ def test_errors_name_the_problem():
         (lambda: select_key_blocks(q, k, top_k=2, is_causal=True), "causal_variant='lower_right'"),
         (lambda: selected_block_attention(q, k, v, torch.zeros(1, 2, 100, 1, dtype=torch.int32), is_causal=True),
          "causal_variant='lower_right'"),
+        # permuted keys cover the keys, not the queries
         (lambda: sparge_attention(q, k, v, is_causal=True, causal_variant="lower_right",
-                                  permuted_keys=PermutedKeys(torch.arange(300).view(1, 1, -1), 64)),
-         "permuted_keys needs equal query and key lengths"),
+                                  permuted_keys=PermutedKeys(torch.arange(100).view(1, 1, -1), 64)),
+         r"positions has shape \(1, 1, 100\), expected \(1 or 1, 2 or 1, 300\)"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):

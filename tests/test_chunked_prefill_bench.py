@@ -41,12 +41,13 @@ def test_random_mask_follows_the_lower_right_visibility():
 
 
 def test_table_prints_every_method_row():
-    """The printed table from a results dict of the benchmark's shape (the S2O / FSA rows included)."""
+    """The printed table from a results dict of the benchmark's shape (the PBS / S2O / FSA rows included)."""
     dense = {"ours_ms": 1.0, "sdpa_lower_right_ms": 2.0, "cudnn_mask_ms": 3.0, "flex_ms": 1.5}
     sparse = [{"actual_density": 0.1, "ours_prebuilt_ms": 0.12, "ours_ms": 0.13, "flex_ms": 0.2, "flex_vs_prebuilt": 1.6,
                "prebuilt_speedup_over_ideal": 0.83, "per_call_speedup_over_ideal": 0.77}]
     structured = {"sparsity": 0.07, "relative_l1": 0.05, "relative_l1_sdpa_bf16": 0.002, "whole_ms": 0.9,
                   "sdpa_lower_right_ms": 2.0, "cudnn_mask_ms": 3.0,
+                  "pbs": {"sparsity": 0.1, "relative_l1": 0.04, "ms": 1.0, "segment": 256},
                   "s2o": {"sparsity": 0.2, "relative_l1": 0.01, "ms": 0.8},
                   "fsa": {"sparsity": 0.9, "relative_l1": 0.9, "ms": 0.5, "top_k": 16}}
     results = {"gpu": "GPU", "torch": "t", "triton": "tr", "date": "d",
@@ -56,3 +57,7 @@ def test_table_prints_every_method_row():
     fsa = [line for line in lines if " fsa " in line]
     assert len(s2o) == 1 and s2o[0].split()[-2:] == ["2.50", "1.12"]  # x SDPA, x sparge
     assert len(fsa) == 1 and fsa[0].split()[-2:] == ["4.00", "1.80"]
+    pbs = [line for line in lines if " pbs " in line]
+    assert len(pbs) == 1 and pbs[0].split()[-2:] == ["2.00", "0.90"]
+    del structured["pbs"]  # results of earlier sessions have no PBS row
+    assert not [line for line in chunked_prefill.table(results).splitlines() if " pbs " in line]

@@ -297,7 +297,8 @@ def test_s2o_and_fsa_methods_run_the_prefill(tiny_llama, method, keep_all, skipp
 def test_chunks_against_a_cache_run_each_method(tiny_llama):
     """A chunk against a cache (fewer queries than keys): each method runs its lower-right variant, no warning.
     "s2o" visiting every block and "fsa" keeping every block give SDPA's logits; "fsa" with top_k=2: its stats over
-    the chunk's (query, key) pairs and logits that differ (S2O's skipping: the next test)."""
+    the chunk's (query, key) pairs and logits that differ (S2O's skipping: the next test). pbs_segment permutes the
+    cache's keys too: keeping every block SDPA's logits, skipping other blocks than keys in order."""
     import copy
 
     ids = prompt(400)
@@ -307,9 +308,11 @@ def test_chunks_against_a_cache_run_each_method(tiny_llama):
     dense = logits(sdpa, ids[:, 250:], past_key_values=copy.deepcopy(prefix), use_cache=True)
     results, functions = {}, {}
     for name, settings in (("sparge", {}), ("s2o", dict(method="s2o", tau=0.0)), ("fsa", dict(method="fsa", top_k=7)),
-                           ("fsa_skip", dict(method="fsa", top_k=2, collect_stats=True))):
-        attention = functions[name] = register(f"sparge_test_chunk_{name}", simthreshd1=-1.0, cdfthreshd=0.5,
-                                               **settings)
+                           ("fsa_skip", dict(method="fsa", top_k=2, collect_stats=True)),
+                           ("pbs", dict(pbs_segment=128)), ("pbs_keep", dict(pbs_segment=128, cdfthreshd=1.0,
+                                                                             pvthreshd=None))):
+        attention = functions[name] = register(f"sparge_test_chunk_{name}", **{**dict(simthreshd1=-1.0,
+                                                                                      cdfthreshd=0.5), **settings})
         model = load(tiny_llama, f"sparge_test_chunk_{name}")
         cache = copy.deepcopy(prefix)
         with warnings.catch_warnings():
@@ -320,6 +323,8 @@ def test_chunks_against_a_cache_run_each_method(tiny_llama):
     assert relative_l1(results["s2o"], dense) < 1e-5
     assert relative_l1(results["fsa"], dense) < 1e-5  # 7 blocks of 64: all 400 keys
     assert relative_l1(results["fsa_skip"], dense) > 1e-3
+    assert relative_l1(results["pbs_keep"], dense) < 1e-5  # the cache's keys permuted, causality kept
+    assert relative_l1(results["pbs"], dense) > 1e-3 and not torch.equal(results["pbs"], results["sparge"])
     stats = functions["fsa_skip"].stats  # the chunk's rows see 251..400 keys
     assert len(stats) == 2 and all(s.dense_blocks == sum(range(251, 401)) and s.sparsity > 0 for s in stats)
 
@@ -436,22 +441,22 @@ def test_masked_prefill_operator_without_its_function_says_so():
         torch.ops.sparge_diffusers.llm_masked_prefill(q, k, k, mask, None, -1)
 
 
-def test_compiled_pbs_prefill_runs_sparge_in_order(tiny_llama):
-    """PBS's key order has no compiled form: under torch.compile an unmasked call warns (while tracing) and runs
-    "sparge" on keys in order, as documented: equal to a compiled "sparge" of the same thresholds. A left-padded
-    batch runs eagerly inside the masked-prefill operator, PBS included: equal to the eager call."""
+def test_compiled_pbs_prefill_matches_eager(tiny_llama):
+    """pbs_segment under torch.compile: an unmasked prompt is one node of the pbs_sparge_attention operator
+    (fullgraph, no recompile, no warning), equal to the eager call and not to keys in order; a left-padded batch runs
+    eagerly inside the masked-prefill operator, PBS included: equal to the eager call."""
     register("sparge_test_compile_pbs", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, pbs_segment=128,
              min_padded_tokens=0)
     register("sparge_test_compile_in_order", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, min_padded_tokens=0)
     ids = prompt(300)
     model = load(tiny_llama, "sparge_test_compile_pbs")
+    eager = logits(model, ids)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match="pbs_segment has no effect on unmasked calls under torch.compile"):
-        got = logits(compiled, ids)
-    torch._dynamo.reset()
-    plain = torch.compile(load(tiny_llama, "sparge_test_compile_in_order"), backend="aot_eager", fullgraph=True)
-    assert torch.equal(got, logits(plain, ids))
+    with warnings.catch_warnings(), torch._dynamo.config.patch(error_on_recompile=True):
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        assert torch.equal(logits(compiled, ids), eager) and torch.equal(logits(compiled, ids), eager)
+    assert not torch.equal(eager, logits(load(tiny_llama, "sparge_test_compile_in_order"), ids))
     batch = torch.cat([prompt(300, seed=4), ids])
     mask, positions = left_padded(batch, (0, 40))
     eager = logits(model, batch, attention_mask=mask, position_ids=positions)
@@ -549,7 +554,8 @@ def test_compiled_masked_prefill_on_gpu(tiny_llama):
 @pytest.mark.gpu
 def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
     """The S2O and FSA kernels behind the attention function (bf16): visiting every block gives SDPA's logits;
-    skipping changes them; compiled FSA (inductor) gives its eager output."""
+    skipping changes them; compiled FSA, S2O and PBS (inductor) give their eager outputs; PBS on a chunk keeping
+    every block gives SDPA's logits."""
     ids = prompt(2000, batch=2).cuda()  # 32 key blocks: S2O tests its stop every 16 ranked tiles
     sdpa = load(tiny_llama, "sdpa").to("cuda", torch.bfloat16)
     dense = logits(sdpa, ids).float()
@@ -568,8 +574,10 @@ def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
     register("sparge_test_gpu_fsa_chunk", method="fsa", top_k=32)
     register("sparge_test_gpu_s2o_chunk", method="s2o", tau=0.0)
     register("sparge_test_gpu_s2o_chunk_skip", method="s2o", tau=0.2, s2o_segment=128, simthreshd1=-1.0)
+    register("sparge_test_gpu_pbs_chunk", pbs_segment=256, simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
     chunked = {}
-    for name in ("sdpa", "sparge_test_gpu_fsa_chunk", "sparge_test_gpu_s2o_chunk", "sparge_test_gpu_s2o_chunk_skip"):
+    for name in ("sdpa", "sparge_test_gpu_fsa_chunk", "sparge_test_gpu_s2o_chunk", "sparge_test_gpu_s2o_chunk_skip",
+                 "sparge_test_gpu_pbs_chunk"):
         model = load(tiny_llama, name).to("cuda", torch.bfloat16)
         cache = transformers.DynamicCache(config=model.config)
         logits(model, ids[:, :1400], past_key_values=cache, use_cache=True)
@@ -578,17 +586,25 @@ def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
     assert relative_l1(chunked["sparge_test_gpu_fsa_chunk"], chunked["sdpa"]) < 2e-2
     assert relative_l1(chunked["sparge_test_gpu_s2o_chunk"], chunked["sdpa"]) < 2e-2
     assert relative_l1(chunked["sparge_test_gpu_s2o_chunk_skip"], chunked["sdpa"]) > 3e-2
-    # compiled FSA and S2O (inductor): their operators on the same inputs give the eager call's output (through a
-    # whole model, inductor's bf16 fusions move q and k enough to flip top-2 choices, so that is not compared)
+    assert relative_l1(chunked["sparge_test_gpu_pbs_chunk"], chunked["sdpa"]) < 2e-2  # the cache permuted
+    # compiled FSA, S2O and PBS (inductor; PBS's operator also inside CUDA graphs): their operators on the same inputs
+    # give the eager call's output (through a whole model, inductor's bf16 fusions move q and k enough to flip top-2
+    # choices, so that is not compared)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2
     generator = torch.Generator("cuda").manual_seed(3)
     q, k, v = (torch.randn(1, h, 2000, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
                for h in (4, 2, 2))
-    for attention in (SpargeLLMAttention(method="fsa", top_k=2),
-                      SpargeLLMAttention(method="s2o", tau=0.2, s2o_segment=128, simthreshd1=-1.0)):
+    for attention, modes in ((SpargeLLMAttention(method="fsa", top_k=2), ("default",)),
+                             (SpargeLLMAttention(method="s2o", tau=0.2, s2o_segment=128, simthreshd1=-1.0),
+                              ("default",)),
+                             (SpargeLLMAttention(pbs_segment=256, simthreshd1=-1.0, cdfthreshd=0.9),
+                              ("default", "reduce-overhead"))):
         for chunk in (slice(None), slice(1500, None)):  # whole, and 500 queries (no mask: the upper-left variant)
             eager = attention(module, q[:, :, chunk], k, v, None)[0]
-            torch._dynamo.reset()
-            compiled = torch.compile(lambda q, k, v: attention(module, q, k, v, None)[0], fullgraph=True)
-            assert torch.equal(compiled(q[:, :, chunk], k, v), eager), (attention.method, chunk)
+            for mode in modes:
+                torch._dynamo.reset()
+                compiled = torch.compile(lambda q, k, v: attention(module, q, k, v, None)[0], mode=mode,
+                                         fullgraph=True)
+                for _ in range(3):  # reduce-overhead records its graph on the first calls, then replays it
+                    assert torch.equal(compiled(q[:, :, chunk], k, v), eager), (attention.method, chunk, mode)

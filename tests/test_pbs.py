@@ -11,7 +11,7 @@ from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_b
 from sparge_diffusers import compact_block_mask, sparge_attention
 from sparge_diffusers.kernels import PermutedKeys
 from sparge_diffusers.kernels._inputs import check_attention_inputs
-from sparge_diffusers.llm import pbs_sparge_attention
+from sparge_diffusers.llm import pbs_sparge_attention, pbs_sparge_attention_op
 from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 from sparge_diffusers.permutations import segmented as segmented_module
 from sparge_diffusers.testing import llm_like_qkv
@@ -30,10 +30,13 @@ def random_segment_order(B, HK, N, segment, seed):
     return segmented_key_order(torch.rand(B, HK, N, generator=g), segment)
 
 
-def causal_sdpa(q, k, v):
+def causal_sdpa(q, k, v, variant=None):
+    """Causal attention in float32; fewer queries than keys with the given variant's alignment."""
     g = q.shape[1] // k.shape[1]
+    offset = k.shape[2] - q.shape[2] if variant == "lower_right" else 0
+    visible = torch.arange(k.shape[2])[None, :] <= torch.arange(q.shape[2])[:, None] + offset
     return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
-                                          v.float().repeat_interleave(g, 1), is_causal=True)
+                                          v.float().repeat_interleave(g, 1), attn_mask=visible)
 
 
 def to_layout(t, layout):
@@ -63,17 +66,48 @@ def test_last_block_key_importance_matches_the_softmax_it_averages(monkeypatch):
     torch.testing.assert_close(got.sum(-1), torch.ones(2, 2))
     assert last_block_key_importance(q[:, :, :50], k[:, :, :50]).shape == (2, 2, 50)  # shorter than a block
     with pytest.raises(ValueError, match="H_kv"):
-        last_block_key_importance(q, k[:, :1, :10])
+        last_block_key_importance(q, torch.randn(2, 3, 300, 32))  # 3 key heads for 4 query heads
 
 
-@pytest.mark.parametrize("B,H,HK,N,D,dtype", [(1, 4, 2, 300, 64, torch.float16), (2, 2, 1, 1500, 32, torch.bfloat16),
-                                               (1, 3, 3, 70, 128, torch.float16)])
-def test_importance_kernels_match_the_pytorch_path(B, H, HK, N, D, dtype):
+def test_importance_of_a_chunk_ranks_by_its_last_queries_at_their_positions():
+    """Fewer queries than keys: the last queries sit at their causal positions (lower right: the chunk's end is
+    the keys' end, so a prompt's last chunk ranks its keys as the whole prompt does; upper left: the first
+    positions, later keys unseen); unequal lengths without a variant, and more queries than keys, raise."""
+    q, k, _ = make_qkv(2, 4, 2, 300, 32, torch.float32, seed=11)
+    whole = last_block_key_importance(q, k)
+    assert torch.equal(last_block_key_importance(q[:, :, 150:], k, causal_variant="lower_right"), whole)
+    got = last_block_key_importance(q[:, :, :100], k, causal_variant="upper_left", queries=64)  # rows 36..99
+    scores = (q[:, :, 36:100] @ k.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(32)
+    rows, cols = torch.arange(36, 100), torch.arange(300)
+    expected = scores.masked_fill(cols[None, :] > rows[:, None], -math.inf).softmax(-1).mean(-2).view(2, 2, 2, 300)
+    torch.testing.assert_close(got, expected.mean(2), atol=1e-6, rtol=1e-5)
+    assert (got[..., 100:] == 0).all()
+    short = last_block_key_importance(q[:, :, -40:], k, causal_variant="lower_right")  # 40 queries, all ranked
+    scores = (q[:, :, -40:] @ k.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(32)
+    rows = torch.arange(260, 300)
+    expected = scores.masked_fill(cols[None, :] > rows[:, None], -math.inf).softmax(-1).mean(-2).view(2, 2, 2, 300)
+    torch.testing.assert_close(short, expected.mean(2), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="causal_variant='lower_right'"):
+        last_block_key_importance(q[:, :, 150:], k)
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        last_block_key_importance(q, k[:, :, :200], causal_variant="lower_right")
+    with pytest.raises(ValueError, match="causal_variant must be"):
+        last_block_key_importance(q[:, :, 150:], k, causal_variant="bottom")
+
+
+@pytest.mark.parametrize("B,H,HK,NQ,N,D,dtype,variant", [
+    (1, 4, 2, 300, 300, 64, torch.float16, None), (2, 2, 1, 1500, 1500, 32, torch.bfloat16, None),
+    (1, 3, 3, 70, 70, 128, torch.float16, None),
+    (1, 4, 2, 200, 1300, 64, torch.bfloat16, "lower_right"),  # a chunk against a cache of several key chunks
+    (2, 2, 2, 90, 300, 32, torch.float16, "upper_left"),
+])
+def test_importance_kernels_match_the_pytorch_path(B, H, HK, NQ, N, D, dtype, variant):
     """The two Triton passes (interpreter) against the float32 PyTorch path: GQA, several key chunks (N > 1024),
-    fewer than 128 queries, ragged key blocks."""
+    fewer than 128 queries, ragged key blocks, fewer queries than keys in both causal variants."""
     q, k, _ = make_qkv(B, H, HK, N, D, dtype, seed=N)
-    got = last_block_key_importance(q, k, backend="triton")
-    expected = last_block_key_importance(q, k, backend="torch")
+    q = q[:, :, N - NQ:]
+    got = last_block_key_importance(q, k, backend="triton", causal_variant=variant)
+    expected = last_block_key_importance(q, k, backend="torch", causal_variant=variant)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-3)
     torch.testing.assert_close(got.sum(-1), torch.ones(B, HK), atol=1e-4, rtol=0)
@@ -105,39 +139,47 @@ def test_permuted_keys_are_checked():
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("N,segment", [(300, 128), (700, 256), (90, 256)])
-def test_dense_walk_on_permuted_keys_equals_causal_attention(layout, backend, N, segment):
+@pytest.mark.parametrize("NQ,N,segment,variant", [(300, 300, 128, None), (700, 700, 256, None), (90, 90, 256, None),
+                                                  (170, 700, 256, "lower_right"), (300, 450, 128, "upper_left")])
+def test_dense_walk_on_permuted_keys_equals_causal_attention(layout, backend, NQ, N, segment, variant):
     """Every block kept: causal attention over the keys' original positions, whatever their order in a segment
-    (random shuffles; odd lengths; a sequence shorter than one segment)."""
+    (random shuffles; odd lengths; a sequence shorter than one segment; fewer queries than keys, a lower-right
+    chunk whose queries start inside a segment and an upper-left one)."""
     dtype = torch.float16
     q, k, v = make_qkv(2, 4, 2, N, 64, dtype, seed=N)
+    q = q[:, :, N - NQ:]
     order = random_segment_order(2, 2, N, segment, seed=N + 1)
     kp, vp = gather_keys(k, order), gather_keys(v, order)
     pk = PermutedKeys(order.int(), segment)
     out = block_sparse_attention(*(to_layout(t, layout) for t in (q, kp, vp)), None, is_causal=True,
-                                 permuted_keys=pk, tensor_layout=layout, backend=backend)
-    assert relative_l1(to_layout(out, layout).float(), causal_sdpa(q, k, v)) < L1_TOL[dtype]
+                                 permuted_keys=pk, tensor_layout=layout, backend=backend, causal_variant=variant,
+                                 out=to_layout(torch.full_like(q, math.nan), layout))
+    assert relative_l1(to_layout(out, layout).float(), causal_sdpa(q, k, v, variant)) < L1_TOL[dtype]
 
 
 PBS_CASES = [
-    # B, H, HK, N, D, segment
-    (2, 4, 2, 300, 64, 128),  # GQA, ragged last block and segment
-    (1, 2, 1, 650, 128, 256),  # D = 128: paired unmasked tiles before the masked diagonal segments
-    (1, 2, 2, 1000, 64, 192),  # a segment that is not a multiple of the query block
+    # B, H, HK, NQ, N, D, segment, causal variant
+    (2, 4, 2, 300, 300, 64, 128, None),  # GQA, ragged last block and segment
+    (1, 2, 1, 650, 650, 128, 256, None),  # D = 128: paired unmasked tiles before the masked diagonal segments
+    (1, 2, 2, 1000, 1000, 64, 192, None),  # a segment that is not a multiple of the query block
+    (1, 4, 2, 300, 1000, 64, 256, "lower_right"),  # a chunk against a cache, starting inside a segment
+    (1, 2, 1, 200, 650, 128, 128, "upper_left"),
 ]
 
 
-@pytest.mark.parametrize("B,H,HK,N,D,segment", PBS_CASES)
+@pytest.mark.parametrize("B,H,HK,NQ,N,D,segment,variant", PBS_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pvthreshd", [None, 4.0])
-def test_block_sparse_attention_on_permuted_keys_matches_reference(B, H, HK, N, D, segment, dtype, pvthreshd):
+def test_block_sparse_attention_on_permuted_keys_matches_reference(B, H, HK, NQ, N, D, segment, variant, dtype,
+                                                                   pvthreshd):
     q, k, v = make_qkv(B, H, HK, N, D, dtype, seed=N + D)
+    q = q[:, :, N - NQ:]
     order = random_segment_order(B, HK, N, segment, seed=N)
     kp, vp = gather_keys(k, order), gather_keys(v, order)
     pk = PermutedKeys(order.int(), segment)
     g = torch.Generator().manual_seed(1)
-    mask = torch.rand(B, H, math.ceil(N / BLOCK_Q), math.ceil(N / BLOCK_K), generator=g) < 0.5
-    kw = dict(is_causal=True, pvthreshd=pvthreshd, return_sparsity=True, permuted_keys=pk)
+    mask = torch.rand(B, H, math.ceil(NQ / BLOCK_Q), math.ceil(N / BLOCK_K), generator=g) < 0.5
+    kw = dict(is_causal=True, pvthreshd=pvthreshd, return_sparsity=True, permuted_keys=pk, causal_variant=variant)
     out, stats = block_sparse_attention(q, kp, vp, mask, backend="triton", out=torch.full_like(q, math.nan), **kw)
     ref, ref_stats = block_sparse_attention(q, kp, vp, mask, backend="reference", **kw)
     assert not torch.isnan(out).any(), "every output element must be written, and never NaN"
@@ -145,9 +187,9 @@ def test_block_sparse_attention_on_permuted_keys_matches_reference(B, H, HK, N, 
     torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
     torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped)
     # the same mask compacted once
-    cm = compact_block_mask(mask, q, kp, is_causal=True, permuted_keys=pk)
+    cm = compact_block_mask(mask, q, kp, is_causal=True, permuted_keys=pk, causal_variant=variant)
     again = block_sparse_attention(q, kp, vp, cm, backend="triton", is_causal=True, pvthreshd=pvthreshd,
-                                   permuted_keys=pk)
+                                   permuted_keys=pk, causal_variant=variant)
     assert torch.equal(again, out)
 
 
@@ -191,33 +233,86 @@ def test_pbs_sparge_attention_triton_matches_reference(dtype):
     assert stats.sparsity > 0
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_pbs_on_a_prompts_last_chunk_reproduces_the_prompts_rows(backend):
+    """A chunk against its cache (lower right) ranks the keys by its last 128 queries, the prompt's: the last chunk,
+    starting on a query-block boundary, sorts the keys, predicts the rows of the mask and computes them as the
+    whole prompt's call does (bitwise), while the blocks it skips change the result (against keys in order)."""
+    dtype = torch.float16
+    q, k, v = llm_like_qkv(700, heads=4, kv_heads=2, head_dim=64, dtype=dtype, seed=3)
+    kw = dict(segment=128, cdfthreshd=0.7, pvthreshd=8, backend=backend)
+    whole = pbs_sparge_attention(q, k, v, **kw)
+    out = torch.full_like(q[:, :, 256:], math.nan)
+    chunk, stats = pbs_sparge_attention(q[:, :, 256:], k, v, causal_variant="lower_right", return_sparsity=True,
+                                        out=out, **kw)
+    assert chunk.data_ptr() == out.data_ptr() and torch.equal(chunk, whole[:, :, 256:])
+    assert stats.sparsity > 0
+    in_order = sparge_attention(q[:, :, 256:], k, v, is_causal=True, causal_variant="lower_right",
+                                **{key: val for key, val in kw.items() if key != "segment"})
+    assert not torch.equal(chunk, in_order)
+    keep_all = pbs_sparge_attention(q[:, :, 300:], k, v, causal_variant="lower_right", segment=256, cdfthreshd=1.0,
+                                    pvthreshd=None, backend=backend)  # a chunk starting inside a segment
+    assert relative_l1(keep_all.float(), causal_sdpa(q[:, :, 300:], k, v, "lower_right")) < L1_TOL[dtype]
+    with pytest.raises(ValueError, match="causal_variant='lower_right'"):
+        pbs_sparge_attention(q[:, :, 300:], k, v)
+
+
+@pytest.mark.parametrize("variant, start", [(None, 0), ("lower_right", 300)])
+def test_pbs_operator_matches_pbs_sparge_attention_and_passes_opcheck(variant, start):
+    """pbs_sparge_attention_op: the eager function's output through torch.ops.sparge_diffusers.pbs_sparge_attention,
+    the operator checked by opcheck, one graph under torch.compile (whole prompt and a lower-right chunk)."""
+    q, k, v = llm_like_qkv(700, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, seed=4)
+    q = q[:, :, start:]
+    kw = dict(segment=128, cdfthreshd=[0.7, 0.8, 0.9, 0.6], pvthreshd=6.0, simthreshd1=-1.0, attention_sink=True,
+              causal_variant=variant)
+    expected, stats = pbs_sparge_attention(q, k, v, return_sparsity=True, **kw)
+    assert stats.sparsity > 0
+    assert torch.equal(pbs_sparge_attention_op(q, k, v, **kw), expected)
+    args = (q, k, v, 128, 0.125, [-1.0], [0.7, 0.8, 0.9, 0.6], [6.0], True, variant)
+    torch.library.opcheck(torch.ops.sparge_diffusers.pbs_sparge_attention.default, args)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: pbs_sparge_attention_op(q, k, v, **kw), backend="aot_eager",
+                             fullgraph=True)
+    assert torch.equal(compiled(q, k, v), expected)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pbs_sparge_attention_op(q, k, v, segment=100, causal_variant=variant)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("pvthreshd", [8, None])  # None: the Hopper kernel on an sm90 GPU, else the Triton kernel
-def test_gpu_pbs_matches_reference(dtype, D, pvthreshd):
+@pytest.mark.parametrize("start", [0, 1024])  # 1024: the last 1976 queries as a lower-right chunk
+def test_gpu_pbs_matches_reference(dtype, D, pvthreshd, start):
     from sparge_diffusers.kernels import attention_hopper
 
     q, k, v = llm_like_qkv(3000, heads=8, kv_heads=2, head_dim=D, dtype=dtype, device="cuda", seed=2)
-    order = segmented_key_order(last_block_key_importance(q, k), 256)
+    q = q[:, :, start:]
+    variant = "lower_right" if start else None
+    order = segmented_key_order(last_block_key_importance(q, k, causal_variant=variant), 256)
     pk = PermutedKeys(order.int(), 256)
     kp, vp = gather_keys(k, order), gather_keys(v, order)
-    shape = check_attention_inputs(q, kp, vp, tensor_layout="HND", is_causal=True)
+    shape = check_attention_inputs(q, kp, vp, tensor_layout="HND", is_causal=True, causal_variant=variant)
     on_hopper = attention_hopper.usable(q, kp, vp, q, shape, pv_test=pvthreshd is not None)
     assert on_hopper == (pvthreshd is None and torch.cuda.get_device_capability() == (9, 0))
-    mask = predict_block_mask(q, kp, is_causal=True, permuted_keys=pk, cdfthreshd=0.9)
-    out, stats = sparge_attention(q, kp, vp, is_causal=True, pvthreshd=pvthreshd, return_sparsity=True,
-                                  permuted_keys=pk, cdfthreshd=0.9, out=torch.full_like(q, math.nan))
-    cpu_pk = PermutedKeys(pk.positions.cpu(), 256)
-    ref, ref_stats = block_sparse_attention(q.cpu(), kp.cpu(), vp.cpu(), mask.cpu(), is_causal=True,
-                                            pvthreshd=pvthreshd, return_sparsity=True, backend="reference",
-                                            permuted_keys=cpu_pk)
+    kw = dict(is_causal=True, permuted_keys=pk, causal_variant=variant)
+    mask = predict_block_mask(q, kp, cdfthreshd=0.9, **kw)
+    out, stats = sparge_attention(q, kp, vp, pvthreshd=pvthreshd, return_sparsity=True, cdfthreshd=0.9,
+                                  out=torch.full_like(q, math.nan), **kw)
+    cpu_kw = dict(kw, permuted_keys=PermutedKeys(pk.positions.cpu(), 256))
+    ref, ref_stats = block_sparse_attention(q.cpu(), kp.cpu(), vp.cpu(), mask.cpu(), pvthreshd=pvthreshd,
+                                            return_sparsity=True, backend="reference", **cpu_kw)
     assert not torch.isnan(out).any()
     assert relative_l1(out.cpu(), ref) < L1_TOL[dtype]
     torch.testing.assert_close(stats.qk_skipped.cpu(), ref_stats.qk_skipped)
     # the same mask compacted once (on an sm90 GPU with the Hopper kernel's tail order): the same output
-    cm = compact_block_mask(mask, q, kp, is_causal=True, permuted_keys=pk)
-    again = block_sparse_attention(q, kp, vp, cm, is_causal=True, pvthreshd=pvthreshd, permuted_keys=pk)
+    cm = compact_block_mask(mask, q, kp, **kw)
+    again = block_sparse_attention(q, kp, vp, cm, pvthreshd=pvthreshd, **kw)
     assert torch.equal(again, out)
-    dense = block_sparse_attention(q, kp, vp, None, is_causal=True, permuted_keys=pk)
-    assert relative_l1(dense.float(), causal_sdpa(q, k, v)) < L1_TOL[dtype]
+    dense = block_sparse_attention(q, kp, vp, None, **kw)
+    assert relative_l1(dense.float().cpu(), causal_sdpa(q.cpu(), k.cpu(), v.cpu(), variant)) < L1_TOL[dtype]
+    if start:  # the prompt's last chunk, on a query-block boundary: the whole prompt's rows, bitwise
+        q_all = llm_like_qkv(3000, heads=8, kv_heads=2, head_dim=D, dtype=dtype, device="cuda", seed=2)[0]
+        settings = dict(segment=256, cdfthreshd=0.9, pvthreshd=pvthreshd)
+        whole = pbs_sparge_attention(q_all, k, v, **settings)
+        assert torch.equal(pbs_sparge_attention(q, k, v, causal_variant=variant, **settings), whole[:, :, start:])

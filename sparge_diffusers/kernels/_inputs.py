@@ -262,12 +262,14 @@ class PermutedKeys:
 
     The sequence is cut into aligned segments of ``segment`` positions ([0, S), [S, 2S), ...; the last one may
     be shorter), and each segment's keys (with their values) may be reordered within it; queries stay in
-    order. A query at position i sees the key in slot r when ``positions[..., r] <= i``. Blocks of earlier
+    order. A query at position i sees the key in slot r when ``positions[..., r] <= i`` (with fewer queries than
+    keys, query row j sits at position j + Nkv - Nq under ``causal_variant="lower_right"``, a chunk against its
+    KV cache, and at j under "upper_left"). Blocks of earlier
     segments are then wholly visible and blocks of later ones wholly hidden, so block skipping works as in
     plain causal attention; only the blocks of the segments a query block overlaps need element masking.
 
     Attributes:
-        positions: (B or 1, H_kv or 1, N) integer tensor: the original position of the key in each slot. It
+        positions: (B or 1, H_kv or 1, Nkv) integer tensor: the original position of the key in each slot. It
             must be a permutation within each segment (checked on CPU calls and by :meth:`verify`; a CUDA call
             checks only its shape, dtype and device, to stay free of a device sync).
         segment: positions per segment, a positive multiple of 64 (the key block); 64 means keys in order.
@@ -282,7 +284,7 @@ class PermutedKeys:
             raise ValueError(f"PermutedKeys.segment must be a positive multiple of {BLOCK_K}, got {self.segment!r}")
         p = self.positions
         if not isinstance(p, torch.Tensor) or p.dim() != 3 or p.dtype not in (torch.int32, torch.int64):
-            raise ValueError("PermutedKeys.positions must be a 3-D (B|1, H_kv|1, N) int32/int64 tensor, got "
+            raise ValueError("PermutedKeys.positions must be a 3-D (B|1, H_kv|1, Nkv) int32/int64 tensor, got "
                              f"{type(p).__name__ if not isinstance(p, torch.Tensor) else (tuple(p.shape), p.dtype)}")
 
     def verify(self) -> None:
@@ -309,9 +311,6 @@ def check_permuted_keys(permuted_keys: PermutedKeys | None, shape: AttentionShap
     if not is_causal:
         raise ValueError("permuted_keys needs is_causal=True (without causal masking the order of the keys does "
                          "not change the result: permute k and v and leave this argument out)")
-    if shape.q_len != shape.kv_len:
-        raise ValueError(f"permuted_keys needs equal query and key lengths (a whole prompt's prefill), got "
-                         f"{shape.q_len} and {shape.kv_len}")
     p = permuted_keys.positions
     b, h, n = p.shape
     if n != shape.kv_len or b not in (1, shape.batch) or h not in (1, shape.kv_heads):
