@@ -218,7 +218,9 @@ class SpargeLLMAttention:
     Under torch.compile a call without a mask is one node per kernel operator; a call with a mask is one node of the
     operator ``sparge_diffusers::llm_masked_prefill``, which reads the mask at run time and routes the call as above
     (a device sync, so it stays out of CUDA graphs: ``mode="reduce-overhead"`` splits the graph around it). Compiled
-    calls record no statistics and no ``sparse_calls``.
+    calls record statistics and ``sparse_calls`` only with ``collect_stats=True``: unmasked calls then go through the
+    operator ``sparge_diffusers::llm_prefill``, which runs the call as an eager one and records it when it runs (kept
+    out of CUDA graphs too, whose replays would skip the recording).
 
     Args:
         method: how a sparse call selects its keys (:data:`PREFILL_METHODS`): ``"sparge"`` (SpargeAttn: stage 1's
@@ -241,7 +243,8 @@ class SpargeLLMAttention:
             ``method="fsa"`` (:func:`select_key_blocks`).
         strict: raise instead of falling back to SDPA for a call that cannot run sparse (decode steps always
             use SDPA: that is where a sparse prefill kernel does not apply).
-        collect_stats: keep each sparse call's :class:`SparsityStats` in ``stats`` (on the device until read).
+        collect_stats: keep each sparse call's :class:`SparsityStats` in ``stats`` (on the device until read), also
+            under torch.compile (see above).
         pbs_segment: sort keys within segments of this many positions first (PBS-Attn,
             :func:`pbs_sparge_attention`); None: keys in order. Whole prompts and chunks against a cache (ranked
             by the chunk's last queries), eager and under torch.compile (:func:`pbs_sparge_attention_op`).
@@ -346,11 +349,14 @@ class SpargeLLMAttention:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
         if compiling():
-            # one node of the compiled graph per operator (see kernels/library.py); no statistics, no call count: a
-            # Python counter read under compilation would be a guard that recompiles at every call
+            # one node of the compiled graph per operator (see kernels/library.py); statistics and the call count are
+            # recorded by the llm operators when they run (a Python counter updated while tracing would be a guard
+            # that recompiles at every call)
             if attention_mask is not None:
                 return torch.ops.sparge_diffusers.llm_masked_prefill(query, key, value, attention_mask, scaling,
                                                                      self._handle), None
+            if self.collect_stats:
+                return torch.ops.sparge_diffusers.llm_prefill(query, key, value, scaling, variant, self._handle), None
             compiled = PREFILL_METHODS[self.method].compiled
             return compiled(self, query, key, value, scaling, variant).transpose(1, 2).contiguous(), None
         if padding is None:
@@ -358,17 +364,21 @@ class SpargeLLMAttention:
             out = out.transpose(1, 2).contiguous()
         else:
             out, stats = self._left_padded_prefill(query, key, value, padding, scaling)
+        self._record(stats)
+        return out, None
+
+    def _record(self, stats: SparsityStats | None) -> None:
+        """Count a sparse call and keep its stats (None: not collected)."""
         if stats is not None:
             self.stats.append(stats)
         self.sparse_calls += 1
-        return out, None
 
     def _masked_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                      scale: float | None) -> torch.Tensor:
         """A call with an explicit mask under torch.compile, run eagerly inside the ``llm_masked_prefill`` operator:
         the mask's contents route it as :meth:`__call__` routes an eager call (sparse for the lower-right and
-        left-padded masks, else SDPA under the mask, with one warning), without statistics or call count.
-        Returns (B, Nq, H, D)."""
+        left-padded masks, else SDPA under the mask, with one warning); a sparse call is counted and its statistics
+        kept with ``collect_stats``. Returns (B, Nq, H, D)."""
         reason, variant, padding = self._mask_route(mask, query.shape[2], key.shape[2])
         if reason is not None:
             self._warn(reason)
@@ -377,8 +387,21 @@ class SpargeLLMAttention:
                 enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous()
         if padding is not None:
-            return self._left_padded_prefill(query, key, value, padding, scale, stats=False)[0]
-        return self._prefill(query, key, value, scale, variant, stats=False)[0].transpose(1, 2).contiguous()
+            out, stats = self._left_padded_prefill(query, key, value, padding, scale)
+        else:
+            out, stats = self._prefill(query, key, value, scale, variant)
+            out = out.transpose(1, 2).contiguous()
+        if self.collect_stats:
+            self._record(stats)
+        return out
+
+    def _compiled_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                       variant: str | None) -> torch.Tensor:
+        """A call without a mask under torch.compile with ``collect_stats``, run eagerly inside the ``llm_prefill``
+        operator: counted, its statistics kept. Returns (B, Nq, H, D)."""
+        out, stats = self._prefill(query, key, value, scale, variant, stats=True)
+        self._record(stats)
+        return out.transpose(1, 2).contiguous()
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
                  variant: str | None, stats: bool | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
@@ -423,17 +446,36 @@ _LIVE_FUNCTIONS: weakref.WeakValueDictionary[int, SpargeLLMAttention] = weakref.
 _HANDLES = itertools.count()
 
 
+def _live_function(handle: int, operator: str) -> SpargeLLMAttention:
+    attention = _LIVE_FUNCTIONS.get(handle)
+    if attention is None:
+        raise RuntimeError(f"sparge_diffusers::{operator}: the SpargeLLMAttention this graph was compiled with no "
+                           "longer exists; compile the model again")
+    return attention
+
+
 @torch.library.custom_op("sparge_diffusers::llm_masked_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _llm_masked_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                            scale: float | None, handle: int) -> torch.Tensor:
     """A compiled model's prefill call with an explicit mask: :meth:`SpargeLLMAttention._masked_call` of the function
     ``handle`` names. Its route depends on the mask's contents (a read-back), hence an operator opaque to the compiler
     and kept out of CUDA graphs."""
-    attention = _LIVE_FUNCTIONS.get(handle)
-    if attention is None:
-        raise RuntimeError("sparge_diffusers::llm_masked_prefill: the SpargeLLMAttention this graph was compiled with "
-                           "no longer exists; compile the model again")
-    return attention._masked_call(query, key, value, mask, scale)
+    return _live_function(handle, "llm_masked_prefill")._masked_call(query, key, value, mask, scale)
+
+
+@torch.library.custom_op("sparge_diffusers::llm_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def _llm_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                    variant: str | None, handle: int) -> torch.Tensor:
+    """A compiled model's prefill call without a mask when its function collects statistics:
+    :meth:`SpargeLLMAttention._compiled_call`. It records the call when it runs, so it stays out of CUDA graphs (a
+    replay would skip the recording)."""
+    return _live_function(handle, "llm_prefill")._compiled_call(query, key, value, scale, variant)
+
+
+@_llm_prefill_op.register_fake
+def _(query, key, value, scale, variant, handle):
+    batch, heads, q_len, head_dim = query.shape
+    return query.new_empty(batch, q_len, heads, head_dim)
 
 
 @_llm_masked_prefill_op.register_fake

@@ -381,7 +381,36 @@ def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
     with torch._dynamo.config.patch(error_on_recompile=True):
         first, second = logits(compiled, ids), logits(compiled, ids)
     assert torch.equal(first, eager) and torch.equal(second, eager)
-    assert attention.sparse_calls == calls, "compiled calls are not counted (a counter would recompile)"
+    assert attention.sparse_calls == calls, "without collect_stats compiled calls are not counted"
+
+
+@pytest.mark.parametrize("method", ["sparge", "s2o", "fsa"])
+def test_compiled_prefill_collects_stats_when_asked(tiny_llama, method):
+    """collect_stats under torch.compile: unmasked calls run inside the llm_prefill operator, masked ones inside
+    llm_masked_prefill, and both record each sparse call (count and stats, equal to the eager call's) when they run,
+    with one graph per call signature and no recompile on later calls."""
+    settings = dict(sparge=dict(cdfthreshd=0.9), s2o=dict(tau=0.2, s2o_segment=128), fsa=dict(top_k=2))[method]
+    attention = register(f"sparge_test_compile_stats_{method}", method=method, simthreshd1=-1.0, collect_stats=True,
+                         min_padded_tokens=0, **settings)
+    model = load(tiny_llama, f"sparge_test_compile_stats_{method}")
+    ids = prompt(1500 if method == "s2o" else 300)
+    batch = torch.cat([prompt(ids.shape[1], seed=4), ids])
+    mask, positions = left_padded(batch, (0, 40))
+    eager = logits(model, ids)
+    eager_padded = logits(model, batch, attention_mask=mask, position_ids=positions)
+    expected = [s.qk_skipped for s in attention.stats]
+    assert len(expected) == 4 and attention.sparse_calls == 4  # 2 layers x (a prompt, a padded batch)
+    attention.stats.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for again in (False, True):  # one graph per call signature, then no recompile
+        with torch._dynamo.config.patch(error_on_recompile=again):
+            assert torch.equal(logits(compiled, ids), eager)
+            assert torch.equal(logits(compiled, batch, attention_mask=mask, position_ids=positions), eager_padded)
+    assert attention.sparse_calls == 4 + 8 and len(attention.stats) == 8
+    for got, want in zip(attention.stats, expected * 2):
+        assert torch.equal(got.qk_skipped, want)
+    assert all(s.sparsity > 0 for s in attention.stats)
 
 
 def test_compiled_calls_with_a_mask_read_it_at_run_time(tiny_llama):
@@ -499,14 +528,21 @@ def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
     assert generated.shape == (1, 304) and attention.sparse_calls == 4
     torch._dynamo.reset()
     compiled = logits(torch.compile(ours, fullgraph=True), ids)  # inductor, the kernels behind the operator
-    assert attention.sparse_calls == 4 and relative_l1(compiled.float(), out.float()) < 1e-2
+    # collect_stats: compiled calls are counted (the llm_prefill operator records them when they run); without it
+    # the graph holds the kernels' operator itself, uncounted
+    assert attention.sparse_calls == 6 and relative_l1(compiled.float(), out.float()) < 1e-2
+    attention.collect_stats = False
+    torch._dynamo.reset()
+    compiled = logits(torch.compile(ours, fullgraph=True), ids)
+    assert attention.sparse_calls == 6 and relative_l1(compiled.float(), out.float()) < 1e-2
+    attention.collect_stats = True
     # chunked: 1000 prompt tokens continued by 600 on the cache (lower-right), both layers sparse
     chunked = {}
     for name, model in (("ours", ours), ("sdpa", sdpa)):
         cache = transformers.DynamicCache(config=model.config)
         logits(model, ids[:, :1000], past_key_values=cache, use_cache=True)
         chunked[name] = logits(model, prompt(600, batch=2, seed=5).cuda(), past_key_values=cache, use_cache=True)
-    assert attention.sparse_calls == 8 and torch.isfinite(chunked["ours"]).all()
+    assert attention.sparse_calls == 10 and torch.isfinite(chunked["ours"]).all()
     assert relative_l1(chunked["ours"].float(), chunked["sdpa"].float()) < 2e-2
 
 
@@ -549,6 +585,25 @@ def test_compiled_masked_prefill_on_gpu(tiny_llama):
             for _ in range(3):  # reduce-overhead records its graphs on the first calls
                 got = logits(compiled, ids, attention_mask=mask, position_ids=positions)
         assert torch.isfinite(got[real]).all() and relative_l1(got[real].float(), expected) < 2e-2, mode
+
+
+@pytest.mark.gpu
+def test_compiled_stats_on_gpu_are_recorded_at_every_call(tiny_llama):
+    """collect_stats under inductor's reduce-overhead mode: the llm_prefill operator stays out of the CUDA graphs, so
+    every call, replays included, is counted and its stats kept (the eager call's, up to inductor's rounding)."""
+    attention = register("sparge_test_gpu_compiled_stats", simthreshd1=-1.0, cdfthreshd=0.9, collect_stats=True)
+    ids = prompt(1000, seed=7).cuda()
+    model = load(tiny_llama, "sparge_test_gpu_compiled_stats").to("cuda", torch.bfloat16)
+    logits(model, ids)
+    expected = [s.qk_skipped for s in attention.stats]
+    attention.stats.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        logits(compiled, ids)
+    assert attention.sparse_calls == 2 + 6 and len(attention.stats) == 6
+    for got, want in zip(attention.stats, expected * 3):  # inductor's bf16 fusions may flip a borderline block
+        torch.testing.assert_close(got.qk_skipped, want, atol=0.02, rtol=0)
 
 
 @pytest.mark.gpu
