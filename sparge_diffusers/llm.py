@@ -359,13 +359,17 @@ class SpargeLLMAttention:
                 return torch.ops.sparge_diffusers.llm_prefill(query, key, value, scaling, variant, self._handle), None
             compiled = PREFILL_METHODS[self.method].compiled
             return compiled(self, query, key, value, scaling, variant).transpose(1, 2).contiguous(), None
-        if padding is None:
-            out, stats = self._prefill(query, key, value, scaling, variant)
-            out = out.transpose(1, 2).contiguous()
-        else:
-            out, stats = self._left_padded_prefill(query, key, value, padding, scaling)
+        out, stats = self._sparse_call(query, key, value, scaling, variant, padding)
         self._record(stats)
         return out, None
+
+    def _sparse_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                     variant: str | None, padding: list[int] | None) -> tuple[torch.Tensor, SparsityStats | None]:
+        """A routed sparse call, eager or inside an operator: the (B, Nq, H, D) output and its stats when collected."""
+        if padding is not None:
+            return self._left_padded_prefill(query, key, value, padding, scale)
+        out, stats = self._prefill(query, key, value, scale, variant)
+        return out.transpose(1, 2).contiguous(), stats
 
     def _record(self, stats: SparsityStats | None) -> None:
         """Count a sparse call and keep its stats (None: not collected)."""
@@ -386,11 +390,7 @@ class SpargeLLMAttention:
                 query, key, value, attn_mask=mask[:, :, :, :key.shape[2]], scale=scale,
                 enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous()
-        if padding is not None:
-            out, stats = self._left_padded_prefill(query, key, value, padding, scale)
-        else:
-            out, stats = self._prefill(query, key, value, scale, variant)
-            out = out.transpose(1, 2).contiguous()
+        out, stats = self._sparse_call(query, key, value, scale, variant, padding)
         if self.collect_stats:
             self._record(stats)
         return out
@@ -399,21 +399,19 @@ class SpargeLLMAttention:
                        variant: str | None) -> torch.Tensor:
         """A call without a mask under torch.compile with ``collect_stats``, run eagerly inside the ``llm_prefill``
         operator: counted, its statistics kept. Returns (B, Nq, H, D)."""
-        out, stats = self._prefill(query, key, value, scale, variant, stats=True)
+        out, stats = self._sparse_call(query, key, value, scale, variant, None)
         self._record(stats)
-        return out.transpose(1, 2).contiguous()
+        return out
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                 variant: str | None, stats: bool | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
-        """One causal call without padding, by the configured method: (B, H, Nq, D) output, its stats when asked
-        (``stats``; None: when collected)."""
-        stats = self.collect_stats if stats is None else stats
-        out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, stats)
-        return out if stats else (out, None)
+                 variant: str | None) -> tuple[torch.Tensor, SparsityStats | None]:
+        """One causal call without padding, by the configured method: (B, H, Nq, D) output, its stats when
+        collected."""
+        out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, self.collect_stats)
+        return out if self.collect_stats else (out, None)
 
     def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             padding: list[int], scale: float | None, stats: bool | None = None
-                             ) -> tuple[torch.Tensor, SparsityStats | None]:
+                             padding: list[int], scale: float | None) -> tuple[torch.Tensor, SparsityStats | None]:
         """A left-padded batch: each prompt runs as its own causal call without its padding, the queries aligned
         to the keys' end (lower right). Rows of padding queries, which see no key, stay zero, as SDPA gives them.
         Returns the (B, Nq, H, D) output and, when collected, the prompts' stats joined over the batch."""
@@ -428,7 +426,7 @@ class SpargeLLMAttention:
                 continue  # this prompt's queries are all padding
             rows = slice(b, b + 1)
             q_b, k_b, v_b = query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:]
-            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right", stats)
+            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right")
             out[b, first:] = o[0].transpose(0, 1)
             if s is not None:
                 parts.append(s)
@@ -472,16 +470,20 @@ def _llm_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return _live_function(handle, "llm_prefill")._compiled_call(query, key, value, scale, variant)
 
 
-@_llm_prefill_op.register_fake
-def _(query, key, value, scale, variant, handle):
+def _transformers_output(query: torch.Tensor) -> torch.Tensor:
+    """An empty (B, Nq, H, D) output, as transformers' attention functions return it (the llm operators' fake)."""
     batch, heads, q_len, head_dim = query.shape
     return query.new_empty(batch, q_len, heads, head_dim)
+
+
+@_llm_prefill_op.register_fake
+def _(query, key, value, scale, variant, handle):
+    return _transformers_output(query)
 
 
 @_llm_masked_prefill_op.register_fake
 def _(query, key, value, mask, scale, handle):
-    batch, heads, q_len, head_dim = query.shape
-    return query.new_empty(batch, q_len, heads, head_dim)
+    return _transformers_output(query)
 
 
 def left_padded_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26
