@@ -56,10 +56,21 @@ def run_length(n, taus, segments, with_flex, log):
     dense_blocks = dense_block_count(shape, True) * shape.batch * shape.heads
     row = {"cudnn_ms": bench_rounds({"cudnn": cudnn_attention_fn(q, k, v, True)})[0]["cudnn"], "cells": []}
     log(f"N={n}: cuDNN causal {row['cudnn_ms']:.3f} ms")
-    orders = {s: segmented_key_order(last_block_key_importance(q, k), s) for s in segments}
-    overhead = {f"pbs{s}": (lambda s=s: gather_keys(k, segmented_key_order(last_block_key_importance(q, k), s)))
-                for s in segments}
-    row["pbs_overhead_ms"] = bench_rounds(overhead)[0]
+    importance = last_block_key_importance(q, k)
+    orders = {s: segmented_key_order(importance, s) for s in segments}
+
+    def overhead(s):  # what pbs_sparge_attention adds to sparge_attention: ranking, sort, K and V gathers
+        order = segmented_key_order(last_block_key_importance(q, k), s)
+        return gather_keys(k, order), gather_keys(v, order), order.to(torch.int32)
+
+    parts = {"importance": lambda: last_block_key_importance(q, k)}
+    for s in segments:
+        parts[f"sort{s}"] = lambda s=s: segmented_key_order(importance, s)
+        parts[f"gather{s}"] = lambda s=s: (gather_keys(k, orders[s]), gather_keys(v, orders[s]))
+        parts[f"pbs{s}"] = lambda s=s: overhead(s)
+    times = bench_rounds(parts)[0]
+    row["pbs_overhead_ms"] = {f"pbs{s}": times.pop(f"pbs{s}") for s in segments}
+    row["pbs_overhead_parts_ms"] = times
     for tau in taus:
         for method in ["in_order"] + [f"pbs{s}" for s in segments]:
             settings = dict(cdfthreshd=tau)
@@ -127,8 +138,9 @@ def main(argv=None):
                          f"{c['whole_ms']:9.3f} {c['cudnn_vs_whole']:8.2f} {c['prebuilt_ms']:8.3f} "
                          f"{c.get('flex_ms', float('nan')):8.3f} {c['flex_vs_prebuilt']:8.2f} "
                          f"{c.get('whole_triton_ms', float('nan')):8.3f} {c.get('prebuilt_triton_ms', float('nan')):7.3f}")
-        lines.append(f"{n:6d} cuDNN causal {r['cudnn_ms']:.3f} ms; PBS overhead (importance + sort + gather) " +
-                     ", ".join(f"{m} {t:.3f} ms" for m, t in r["pbs_overhead_ms"].items()))
+        lines.append(f"{n:6d} cuDNN causal {r['cudnn_ms']:.3f} ms; PBS overhead (importance + sort + K/V gather) " +
+                     ", ".join(f"{m} {t:.3f} ms" for m, t in r["pbs_overhead_ms"].items()) + " (" +
+                     ", ".join(f"{m} {t:.3f}" for m, t in r["pbs_overhead_parts_ms"].items()) + ")")
     save_report(results, "\n".join(lines), args.out)
 
 

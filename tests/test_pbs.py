@@ -54,6 +54,30 @@ def test_segmented_key_order_sorts_within_segments_only():
         segmented_key_order(importance, 0)
 
 
+def _scores_with_ties(shape, seed):
+    """Random scores with repeated values, negatives, -0.0 next to 0.0 and -inf: every tie rule matters."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, shape, generator=g).float() / 4  # many ties, 0.0 among them
+    x[torch.rand(shape, generator=g) < 0.1] = -0.0
+    x[torch.rand(shape, generator=g) < 0.05] = -math.inf
+    return x + torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < 0.5)
+
+
+@pytest.mark.parametrize("segment,n", [(3, 7), (64, 200), (192, 500), (256, 256), (256, 1000)])
+def test_segment_argsort_kernel_equals_the_torch_sort(segment, n):
+    """The Triton segment sort (interpreter; CUDA's path) gives torch.sort's stable order: descending, ties lower
+    position first, -0.0 equal to 0.0, -inf real keys before the padding; segments that are not a power of two,
+    a short last segment; every output written (poisoned)."""
+    import triton
+
+    scores = _scores_with_ties((2, 3, n), seed=segment + n)
+    expected = segmented_key_order(scores, segment)  # the CPU (torch.sort) path
+    order = torch.full((2, 3, n), -1, dtype=torch.int64)
+    segmented_module._segment_argsort_kernel[(triton.cdiv(n, segment), 6)](
+        scores, order, n, SEGMENT=segment, SEGMENT_PAD=triton.next_power_of_2(segment))
+    assert torch.equal(order, expected)
+
+
 def test_last_block_key_importance_matches_the_softmax_it_averages(monkeypatch):
     q, k, _ = make_qkv(2, 4, 2, 300, 32, torch.float32, seed=1)
     monkeypatch.setattr(segmented_module, "_KEY_CHUNK", 64)  # several key chunks, a ragged last one
@@ -101,9 +125,12 @@ def test_importance_of_a_chunk_ranks_by_its_last_queries_at_their_positions():
     (1, 4, 2, 200, 1300, 64, torch.bfloat16, "lower_right"),  # a chunk against a cache of several key chunks
     (2, 2, 2, 90, 300, 32, torch.float16, "upper_left"),
 ])
-def test_importance_kernels_match_the_pytorch_path(B, H, HK, NQ, N, D, dtype, variant):
-    """The two Triton passes (interpreter) against the float32 PyTorch path: GQA, several key chunks (N > 1024),
+@pytest.mark.parametrize("key_chunk", [4096, 256])
+def test_importance_kernels_match_the_pytorch_path(B, H, HK, NQ, N, D, dtype, variant, key_chunk, monkeypatch):
+    """The two Triton passes (interpreter) against the float32 PyTorch path: GQA, one key chunk per pass-1 row
+    tile and several (a chunk boundary inside the causal part of the scores, and in the keys every row sees),
     fewer than 128 queries, ragged key blocks, fewer queries than keys in both causal variants."""
+    monkeypatch.setattr(segmented_module, "IMPORTANCE_KEY_CHUNK", key_chunk)
     q, k, _ = make_qkv(B, H, HK, N, D, dtype, seed=N)
     q = q[:, :, N - NQ:]
     got = last_block_key_importance(q, k, backend="triton", causal_variant=variant)
@@ -276,6 +303,28 @@ def test_pbs_operator_matches_pbs_sparge_attention_and_passes_opcheck(variant, s
     assert torch.equal(compiled(q, k, v), expected)
     with pytest.raises(ValueError, match="multiple of 64"):
         pbs_sparge_attention_op(q, k, v, segment=100, causal_variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("start", [0, 3000])
+def test_gpu_importance_and_key_gather(D, start):
+    """The compiled importance kernels against the float32 PyTorch path (three pass-1 key chunks, GQA, a
+    lower-right chunk), and the Triton key gather against torch.gather, on NaN-free fresh inputs."""
+    q, k, v = llm_like_qkv(9000, heads=8, kv_heads=2, head_dim=D, device="cuda", seed=D + start)
+    q = q[:, :, start:]
+    variant = "lower_right" if start else None
+    got = last_block_key_importance(q, k, causal_variant=variant)
+    expected = last_block_key_importance(q, k, backend="torch", causal_variant=variant)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-3)
+    order = segmented_key_order(got, 256)
+    assert torch.equal(order.cpu(), segmented_key_order(got.cpu(), 256))  # the Triton sort against torch.sort
+    ties = _scores_with_ties((2, 3, 1000), seed=D + start).cuda()
+    for segment in (64, 192, 256, 1000, 1024):
+        assert torch.equal(segmented_key_order(ties, segment).cpu(), segmented_key_order(ties.cpu(), segment))
+    for x in (k, v):
+        assert torch.equal(gather_keys(x, order), torch.gather(x, 2, order.unsqueeze(-1).expand(x.shape)))
 
 
 @pytest.mark.gpu

@@ -137,6 +137,26 @@ def test_triton_row_gather_equals_index_select(seq_dim, D):
     assert torch.equal(out, x.index_select(seq_dim, index))
 
 
+@pytest.mark.parametrize("index_batch", [2, 1])
+@pytest.mark.parametrize("D", [64, 72])
+def test_triton_per_head_row_gather_equals_torch_gather(index_batch, D):
+    """The row gather with one index per (batch, head) (PBS's per-head key order), or per head broadcast over the
+    batch, against torch.gather; NaN-poisoned output, a ragged last row tile."""
+    from sparge_diffusers.permutations.gather import _gather_rows_kernel, gather_rows_per_head
+    import triton
+
+    x = torch.randn(2, 3, 37, D)
+    index = torch.stack([torch.stack([torch.randperm(37) for _ in range(3)]) for _ in range(index_batch)])
+    expected = torch.gather(x, 2, index.expand(2, 3, 37).unsqueeze(-1).expand(x.shape))
+    out = torch.full_like(x, float("nan"))
+    _gather_rows_kernel[(triton.cdiv(37, 16), 6)](
+        x, index, out, 37, 3, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        D=D, D_PAD=triton.next_power_of_2(D), ROWS=16, stride_ib=index.stride(0) if index_batch > 1 else 0,
+        stride_ih=index.stride(1))
+    assert torch.equal(out, expected)
+    assert torch.equal(gather_rows_per_head(x, index), expected)  # the CPU path
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_gpu_permutation_round_trip(layout):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .._launch import launch
+from .gather import gather_rows_per_head
 
 # Queries of the last block: PBS-Attn's proxy for every query's attention.
 IMPORTANCE_QUERIES = 128
@@ -43,43 +44,63 @@ def _last_rows(q_ptr, b, hk, r0, nq, q_offset, rows, GROUP, stride_qb, stride_qh
 
 
 @triton.jit
+def _lse_step(q, k_base, start, offs_n, offs_d, n, pos, m, l, qk_scale, stride_kn, MASKED: tl.constexpr):
+    """One key tile of pass 1: (m, l) of the row tile updated with keys [start, start + BLOCK_N). The scale is
+    applied inside the exponent's FMA (the raw scores' max is the scaled scores' max: qk_scale > 0)."""
+    cols = start + offs_n
+    if MASKED:
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=(cols < n)[:, None],
+                    other=0.0)
+    else:
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where((cols[None, :] <= pos[:, None]) & (cols < n)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l = l * tl.exp2(m - m_use) + tl.sum(tl.exp2(s * qk_scale - m_use[:, None]), axis=1)
+    return m_new, l
+
+
+@triton.jit
 def _last_rows_lse_kernel(Q, K, M_OUT, L_OUT, n, nq, q_offset, rows, GROUP, HK, n_rows_pad, chunk, qk_scale,
                           stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                           D: tl.constexpr, ROWS_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 1: per stacked row, the max and the sum of 2^(s - max) of its log2-scaled scores over this program's
-    chunk of keys (combined over chunks on the host)."""
+    """Pass 1: per stacked row of this program's row tile, the max and the sum of 2^(s - max) of its log2-scaled
+    scores over this program's chunk of keys (combined over chunks by _combine_lse_kernel). Keys up to the first row's
+    position are visible to every row and skip the causal test."""
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    r0 = tl.program_id(2) * ROWS_TILE
     b = (pid_bh // HK).to(tl.int64)
     hk = (pid_bh % HK).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     k_base = K + b * stride_kb + hk * stride_kh
-    for r0 in range(0, GROUP * rows, ROWS_TILE):
-        q, pos, valid = _last_rows(Q, b, hk, r0, nq, q_offset, rows, GROUP, stride_qb, stride_qh, stride_qn, D,
-                                   ROWS_TILE)
-        m = tl.full([ROWS_TILE], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS_TILE], tl.float32)
-        for start in range(pid_c * chunk, tl.minimum(pid_c * chunk + chunk, n), BLOCK_N):
-            cols = start + offs_n
-            k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=(cols < n)[:, None],
-                        other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where((cols[None, :] <= pos[:, None]) & (cols < n)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp2(m - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), axis=1)
-            m = m_new
-        out = (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_c) * n_rows_pad + r0 + tl.arange(0, ROWS_TILE)
-        tl.store(M_OUT + out, m)
-        tl.store(L_OUT + out, l)
+    q, pos, valid = _last_rows(Q, b, hk, r0, nq, q_offset, rows, GROUP, stride_qb, stride_qh, stride_qn, D,
+                               ROWS_TILE)
+    m = tl.full([ROWS_TILE], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS_TILE], tl.float32)
+    c0 = pid_c * chunk
+    c1 = tl.minimum(c0 + chunk, n)
+    every_row = (nq - rows + q_offset + 1) // BLOCK_N * BLOCK_N  # whole tiles of keys every row sees
+    mid = tl.maximum(tl.minimum(c1, every_row), c0)
+    for start in range(c0, mid, BLOCK_N):
+        m, l = _lse_step(q, k_base, start, offs_n, offs_d, n, pos, m, l, qk_scale, stride_kn, False)
+    for start in range(mid, c1, BLOCK_N):
+        m, l = _lse_step(q, k_base, start, offs_n, offs_d, n, pos, m, l, qk_scale, stride_kn, True)
+    out = (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_c) * n_rows_pad + r0 + tl.arange(0, ROWS_TILE)
+    tl.store(M_OUT + out, m)
+    tl.store(L_OUT + out, l)
 
 
 @triton.jit
 def _key_importance_kernel(Q, K, LSE, OUT, n, nq, q_offset, rows, GROUP, HK, n_rows_pad, qk_scale,
                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                            D: tl.constexpr, ROWS_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 2: each key's mean over the stacked rows of 2^(s - lse_row), i.e. its mean attention probability."""
+    """Pass 2: each key's mean over the stacked rows of 2^(s - lse_row), i.e. its mean attention probability.
+    The scores are computed transposed (keys x rows: the key tile is the product's A operand, held for every
+    row tile)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HK).to(tl.int64)
@@ -89,14 +110,46 @@ def _key_importance_kernel(Q, K, LSE, OUT, n, nq, q_offset, rows, GROUP, HK, n_r
     k = tl.load(K + b * stride_kb + hk * stride_kh + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
                 mask=(cols < n)[:, None], other=0.0)
     total = tl.zeros([BLOCK_N], tl.float32)
+    causal = (pid_n + 1) * BLOCK_N > nq - rows + q_offset + 1  # else every row sees every key of the tile
     for r0 in range(0, GROUP * rows, ROWS_TILE):
         q, pos, valid = _last_rows(Q, b, hk, r0, nq, q_offset, rows, GROUP, stride_qb, stride_qh, stride_qn, D,
                                    ROWS_TILE)
         lse = tl.load(LSE + pid_bh.to(tl.int64) * n_rows_pad + r0 + tl.arange(0, ROWS_TILE))
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = valid[:, None] & (cols[None, :] <= pos[:, None])
-        total += tl.sum(tl.where(visible, tl.exp2(s - lse[:, None]), 0.0), axis=0)
+        st = tl.dot(k, tl.trans(q))  # (BLOCK_N, ROWS_TILE)
+        p = tl.exp2(st * qk_scale - lse[None, :])
+        if causal:
+            p = tl.where(valid[None, :] & (cols[:, None] <= pos[None, :]), p, 0.0)
+        else:
+            p = tl.where(valid[None, :], p, 0.0)
+        total += tl.sum(p, axis=1)
     tl.store(OUT + pid_bh.to(tl.int64) * n + cols, total / (GROUP * rows), mask=cols < n)
+
+
+@triton.jit
+def _combine_lse_kernel(M_IN, L_IN, LSE, n_chunks, n_rows_pad, BLOCK: tl.constexpr):
+    """Between the passes: each stacked row's log2-sum-exp from pass 1's per-chunk (max, sum). Padding rows (no
+    query, all chunks -inf or empty) get a finite value; pass 2 masks them."""
+    pid_bh = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = r < n_rows_pad
+    base = pid_bh * n_chunks * n_rows_pad + r
+    m_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    for c in range(n_chunks):
+        m_max = tl.maximum(m_max, tl.load(M_IN + base + c * n_rows_pad, mask=valid, other=float("-inf")))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([BLOCK], tl.float32)
+    for c in range(n_chunks):
+        off = base + c * n_rows_pad
+        m = tl.load(M_IN + off, mask=valid, other=0.0)
+        total += tl.load(L_IN + off, mask=valid, other=0.0) * tl.exp2(m - m_max)
+    tl.store(LSE + pid_bh * n_rows_pad + r, m_max + tl.log2(tl.where(total > 0, total, 1.0)), mask=valid)
+
+
+# Tile settings, from a sweep on an H100 at Llama-3.1-8B's heads and 32K keys (benchmarks/results/pbs-H100.txt):
+# pass 1 takes 128 rows x 64 keys per step over chunks of 4096 keys, pass 2 128 keys x 32 rows.
+_PASS1_ROWS, _PASS1_KEYS, _PASS1_WARPS = 128, 64, 8
+_PASS2_ROWS, _PASS2_KEYS, _PASS2_WARPS = 32, 128, 4
+IMPORTANCE_KEY_CHUNK = 4096  # keys per pass-1 program (module level: tests shrink it to cover several chunks)
 
 
 def _importance_triton(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int, q_offset: int) -> torch.Tensor:
@@ -105,23 +158,23 @@ def _importance_triton(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int
     if D & (D - 1) or D < 16 or q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"the Triton importance kernels take a power-of-two head dim >= 16 with unit stride along "
                          f"it, got D = {D} (use backend='torch')")
-    rows_tile, block_n, chunk = 64, 64, 1024
+    chunk = IMPORTANCE_KEY_CHUNK
     n_rows = (H // HK) * rows
-    n_rows_pad = triton.cdiv(n_rows, rows_tile) * rows_tile
+    n_rows_pad = triton.cdiv(n_rows, _PASS1_ROWS) * _PASS1_ROWS  # (a multiple of _PASS2_ROWS too)
     n_chunks = triton.cdiv(N, chunk)
     qk_scale = scale * _LOG2E
     m = torch.empty(B * HK, n_chunks, n_rows_pad, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     common = (N, NQ, q_offset, rows, H // HK, HK)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-    launch(_last_rows_lse_kernel, (n_chunks, B * HK), q, k, m, l, *common, n_rows_pad, chunk, qk_scale, *strides,
-           D=D, ROWS_TILE=rows_tile, BLOCK_N=block_n, num_warps=4)
-    m_max = m.amax(dim=1, keepdim=True)
-    m_use = torch.where(torch.isinf(m_max), 0.0, m_max)
-    lse = (m_use + torch.log2((l * torch.exp2(m - m_use)).sum(dim=1, keepdim=True))).squeeze(1).contiguous()
+    launch(_last_rows_lse_kernel, (n_chunks, B * HK, n_rows_pad // _PASS1_ROWS), q, k, m, l, *common, n_rows_pad,
+           chunk, qk_scale, *strides, D=D, ROWS_TILE=_PASS1_ROWS, BLOCK_N=_PASS1_KEYS, num_warps=_PASS1_WARPS)
+    lse = torch.empty(B * HK, n_rows_pad, device=q.device, dtype=torch.float32)
+    launch(_combine_lse_kernel, (triton.cdiv(n_rows_pad, 256), B * HK), m, l, lse, n_chunks, n_rows_pad, BLOCK=256,
+           num_warps=4)
     out = torch.empty(B, HK, N, device=q.device, dtype=torch.float32)
-    launch(_key_importance_kernel, (triton.cdiv(N, block_n), B * HK), q, k, lse, out, *common, n_rows_pad, qk_scale,
-           *strides, D=D, ROWS_TILE=rows_tile, BLOCK_N=block_n, num_warps=4)
+    launch(_key_importance_kernel, (triton.cdiv(N, _PASS2_KEYS), B * HK), q, k, lse, out, *common, n_rows_pad,
+           qk_scale, *strides, D=D, ROWS_TILE=_PASS2_ROWS, BLOCK_N=_PASS2_KEYS, num_warps=_PASS2_WARPS)
     return out
 
 
@@ -197,6 +250,28 @@ def last_block_key_importance(q: torch.Tensor, k: torch.Tensor, *, scale: float 
     return _importance_torch(q, k, scale, rows, q_offset)
 
 
+@triton.jit
+def _segment_argsort_kernel(SCORES, ORDER, n, SEGMENT: tl.constexpr, SEGMENT_PAD: tl.constexpr):
+    """One segment of one row per program: its positions by descending score, ties lower position first.
+
+    Each score becomes one int64 sort key: the float's bits mapped to an order-preserving int32 (negative floats'
+    magnitude bits flipped; -0.0 first turned into +0.0, which torch.sort ranks equal) in the high half, and the
+    flipped local position in the low half, so that one descending bitonic sort (tl.sort) orders by score and
+    then by position. Padding (past the row's end, or past a segment that is not a power of two) scores -inf and
+    sorts after every real key, -inf ones included."""
+    seg = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, SEGMENT_PAD)
+    pos = seg * SEGMENT + i
+    real = (i < SEGMENT) & (pos < n)
+    x = tl.load(SCORES + row * n + pos, mask=real, other=float("-inf")) + 0.0
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    ranked = tl.sort((key.to(tl.int64) << 32) | (SEGMENT_PAD - 1 - i).to(tl.int64), descending=True)
+    local = SEGMENT_PAD - 1 - (ranked & 0xFFFFFFFF)
+    tl.store(ORDER + row * n + seg * SEGMENT + i, seg * SEGMENT + local, mask=real)
+
+
 def segmented_key_order(importance: torch.Tensor, segment: int) -> torch.Tensor:
     """Within each aligned segment of ``segment`` positions (the last may be shorter), the key positions by
     descending importance (ties: lower position first).
@@ -207,10 +282,21 @@ def segmented_key_order(importance: torch.Tensor, segment: int) -> torch.Tensor:
     Returns:
         (..., N) int64 ``order``: slot r holds the key at original position ``order[..., r]``, always a
         position of slot r's own segment. Gather k and v with it; it is also ``kernels.PermutedKeys.positions``.
+
+    On CUDA (float32 scores, segments of at most 1024 positions, fewer than 65536 rows, not compiling) one Triton
+    launch sorts every segment; else ``torch.sort`` (stable) on padded segments. Both give the same order for
+    NaN-free scores.
     """
     if not isinstance(segment, int) or isinstance(segment, bool) or segment <= 0:
         raise ValueError(f"segment must be a positive int, got {segment!r}")
     n = importance.shape[-1]
+    if (importance.is_cuda and importance.dtype == torch.float32 and segment <= 1024 and n > 0
+            and 0 < importance.numel() // n < 65536 and not torch.compiler.is_compiling()):
+        scores = importance.contiguous()
+        order = torch.empty(importance.shape, device=importance.device, dtype=torch.int64)
+        launch(_segment_argsort_kernel, (triton.cdiv(n, segment), scores.numel() // n), scores, order, n,
+               SEGMENT=segment, SEGMENT_PAD=triton.next_power_of_2(segment), num_warps=4)
+        return order
     pad = -n % segment
     padded = torch.nn.functional.pad(importance.float(), (0, pad), value=-math.inf)  # padding sorts last
     groups = padded.reshape(*importance.shape[:-1], -1, segment)
@@ -220,5 +306,6 @@ def segmented_key_order(importance: torch.Tensor, segment: int) -> torch.Tensor:
 
 
 def gather_keys(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """x (B, H_kv, N, D) with its tokens reordered per head: out[b, h, r] = x[b, h, order[b, h, r]]."""
-    return torch.gather(x, 2, order.unsqueeze(-1).expand(*order.shape, x.shape[-1]))
+    """x (B, H_kv, N, D) with its tokens reordered per head: out[b, h, r] = x[b, h, order[b, h, r]] (``order``
+    (B or 1, H_kv, N), from :func:`segmented_key_order`; one Triton row gather on CUDA)."""
+    return gather_rows_per_head(x, order)
