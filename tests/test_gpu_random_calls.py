@@ -3,13 +3,16 @@
 The grids of test_kernels.py and test_attention_hopper.py vary one axis at a time on a few shapes. Each seed
 here draws one call that combines them: odd lengths up to several waves of the Hopper kernel's schedule,
 either layout, bf16 or fp16, a GQA group, the Hopper kernel's head dims and the Triton kernel's others,
-causal or not, N_q != N_kv, a mask of random density (broadcast over batch or heads, some rows empty) given
-as a bool tensor, as a prebuilt CompactBlockMask, or not at all (dense), or the whole method on structured
-inputs, the stage-2 test on or off, a non-contiguous q, and an output buffer poisoned with NaN that is
-longer than the call's rows. Every check is the same: no NaN, the rows past the call untouched, relative L1
-against the reference under the dtype's tolerance.
+causal or not, N_q != N_kv (causal too, under either causal variant), a mask of random density (broadcast over
+batch or heads, some rows empty) given as a bool tensor, as a prebuilt CompactBlockMask, or not at all (dense),
+or the whole method on structured inputs, the stage-2 test on or off, a non-contiguous q, and an output buffer
+poisoned with NaN that is longer than the call's rows. Every check is the same: no NaN, the rows past the call untouched, relative L1
+against the reference under the dtype's tolerance. The same for S2O (its order walked by the kernel and by the
+reference, or built by the kernels and visited in full against exact attention) and for PBS-Attn's whole path
+(importance, segment sort, key gather, stage 1 and the walk on permuted keys).
 
-``SPARGE_GPU_RANDOM_CALLS`` sets the number of seeds (default 40), ``SPARGE_GPU_RANDOM_FIRST`` the first (default 0).
+``SPARGE_GPU_RANDOM_CALLS`` sets the number of seeds per test (default 40), ``SPARGE_GPU_RANDOM_FIRST`` the first
+(default 0).
 """
 
 import math
@@ -60,7 +63,19 @@ def draw_call(seed: int) -> dict:
         pvthreshd=rng.choice([None, None, 50.0, 20.0]),
         strided_q=rng.random() < 0.25,
         seed=seed,
-    )
+    ) | _causal_variant(rng, causal, q_len)
+
+
+def _causal_variant(rng: random.Random, causal: bool, q_len: int) -> dict:
+    """A causal call's variant and key length (drawn after the other fields, so that adding it left the draws of
+    the earlier fields as they were): a third of causal calls have unequal lengths under either variant."""
+    variant = rng.choice(["lower_right", "upper_left", None, None, None, None])
+    kv_len = rng.randint(1, 5000)
+    return dict(causal_variant=variant, kv_len=kv_len) if causal and variant else {"causal_variant": None}
+
+
+def _seq_slice(x: torch.Tensor, layout: str, start: int, length: int) -> torch.Tensor:
+    return x.narrow(2 if layout == "HND" else 1, start, length)
 
 
 def _inputs(call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,8 +83,16 @@ def _inputs(call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     layout, dtype = call["layout"], call["dtype"]
     if call["entry"] == "whole":  # stage 1 needs structure to select anything
         if call["causal"]:
-            return llm_like_qkv(call["q_len"], batch=B, heads=H, kv_heads=HK, head_dim=D, dtype=dtype,
-                                device="cuda", seed=call["seed"], tensor_layout=layout)
+            # one sequence of the longer length: the queries are its last q_len rows (lower right: the keys'
+            # last rows too) or its first ones
+            q_len, kv_len = call["q_len"], call["kv_len"]
+            q, k, v = llm_like_qkv(max(q_len, kv_len), batch=B, heads=H, kv_heads=HK, head_dim=D, dtype=dtype,
+                                   device="cuda", seed=call["seed"], tensor_layout=layout)
+            n = q.shape[2 if layout == "HND" else 1]
+            lower_right = call["causal_variant"] == "lower_right"
+            q = _seq_slice(q, layout, n - q_len if lower_right else 0, q_len)
+            k, v = (_seq_slice(t, layout, n - kv_len if lower_right else 0, kv_len) for t in (k, v))
+            return q, k, v
         side = max(1, round(math.sqrt(call["q_len"] / 2)))
         return video_like_qkv((2, side, side), batch=B, heads=H, kv_heads=HK, head_dim=D,
                               text_tokens=call["seed"] % 100, dtype=dtype, device="cuda", seed=call["seed"],
@@ -108,7 +131,7 @@ def test_gpu_random_call_matches_reference(seed):
     big_shape[seq_dim] += 7
     big = torch.full(big_shape, float("nan"), dtype=q.dtype, device="cuda")
     out = big.narrow(seq_dim, 0, q_len)
-    common = dict(is_causal=causal, tensor_layout=layout)
+    common = dict(is_causal=causal, tensor_layout=layout, causal_variant=call["causal_variant"])
 
     if call["entry"] == "whole":
         result = sparge_attention(q, k, v, pvthreshd=pv, out=out, **common)
@@ -127,7 +150,162 @@ def test_gpu_random_call_matches_reference(seed):
     assert result.data_ptr() == out.data_ptr(), call
     assert not torch.isnan(result).any(), call
     assert torch.isnan(big.narrow(seq_dim, q_len, 7)).all(), ("rows past the call were written", call)
+    if call["causal_variant"] == "lower_right" and q_len > kv_len:  # rows before the first key see none
+        assert (result.narrow(seq_dim, 0, q_len - kv_len) == 0).all(), call
+    _assert_close_to(result, ref, call)
+
+
+def _assert_close_to(result: torch.Tensor, ref: torch.Tensor, call: dict) -> None:
     if ref.abs().sum() == 0:  # every kept row empty: an all-zero output, which relative L1 cannot measure
         assert (result == 0).all(), call
     else:
         assert relative_l1(result, ref) < L1_TOL[call["dtype"]], call
+
+
+def draw_s2o_call(seed: int) -> dict:
+    """One S2O call's settings: shapes and layouts as :func:`draw_call`'s, S2O's own knobs (tau, the stop test's
+    spacing, the causal segment, the sink), and whether the call builds its order itself ("whole") or walks an
+    order given to it ("order")."""
+    rng = random.Random(seed)
+    kv_heads = rng.choice([1, 2, 3, 4])
+    causal = rng.random() < 0.5
+    q_len = rng.randint(1, 5000)
+    call = dict(
+        entry=rng.choice(["order", "order", "whole"]),
+        batch=rng.choice([1, 1, 2]),
+        kv_heads=kv_heads,
+        heads=kv_heads * rng.choice([1, 2, 4, 7]),
+        head_dim=rng.choice([64, 128, 128, 64, 96, 32]),
+        causal=causal,
+        q_len=q_len,
+        kv_len=q_len if causal else rng.randint(1, 5000),
+        layout=rng.choice(["HND", "NHD"]),
+        dtype=rng.choice([torch.bfloat16, torch.float16]),
+        tau=rng.choice([0.0, None, 0.001, 0.01, 0.2]),
+        check_every=rng.choice([1, 4, 16]),
+        segment=rng.choice([128, 256, 512, 2048]),
+        attention_sink=rng.random() < 0.3,
+        simthreshd1=rng.choice([0.6, 0.6, -1.0, 0.95]),
+        pvthreshd=rng.choice([None, None, 8.0, 30.0]),
+        strided_q=rng.random() < 0.25,
+        seed=seed,
+    )
+    return call | _causal_variant(rng, causal, q_len)
+
+
+def _structured_inputs(call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs with structure for the call's lengths (S2O's stop test needs some): causal calls as in
+    :func:`_inputs`, others the first rows of one video-like sequence of the longer length; q strided on request."""
+    B, H, HK, D, layout = call["batch"], call["heads"], call["kv_heads"], call["head_dim"], call["layout"]
+    if call["causal"]:
+        q, k, v = _inputs(dict(call, entry="whole"))
+    else:
+        n = max(call["q_len"], call["kv_len"])
+        side = max(1, math.ceil(math.sqrt(n / 2)))
+        q, k, v = video_like_qkv((2, side, side), batch=B, heads=H, kv_heads=HK, head_dim=D, dtype=call["dtype"],
+                                 device="cuda", seed=call["seed"], tensor_layout=layout)
+        q = _seq_slice(q, layout, 0, call["q_len"])
+        k, v = (_seq_slice(t, layout, 0, call["kv_len"]) for t in (k, v))
+    if call["strided_q"]:  # the same values through a non-contiguous view (rows padded to twice their width)
+        wide = torch.empty(*q.shape[:-1], 2 * D, dtype=q.dtype, device="cuda")
+        wide[..., :D] = q
+        q = wide[..., :D]
+    return q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS))
+def test_gpu_random_s2o_call_matches_reference(seed):
+    """S2O on the GPU against its float32 reference walking the same order ("order"), or, building its own order
+    from the Triton statistics and visiting every block (tau 0 or None), against exact attention ("whole")."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sparge_diffusers import s2o_attention
+    from test_s2o import order_for
+
+    call = draw_s2o_call(seed)
+    q, k, v = _structured_inputs(call)
+    layout, seq_dim = call["layout"], 2 if call["layout"] == "HND" else 1
+    q_len, kv_len = q.shape[seq_dim], k.shape[seq_dim]
+    big_shape = list(q.shape)
+    big_shape[seq_dim] += 7
+    big = torch.full(big_shape, float("nan"), dtype=q.dtype, device="cuda")
+    out = big.narrow(seq_dim, 0, q_len)
+    common = dict(is_causal=call["causal"], tensor_layout=layout, causal_variant=call["causal_variant"])
+    knobs = dict(segment=call["segment"], check_every=call["check_every"], simthreshd1=call["simthreshd1"],
+                 attention_sink=call["attention_sink"], pvthreshd=call["pvthreshd"])
+    if call["entry"] == "order":
+        order = order_for(q, k, call["causal"], theta=call["simthreshd1"], segment=call["segment"],
+                          sink=call["attention_sink"], layout=layout, backend="triton",
+                          causal_variant=call["causal_variant"])[1]
+        result, stats = s2o_attention(q, k, v, tau=call["tau"], order=order, out=out, return_sparsity=True,
+                                      **knobs, **common)
+        ref, ref_stats = s2o_attention(q, k, v, tau=call["tau"], order=order, backend="reference",
+                                       return_sparsity=True, **knobs, **common)
+        # a stop test lying on its threshold may fall either way under the kernel's rounding
+        assert (stats.qk_skipped - ref_stats.qk_skipped).abs().max() <= 0.02, call
+    else:
+        tau = call["tau"] if call["tau"] in (0.0, None) else 0.0
+        knobs["pvthreshd"] = None  # exact only without the stage-2 test
+        result = s2o_attention(q, k, v, tau=tau, out=out, **knobs, **common)
+        ref = block_sparse_attention(q, k, v, None, backend="reference", **common)
+    assert result.data_ptr() == out.data_ptr(), call
+    assert not torch.isnan(result).any(), call
+    assert torch.isnan(big.narrow(seq_dim, q_len, 7)).all(), ("rows past the call were written", call)
+    if call["causal_variant"] == "lower_right" and q_len > kv_len:
+        assert (result.narrow(seq_dim, 0, q_len - kv_len) == 0).all(), call
+    _assert_close_to(result, ref, call)
+
+
+def draw_pbs_call(seed: int) -> dict:
+    """One PBS-Attn call (causal, HND, N_q <= N_kv): the whole prompt or a lower-right chunk of it."""
+    rng = random.Random(seed)
+    kv_heads = rng.choice([1, 2, 4])
+    kv_len = rng.randint(1, 6000)
+    return dict(
+        batch=rng.choice([1, 1, 2]),
+        kv_heads=kv_heads,
+        heads=kv_heads * rng.choice([1, 2, 4]),
+        head_dim=rng.choice([64, 128, 128, 32]),
+        kv_len=kv_len,
+        q_len=kv_len if rng.random() < 0.5 else rng.randint(1, kv_len),
+        segment=rng.choice([64, 128, 256, 256, 512, 1024, 2048]),
+        dtype=rng.choice([torch.bfloat16, torch.float16]),
+        cdfthreshd=rng.choice([0.9, 0.98, 1.0]),
+        simthreshd1=rng.choice([0.6, -1.0, 1.0]),  # 1.0: no block summarised, every block kept
+        pvthreshd=rng.choice([None, None, 8.0]),
+        seed=seed,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS))
+def test_gpu_random_pbs_call_matches_reference(seed):
+    """pbs_sparge_attention end to end (importance, segment sort, key gather, stage 1 on the permuted keys, the
+    kernel's causal test on original positions) against the float32 reference given the same permuted keys and
+    mask; with every block kept (simthreshd1 1) and no stage-2 test, also against exact causal attention."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sparge_diffusers import PermutedKeys
+    from sparge_diffusers.llm import pbs_sparge_attention
+    from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
+
+    call = draw_pbs_call(seed)
+    call.update(causal=True, layout="HND", causal_variant="lower_right" if call["q_len"] < call["kv_len"] else None)
+    q, k, v = _inputs(dict(call, entry="whole"))
+    variant = call["causal_variant"]
+    out = torch.full_like(q, float("nan"))
+    thresholds = dict(cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"], pvthreshd=call["pvthreshd"])
+    result = pbs_sparge_attention(q, k, v, segment=call["segment"], causal_variant=variant, out=out, **thresholds)
+    assert result.data_ptr() == out.data_ptr() and not torch.isnan(result).any(), call
+
+    order = segmented_key_order(last_block_key_importance(q, k, causal_variant=variant), call["segment"])
+    permuted = PermutedKeys(order.to(torch.int32), call["segment"])
+    kp, vp = gather_keys(k, order), gather_keys(v, order)
+    kw = dict(is_causal=True, permuted_keys=permuted, causal_variant=variant)
+    mask = predict_block_mask(q, kp, cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"], **kw)
+    ref = block_sparse_attention(q, kp, vp, mask, pvthreshd=call["pvthreshd"], backend="reference", **kw)
+    _assert_close_to(result, ref, call)
+    if call["simthreshd1"] == 1.0 and call["pvthreshd"] is None:
+        exact = block_sparse_attention(q, k, v, None, backend="reference", is_causal=True, causal_variant=variant)
+        _assert_close_to(result, exact, call)

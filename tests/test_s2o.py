@@ -193,6 +193,23 @@ def test_s2o_on_gpu_matches_reference(causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_s2o_reference_backend_on_cuda_inputs(causal):
+    """backend="reference" on CUDA tensors gives the CPU call's result on the GPU (its walk once mixed devices)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    q, k, v = structured(1, 4, 2, 700, 64, causal, torch.bfloat16, "NHD", seed=11)
+    kw = dict(is_causal=causal, tau=0.1, segment=128, check_every=1, tensor_layout="NHD", backend="reference",
+              return_sparsity=True)
+    out, stats = s2o_attention(q.cuda(), k.cuda(), v.cuda(), **kw)
+    expected, expected_stats = s2o_attention(q, k, v, **kw)
+    assert out.is_cuda and stats.qk_skipped.is_cuda
+    # the walk runs on the CPU either way; the block statistics that rank the blocks are summed on the GPU
+    assert relative_l1(out.cpu(), expected) < 1e-2
+    assert expected_stats.sparsity > 0.2 and abs(stats.sparsity - expected_stats.sparsity) < 0.02
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causal,nk", [(False, 700), (True, 512), (False, 3000)])
 def test_visit_order_kernel_on_gpu_equals_torch(causal, nk):

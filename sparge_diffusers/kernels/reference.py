@@ -225,9 +225,15 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
 
     Same order, same online softmax in the log2 domain, same stop rule (mean relative gain of the last tile
     below tau, tested every ``check_every`` ranked tiles), same PV skip. Query row i sits at causal position
-    i + ``shape.causal_offset``. Returns (out float32, visited, pv_count).
+    i + ``shape.causal_offset``. Returns (out float32, visited, pv_count) on q's device.
+
+    The walk runs on the CPU whatever the inputs' device: it is a loop of tile-sized steps with a data-dependent
+    stop, which on a GPU would be thousands of tiny launches and a sync per test.
     """
-    qh, kh, vh = (t.float() for t in (q, k, v))
+    device = q.device
+    qh, kh, vh = (t.detach().float().cpu() for t in (q, k, v))
+    tau = None if tau is None else tau.cpu()
+    pvthreshd = None if pvthreshd is None else pvthreshd.cpu()
     B, H, Nq, D = qh.shape
     group = H // kh.shape[1]
     kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
@@ -273,7 +279,7 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                             break
                 visited[b, h, i] = n
                 out[b, h, rows] = torch.where(l[:, None] > 0, acc / l.clamp(min=1e-30)[:, None], 0.0)
-    return out, visited, pv_count
+    return out.to(device), visited.to(device), pv_count.to(device)
 
 
 def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, shape: AttentionShape,
