@@ -112,8 +112,26 @@ def _no_hook(hook) -> bool:
     return hook is None or getattr(hook, "calls", None) == []  # Triton 3.9 holds an empty HookChain, 3.6 None
 
 
+def _device_index(args: tuple) -> int | None:
+    """The CUDA device of a launch's first tensor (or tensor descriptor) argument; None if it has none."""
+    for x in args:
+        t = x if isinstance(x, torch.Tensor) else getattr(x, "base", None)
+        if isinstance(t, torch.Tensor):
+            return t.device.index if t.is_cuda else None
+    return None
+
+
 def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
-    """``fn[grid](*args, **kwargs)``, the compiled kernel's launcher called directly once this key has run."""
+    """``fn[grid](*args, **kwargs)``, the compiled kernel's launcher called directly once this key has run.
+
+    The kernel runs on its tensors' device, on that device's current stream, whichever device is current: Triton
+    launches on the current device, so tensors on cuda:1 while cuda:0 is current would otherwise be read by a
+    kernel on cuda:0's stream, unordered with the work that wrote them (PyTorch's own ops guard the device)."""
+    target = _device_index(args)
+    if target is not None and _driver is not None and target != _driver.active.get_current_device():
+        with torch.cuda.device(target):
+            launch(fn, grid, *args, **kwargs)
+        return
     runtime = _knobs.runtime if _knobs is not None else None
     if not (ENABLED and _JITFunction is not None and isinstance(fn, _JITFunction) and not fn.pre_run_hooks
             and _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):

@@ -4,6 +4,7 @@ real kernels both ways and compares the outputs."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -227,3 +228,94 @@ def test_descriptors_from_cached_fields_equal_built_ones_and_keep_no_tensor():
         assert got.base is t and vars(got) == vars(want)
     assert len(_launch._DESCRIPTOR_FIELDS) == 2  # one per (shape, strides, dtype, box)
     _launch.clear()
+
+
+class _OnCuda1(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:1 (what ``_device_index`` reads), for the CPU tests."""
+
+    is_cuda = True
+    device = torch.device("cuda", 1)
+
+
+def test_launches_switch_to_their_tensors_device_and_back(stub, monkeypatch):
+    fn, calls = stub
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(index):  # torch.cuda.device's effect on the driver's current device
+        before, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    seen = []
+
+    def get_current_device():
+        seen.append(current[0])
+        return current[0]
+
+    monkeypatch.setattr(_Driver.active, "get_current_device", staticmethod(get_current_device))
+    monkeypatch.setattr(torch.cuda, "device", device)
+    x = torch.zeros(8)._make_subclass(_OnCuda1, torch.zeros(8))
+    for _ in range(2):
+        _launch.launch(fn, (3,), x, x, 5, 0.5, FLAG=True)
+    assert _paths(calls) == ["normal", "direct"]
+    # per launch: the guard reads cuda:0, switches, its second look and the launch itself read cuda:1
+    assert seen == [0, 1, 1] * 2 and current == [0]
+    _launch.launch(fn, (3,), torch.zeros(8), torch.zeros(8), 5, 0.5, FLAG=True)  # CPU tensors: no switch
+    assert current == [0] and seen[6:] == [0]
+
+
+def test_device_index_is_the_first_tensor_argument_s():
+    cpu = torch.zeros(2)
+    assert _launch._device_index((3, cpu, 0.5)) is None  # a CPU tensor (the interpreter): no device to guard
+    assert _launch._device_index((3, 0.5)) is None
+    assert _launch._device_index((3, cpu._make_subclass(_OnCuda1, cpu))) == 1
+
+    class Descriptor:
+        base = cpu._make_subclass(_OnCuda1, cpu)
+
+    assert _launch._device_index((Descriptor(), cpu)) == 1
+
+
+@pytest.mark.gpu
+def test_kernels_run_on_their_tensors_device_whichever_is_current():
+    """Inputs on cuda:1 while cuda:0 is current: every entry point's kernels run on cuda:1, on its current stream
+    (ordered after the work that wrote the inputs, which a sleep holds back), and give the cuda:0 result."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    from sparge_diffusers import (block_sparse_attention, compact_block_mask, predict_block_mask, relative_l1,
+                                  s2o_attention, select_key_blocks, selected_block_attention, sparge_attention)
+    from sparge_diffusers.llm import pbs_sparge_attention
+    from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
+
+    video = video_like_qkv((2, 24, 24), heads=4, head_dim=128, text_tokens=30, device="cuda:0", seed=1)
+    video64 = tuple(t[..., :64].contiguous() for t in video)
+    llm = llm_like_qkv(3000, heads=8, kv_heads=2, head_dim=128, device="cuda:0", seed=2)
+
+    def fsa(q, k, v):
+        return selected_block_attention(q, k, v, select_key_blocks(q, k, top_k=8), is_causal=True)
+
+    calls = {
+        "sparge (Hopper kernel on sm90)": (video, lambda q, k, v: sparge_attention(q, k, v)),
+        "sparge, stage 2 (Triton kernel)": (video, lambda q, k, v: sparge_attention(q, k, v, pvthreshd=8)),
+        "sparge D 64": (video64, lambda q, k, v: sparge_attention(q, k, v)),
+        "dense mode": (video, lambda q, k, v: block_sparse_attention(q, k, v, None)),
+        "prebuilt mask": (video, lambda q, k, v: block_sparse_attention(
+            q, k, v, compact_block_mask(predict_block_mask(q, k), q, k))),
+        "s2o": (video, lambda q, k, v: s2o_attention(q, k, v)),
+        "causal sparge": (llm, lambda q, k, v: sparge_attention(q, k, v, is_causal=True)),
+        "pbs": (llm, lambda q, k, v: pbs_sparge_attention(q, k, v)),
+        "fsa": (llm, fsa),
+    }
+    for name, (inputs, call) in calls.items():
+        expected = call(*inputs)
+        with torch.cuda.device(0):
+            with torch.cuda.device(1):
+                torch.cuda._sleep(100_000_000)  # cuda:1's stream busy for ~50 ms before the inputs land
+                moved = tuple(t.to("cuda:1", non_blocking=True) for t in inputs)
+            got = call(*moved)
+            assert torch.cuda.current_device() == 0, name
+        assert got.device == torch.device("cuda:1"), name
+        assert not torch.isnan(got).any() and relative_l1(got.to("cuda:0"), expected) < 1e-3, name
