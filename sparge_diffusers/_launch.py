@@ -19,8 +19,9 @@ instrumentation switches, and the device.
 A key not seen before runs the normal path (which compiles, or finds Triton's cached kernel) and records the
 kernel it returned. A key function is written per tuple of argument kinds (tensor, descriptor, value) and tried
 first with the kinds of a kernel's first launch; a value where a tensor was keys on the object, and such a
-launch takes the normal path unrecorded. The normal path also runs whenever launch hooks or pre-run hooks are set (profilers),
-under the interpreter, and when ``ENABLED`` is False.
+launch takes the normal path unrecorded. The normal path also runs whenever launch hooks or pre-run hooks are set
+(profilers), under the interpreter, and when ``ENABLED`` is False. Either path runs on the tensors' GPU: a launch
+whose tensors live on another GPU than the current one first makes theirs current (see :func:`launch`).
 
 Used by the attention kernels and by the permutations' row gather; it knows neither.
 """
