@@ -6,8 +6,8 @@ either layout, bf16 or fp16, a GQA group, the Hopper kernel's head dims and the 
 causal or not, N_q != N_kv (causal too, under either causal variant), a mask of random density (broadcast over
 batch or heads, some rows empty) given as a bool tensor, as a prebuilt CompactBlockMask, or not at all (dense),
 or the whole method on structured inputs, the stage-2 test on or off, a non-contiguous q, and an output buffer
-poisoned with NaN that is longer than the call's rows. Every check is the same: no NaN, the rows past the call untouched, relative L1
-against the reference under the dtype's tolerance. The same for S2O (its order walked by the kernel and by the
+poisoned with NaN that is longer than the call's rows. Every check is the same: no NaN, the rows past the call
+untouched, relative L1 against the reference under the dtype's tolerance. The same for S2O (its order walked by the kernel and by the
 reference, or built by the kernels and visited in full against exact attention) and for PBS-Attn's whole path
 (importance, segment sort, key gather, stage 1 and the walk on permuted keys).
 
@@ -47,15 +47,7 @@ def draw_call(seed: int) -> dict:
     q_len = rng.randint(1, 5000)
     return dict(
         entry=rng.choice(["mask", "compact", "dense", "whole"]),
-        batch=rng.choice([1, 1, 2]),
-        kv_heads=kv_heads,
-        heads=kv_heads * rng.choice([1, 1, 2, 4, 7]),
-        head_dim=rng.choice([64, 128, 128, 64, 96, 32]),
-        causal=causal,
-        q_len=q_len,
-        kv_len=q_len if causal else rng.randint(1, 5000),
-        layout=rng.choice(["HND", "NHD"]),
-        dtype=rng.choice([torch.bfloat16, torch.float16]),
+        **_draw_shape(rng, kv_heads, causal, q_len, head_groups=[1, 1, 2, 4, 7]),
         density=rng.choice([0.02, 0.1, 0.3, 0.7, 1.0]),
         mask_batch=rng.choice([1, None]),  # None: one mask per batch element
         mask_heads=rng.choice([1, None]),
@@ -64,6 +56,22 @@ def draw_call(seed: int) -> dict:
         strided_q=rng.random() < 0.25,
         seed=seed,
     ) | _causal_variant(rng, causal, q_len)
+
+
+def _draw_shape(rng: random.Random, kv_heads: int, causal: bool, q_len: int, head_groups: list[int]) -> dict:
+    """A call's batch, heads, head dim, lengths, layout and dtype, drawn in this order (which the seeds' calls
+    depend on); ``head_groups`` are the query heads per K/V head to choose from."""
+    return dict(
+        batch=rng.choice([1, 1, 2]),
+        kv_heads=kv_heads,
+        heads=kv_heads * rng.choice(head_groups),
+        head_dim=rng.choice([64, 128, 128, 64, 96, 32]),
+        causal=causal,
+        q_len=q_len,
+        kv_len=q_len if causal else rng.randint(1, 5000),
+        layout=rng.choice(["HND", "NHD"]),
+        dtype=rng.choice([torch.bfloat16, torch.float16]),
+    )
 
 
 def _causal_variant(rng: random.Random, causal: bool, q_len: int) -> dict:
@@ -172,15 +180,7 @@ def draw_s2o_call(seed: int) -> dict:
     q_len = rng.randint(1, 5000)
     call = dict(
         entry=rng.choice(["order", "order", "whole"]),
-        batch=rng.choice([1, 1, 2]),
-        kv_heads=kv_heads,
-        heads=kv_heads * rng.choice([1, 2, 4, 7]),
-        head_dim=rng.choice([64, 128, 128, 64, 96, 32]),
-        causal=causal,
-        q_len=q_len,
-        kv_len=q_len if causal else rng.randint(1, 5000),
-        layout=rng.choice(["HND", "NHD"]),
-        dtype=rng.choice([torch.bfloat16, torch.float16]),
+        **_draw_shape(rng, kv_heads, causal, q_len, head_groups=[1, 2, 4, 7]),
         tau=rng.choice([0.0, None, 0.001, 0.01, 0.2]),
         check_every=rng.choice([1, 4, 16]),
         segment=rng.choice([128, 256, 512, 2048]),
