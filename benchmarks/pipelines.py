@@ -7,8 +7,9 @@ output against the dense step. Also the GPU time of one step (its kernels' summe
 where it falls well short of the step's wall time, the step waits on the host (Python and kernel launches),
 and attention that is cheaper on the GPU cannot shorten it; the models named by --graphs are also timed as
 CUDA-graph replays, which take the host out, and those named by --compile as torch.compile'd models (inductor,
-default mode, fullgraph: SpargeProcessor's attention is one custom-operator node), each setting compiled anew. Random weights give little attention structure: sparsity here
-says little about real checkpoints; the timings show what a given sparsity buys.
+default mode, fullgraph: SpargeProcessor's attention is one custom-operator node), each setting compiled anew.
+Random weights give little attention structure: sparsity here says little about real checkpoints; the timings
+show what a given sparsity buys.
 
 Usage: python benchmarks/pipelines.py [--models flux,sd3,cogvideox,mochi] [--graphs flux,sd3] [--compile flux,sd3]
                                      [--out results.json]

@@ -7,9 +7,9 @@ causal or not, N_q != N_kv (causal too, under either causal variant), a mask of 
 batch or heads, some rows empty) given as a bool tensor, as a prebuilt CompactBlockMask, or not at all (dense),
 or the whole method on structured inputs, the stage-2 test on or off, a non-contiguous q, and an output buffer
 poisoned with NaN that is longer than the call's rows. Every check is the same: no NaN, the rows past the call
-untouched, relative L1 against the reference under the dtype's tolerance. The same for S2O (its order walked by the kernel and by the
-reference, or built by the kernels and visited in full against exact attention) and for PBS-Attn's whole path
-(importance, segment sort, key gather, stage 1 and the walk on permuted keys).
+untouched, relative L1 against the reference under the dtype's tolerance. The same for S2O (its order walked
+by the kernel and by the reference, or built by the kernels and visited in full against exact attention) and for
+PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and the walk on permuted keys).
 
 ``SPARGE_GPU_RANDOM_CALLS`` sets the number of seeds per test (default 40), ``SPARGE_GPU_RANDOM_FIRST`` the first
 (default 0).

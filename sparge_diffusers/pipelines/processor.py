@@ -52,7 +52,9 @@ class SpargeSettings:
     permutation: str | None = None  # reorder visual tokens: "hilbert", "rowmajor", "colmajor", "timemajor", "random"
 
 
-def infer_token_grid(transformer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[int, int, int], str] | None:
+def infer_token_grid(
+    transformer: torch.nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple[int, int, int], str] | None:
     """The (T, H, W) grid of visual tokens of one forward call, and where the text tokens sit in the joint
     sequence ("before" or "after" the visual ones), from the latent shape and patch size (a registry by class).
     """
