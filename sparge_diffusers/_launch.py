@@ -114,11 +114,13 @@ def _no_hook(hook) -> bool:
 
 
 def _device_index(args: tuple) -> int | None:
-    """The CUDA device of a launch's first tensor (or tensor descriptor) argument; None if it has none."""
+    """The CUDA device of a launch's first tensor (or tensor descriptor) argument; None if it has none or it is
+    on the CPU (the interpreter)."""
     for x in args:
         t = x if isinstance(x, torch.Tensor) else getattr(x, "base", None)
         if isinstance(t, torch.Tensor):
-            return t.device.index if t.is_cuda else None
+            index = t.get_device()  # -1 on the CPU; one call, cheaper than reading .is_cuda and .device
+            return index if index >= 0 else None
     return None
 
 
@@ -128,11 +130,13 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
     The kernel runs on its tensors' device, on that device's current stream, whichever device is current: Triton
     launches on the current device, so tensors on cuda:1 while cuda:0 is current would otherwise be read by a
     kernel on cuda:0's stream, unordered with the work that wrote them (PyTorch's own ops guard the device)."""
-    target = _device_index(args)
-    if target is not None and _driver is not None and target != _driver.active.get_current_device():
-        with torch.cuda.device(target):
-            launch(fn, grid, *args, **kwargs)
-        return
+    target, device = _device_index(args), None
+    if target is not None and _driver is not None:
+        device = _driver.active.get_current_device()  # read once: the direct path below launches on it
+        if target != device:
+            with torch.cuda.device(target):
+                launch(fn, grid, *args, **kwargs)
+            return
     runtime = _knobs.runtime if _knobs is not None else None
     if not (ENABLED and _JITFunction is not None and isinstance(fn, _JITFunction) and not fn.pre_run_hooks
             and _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
@@ -146,7 +150,8 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
         bound.append(kwargs[name] if name in kwargs else state.defaults[name])
     # in the call's order: another order at another call site is only another key
     options = tuple([(k, v) for k, v in kwargs.items() if k not in state.name_set])
-    device = _driver.active.get_current_device()
+    if device is None:
+        device = _driver.active.get_current_device()
     # Triton's compile switches, read from the environment at each launch as JITFunction.run reads them
     switches = (runtime.debug, getattr(_knobs.compilation, "instrumentation_mode", None))
     if state.first is None:

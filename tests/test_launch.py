@@ -233,8 +233,8 @@ def test_descriptors_from_cached_fields_equal_built_ones_and_keep_no_tensor():
 class _OnCuda1(torch.Tensor):
     """A CPU tensor that says it lives on cuda:1 (what ``_device_index`` reads), for the CPU tests."""
 
-    is_cuda = True
-    device = torch.device("cuda", 1)
+    def get_device(self) -> int:
+        return 1
 
 
 def test_launches_switch_to_their_tensors_device_and_back(stub, monkeypatch):
@@ -255,16 +255,25 @@ def test_launches_switch_to_their_tensors_device_and_back(stub, monkeypatch):
         seen.append(current[0])
         return current[0]
 
+    streams_of = []
+
+    def get_current_stream(index):
+        streams_of.append(index)
+        return 1234
+
     monkeypatch.setattr(_Driver.active, "get_current_device", staticmethod(get_current_device))
+    monkeypatch.setattr(_Driver.active, "get_current_stream", staticmethod(get_current_stream))
     monkeypatch.setattr(torch.cuda, "device", device)
     x = torch.zeros(8)._make_subclass(_OnCuda1, torch.zeros(8))
     for _ in range(2):
         _launch.launch(fn, (3,), x, x, 5, 0.5, FLAG=True)
     assert _paths(calls) == ["normal", "direct"]
-    # per launch: the guard reads cuda:0, switches, its second look and the launch itself read cuda:1
-    assert seen == [0, 1, 1] * 2 and current == [0]
-    _launch.launch(fn, (3,), torch.zeros(8), torch.zeros(8), 5, 0.5, FLAG=True)  # CPU tensors: no switch
-    assert current == [0] and seen[6:] == [0]
+    # per launch: the guard reads cuda:0 and switches; its second look reads cuda:1, which the launch then uses
+    assert seen == [0, 1] * 2 and current == [0] and streams_of == [1]  # the direct launch: cuda:1's stream
+    y = torch.zeros(8)
+    for _ in range(2):  # CPU tensors: no switch (a normal launch, then a direct one on the current device)
+        _launch.launch(fn, (3,), y, y, 5, 0.5, FLAG=True)
+    assert current == [0] and seen[4:] == [0, 0] and streams_of == [1, 0]
 
 
 def test_device_index_is_the_first_tensor_argument_s():
