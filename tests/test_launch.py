@@ -276,7 +276,7 @@ def test_launches_switch_to_their_tensors_device_and_back(stub, monkeypatch):
     assert current == [0] and seen[4:] == [0, 0] and streams_of == [1, 0]
 
 
-def test_device_index_is_the_first_tensor_argument_s():
+def test_device_index_is_that_of_the_first_tensor_argument():
     cpu = torch.zeros(2)
     assert _launch._device_index((3, cpu, 0.5)) is None  # a CPU tensor (the interpreter): no device to guard
     assert _launch._device_index((3, 0.5)) is None
