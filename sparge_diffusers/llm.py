@@ -30,7 +30,8 @@ from ._compile import compiling, warn_once
 from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_op, select_key_blocks,
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
-from .kernels._inputs import CausalVariant, PerHead, check_attention_inputs, resolve_scale, unsupported_reason
+from .kernels._inputs import (CausalVariant, PerHead, check_attention_inputs, check_no_grad, resolve_scale,
+                              unsupported_reason)
 from .kernels.api import new_output
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
@@ -68,6 +69,7 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     """
     if sparge_settings.get("tensor_layout", "HND") != "HND" or "is_causal" in sparge_settings:
         raise ValueError("pbs_sparge_attention takes HND inputs and is always causal")
+    check_no_grad(q, k, v)  # before ranking and gathering the keys (the gathered copies would raise only later)
     importance = last_block_key_importance(q, k, scale=scale, causal_variant=causal_variant)
     order = segmented_key_order(importance, segment)
     positions = order.to(torch.int32)
@@ -288,7 +290,7 @@ class SpargeLLMAttention:
         self._handle = next(_HANDLES)  # how the masked-prefill operator finds this function at run time
         _LIVE_FUNCTIONS[self._handle] = self
 
-    def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+    def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None, kwargs: dict
               ) -> tuple[str | None, str | None, list[int] | None]:
         """(why this call cannot run sparse: None when it can, "" for the expected SDPA case of a decode step;
@@ -306,7 +308,7 @@ class SpargeLLMAttention:
             return "softcapping", None, None
         if kwargs.get("sliding_window") is not None:
             return "a sliding window", None, None
-        reason = unsupported_reason(query)
+        reason = unsupported_reason(query, key, value)
         if reason is not None:
             return reason, None, None
         if attention_mask is None:
@@ -340,7 +342,7 @@ class SpargeLLMAttention:
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """query (B, H, N, D), key/value (B, H_kv, N, D) -> ((B, N, H, D), None), as transformers' SDPA function."""
-        reason, variant, padding = self.route(module, query, key, attention_mask, dropout, is_causal, kwargs)
+        reason, variant, padding = self.route(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
         if reason is not None:
             if reason:
                 self._warn(reason)

@@ -406,6 +406,80 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
             call()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_an_out_buffer_that_aliases_the_inputs_raises(layout, device):
+    """The kernels' programs read K/V (and Q) rows while others write their output rows, so an ``out`` sharing
+    memory with q, k or v would race on the GPU (while the CPU reference, which copies its result in, would be
+    right): every entry point taking ``out`` refuses one whose address range meets theirs, and an expanded
+    ``out`` whose rows coincide. A separate part of the buffer that holds q, k and v is fine."""
+    from sparge_diffusers import s2o_attention, selected_block_attention
+
+    shape = (1, 4, 150, 64) if layout == "HND" else (1, 150, 4, 64)
+    workspace = torch.randn(4, *shape, generator=torch.Generator().manual_seed(7)).to(device, torch.bfloat16)
+    q, k, v, spare = workspace.unbind(0)
+    q, k, v = q.transpose(1, 2).contiguous().transpose(1, 2), k, v  # q non-contiguous, in its own memory
+    mask = torch.ones(1, 1, 2, 3, dtype=torch.bool, device=device)
+    indices = torch.zeros(1, 4, 150, 1, dtype=torch.int32, device=device)
+    calls = {
+        "sparge_attention": lambda out: sparge_attention(q, k, v, out=out, tensor_layout=layout),
+        "block_sparse_attention": lambda out: block_sparse_attention(q, k, v, mask, out=out, tensor_layout=layout),
+        "s2o_attention": lambda out: s2o_attention(q, k, v, out=out, tensor_layout=layout),
+        "selected_block_attention": lambda out: selected_block_attention(q, k, v, indices, out=out,
+                                                                         tensor_layout=layout),
+    }
+    interleaved = torch.empty(*shape[:-1], 3, 64, dtype=torch.bfloat16, device=device)  # fused q, k and out slots
+    straddling = workspace[1:3].flatten()[100:][: k.numel()].view(shape)  # k's end and v's start
+    for name, call in calls.items():
+        for alias, which in ((q, "q"), (k, "k"), (v, "v"), (straddling, "k")):
+            with pytest.raises(ValueError, match=f"out overlaps {which} in memory"):
+                call(alias)
+        with pytest.raises(ValueError, match="zero stride"):
+            call(torch.empty(shape[0], 1, *shape[2:], dtype=q.dtype, device=device).expand(shape))
+        spare.fill_(float("nan"))
+        assert call(spare) is spare and torch.isfinite(spare).all(), name
+        # the same kernel on CPU; on the GPU another output layout may pick another kernel (bf16 rounding)
+        assert relative_l1(spare, call(None)) <= (0 if device == "cpu" else 1e-2), name
+    fused_q, fused_k, fused_out = interleaved.unbind(-2)
+    fused_q.copy_(q), fused_k.copy_(k)
+    with pytest.raises(ValueError, match="out overlaps q in memory"):  # no shared element: the test is conservative
+        sparge_attention(fused_q, fused_k, fused_k, out=fused_out, tensor_layout=layout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_inputs_that_require_grad_raise_instead_of_losing_the_gradient(backend, device):
+    """The kernels have no backward pass: an output computed while autograd records through q, k or v would
+    carry no gradient (a training step silently without attention), so every attention entry point raises."""
+    from sparge_diffusers import s2o_attention, selected_block_attention
+    from sparge_diffusers.llm import pbs_sparge_attention
+
+    q, k, v = (t.to(device) for t in make_qkv(1, 4, 2, 150, 150, 64, torch.bfloat16, "HND", seed=5))
+    mask = torch.ones(1, 1, 2, 3, dtype=torch.bool, device=device)
+    indices = torch.zeros(1, 2, 150, 1, dtype=torch.int32, device=device)
+    calls = {
+        "sparge_attention": lambda q, k, v: sparge_attention(q, k, v, backend=backend),
+        "block_sparse_attention": lambda q, k, v: block_sparse_attention(q, k, v, mask, backend=backend),
+        "s2o_attention": lambda q, k, v: s2o_attention(q, k, v, backend=backend),
+        "selected_block_attention": lambda q, k, v: selected_block_attention(q, k, v, indices, backend=backend),
+        "pbs_sparge_attention": lambda q, k, v: pbs_sparge_attention(q, k, v, segment=128, backend=backend),
+    }
+    for name, call in calls.items():
+        for which in range(3):  # any one of the three, e.g. LoRA on the value projection only
+            inputs = [q, k, v]
+            inputs[which] = inputs[which].clone().requires_grad_()
+            with pytest.raises(ValueError, match="requires grad.*no backward pass.*torch.no_grad"):
+                call(*inputs)
+            with torch.no_grad():
+                assert not call(*inputs).requires_grad, name
+    # the mask prediction has no gradient to lose: it takes such inputs
+    grad_q, grad_k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    assert torch.equal(predict_block_mask(grad_q, grad_k, backend=backend), predict_block_mask(q, k, backend=backend))
+
+
 def test_cpu_float32_runs_the_reference():
     q, k, v = make_qkv(1, 2, 2, 130, 130, 64, torch.float32, "HND", seed=4)
     out = sparge_attention(q, k, v, cdfthreshd=1.0, pvthreshd=None)

@@ -239,7 +239,7 @@ def test_short_left_padded_batch_goes_to_sdpa_unless_asked(tiny_llama):
     assert short.sparse_calls == 0
     assert torch.equal(got, logits(load(tiny_llama, "sdpa"), ids, attention_mask=mask, position_ids=positions))
     assert SpargeLLMAttention(min_padded_tokens=300).route(
-        torch.nn.Module(), torch.zeros(2, 4, 300, 64), torch.zeros(2, 2, 300, 64),
+        torch.nn.Module(), torch.zeros(2, 4, 300, 64), torch.zeros(2, 2, 300, 64), torch.zeros(2, 2, 300, 64),
         left_padded_mask_4d(mask), 0.0, True, {})[0] is None, "300 keys reach a threshold of 300"
     with pytest.raises(ValueError, match="min_padded_tokens"):
         SpargeLLMAttention(min_padded_tokens=-1)
@@ -263,6 +263,28 @@ def test_right_padding_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_
     register("sparge_test_strict", strict=True)
     with pytest.raises(ValueError, match="strict=True"):
         logits(load(tiny_llama, "sparge_test_strict"), ids, attention_mask=mask)
+
+
+def test_a_training_step_falls_back_to_sdpa_with_its_gradients(tiny_llama):
+    """Under autograd (a fine-tuning step) the prefill goes to SDPA with one warning, since the kernels have no
+    backward pass: the loss and the weights' gradients equal SDPA's; under no_grad the same model runs sparse."""
+    attention = register("sparge_test_training", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    ids = prompt(200)
+
+    def loss_and_grads(model):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    dense_loss, dense_grads = loss_and_grads(load(tiny_llama, "sdpa"))
+    model = load(tiny_llama, "sparge_test_training")
+    with pytest.warns(UserWarning, match="requires grad.*no backward pass"):
+        loss, grads = loss_and_grads(model)
+    assert attention.sparse_calls == 0
+    assert torch.equal(loss, dense_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, dense_grads))
+    logits(model, ids)
+    assert attention.sparse_calls == 2, "both layers run sparse under no_grad"
 
 
 @pytest.mark.parametrize("method, keep_all, skipping", [

@@ -182,6 +182,29 @@ def test_gpu_permuted_attention_keeps_the_callers_layout():
     assert relative_l1(out, ref) < 0.01
 
 
+@pytest.mark.gpu
+def test_gpu_gathers_keep_autograd():
+    """On CUDA the row gathers are a Triton copy without a backward pass: where autograd records through the
+    input they run torch's gather instead, so a permutation inside a training step keeps its gradient (and the
+    sparse call behind ``permuted`` then refuses such inputs rather than lose their gradient)."""
+    from sparge_diffusers.permutations.gather import gather_rows_per_head
+
+    p = visual_token_permutation((5, 7, 9), "hilbert", text_before=3, text_after=2, device="cuda")
+    x = torch.randn(2, 4, 320, 64, device="cuda", requires_grad=True)
+    w = torch.randn(2, 4, 320, 64, device="cuda")
+    (p.apply(x) * w).sum().backward()
+    assert torch.equal(x.grad, w.index_select(2, p.inverse))
+    order = torch.stack([torch.randperm(320, device="cuda") for _ in range(4)])[None]
+    x.grad = None
+    (gather_rows_per_head(x, order) * w).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(w).scatter_(2, order.expand(2, 4, 320)[..., None].expand(w.shape), w))
+    with torch.no_grad():
+        assert torch.equal(p.apply(x), x.index_select(2, p.perm))  # the Triton copy
+    q = x.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="requires grad"):
+        permuted(sparge_attention, p)(q, q.detach(), q.detach())
+
+
 def test_permutation_cache_returns_the_same_tensors_and_stays_bounded():
     from sparge_diffusers.permutations import orders
 

@@ -147,6 +147,33 @@ def test_fallback_warns_once_and_strict_raises():
             F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
 
 
+def test_a_training_step_falls_back_to_sdpa_with_its_gradients():
+    """With autograd on (a fine-tuning step) the kernels, which have no backward pass, would hand back outputs
+    without a gradient: the processor falls back to native attention, warns once, and the step's loss and weight
+    gradients equal the native model's; strict=True raises. Under no_grad the same model runs sparse."""
+    torch.manual_seed(6)
+    model, inputs = flux()
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(**inputs, return_dict=False)[0].square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    native_loss, native_grads = loss_and_grads()
+    processor = apply(model, KEEP_ALL)
+    with pytest.warns(UserWarning, match="requires grad.*no backward pass"):
+        loss, grads = loss_and_grads()
+    assert not processor.stats, "no sparse call under autograd"
+    assert torch.equal(loss, native_loss)
+    assert len(grads) == len(native_grads) and all(torch.equal(a, b) for a, b in zip(grads, native_grads))
+    run(model, inputs)
+    assert processor.stats, "the sparse path runs under no_grad"
+    processor.strict = True
+    with pytest.raises(ValueError, match="requires grad.*strict"):
+        model(**inputs, return_dict=False)
+
+
 @pytest.mark.parametrize("name,grid", [("flux", ((1, 16, 16), "before")), ("sd3", ((1, 16, 16), "after")),
                                        ("cogvideox", ((3, 8, 8), "before")), ("mochi", ((3, 8, 8), "after"))])
 def test_token_grid_is_inferred_and_permutation_keeps_native_results(name, grid):

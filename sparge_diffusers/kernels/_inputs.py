@@ -115,6 +115,8 @@ def check_attention_inputs(
     if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % 8 == 0):
         raise ValueError(f"head dim {D} is not supported: use a multiple of 8 between {MIN_HEAD_DIM} and "
                          f"{MAX_HEAD_DIM} (64 and 128 are the tuned ones)")
+    if v is not None:  # attention outputs only: a predicted mask or block selection has no gradient anyway
+        check_no_grad(q, k, v)
     return AttentionShape(B, H, HK, Nq, Nkv, D, causal_offset(Nq, Nkv, is_causal, causal_variant))
 
 
@@ -135,9 +137,32 @@ def causal_offset(q_len: int, kv_len: int, is_causal: bool, causal_variant: Caus
     return kv_len - q_len if causal_variant == "lower_right" else 0
 
 
-def unsupported_reason(query: torch.Tensor) -> str | None:
-    """Why a query of this dtype, head dim and device cannot take the sparse path (None when it can): for
-    callers that fall back to dense attention instead of raising, as the diffusers and transformers seams do."""
+def grad_reason(*tensors: torch.Tensor) -> str | None:
+    """Why these attention inputs cannot take the kernels: autograd records through one of them (None when it
+    does not). The kernels have no backward pass, so their output would carry no gradient: a training step would
+    silently leave attention out of the backward pass (the custom operators would raise only at backward)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "q, k or v requires grad and the sparse kernels have no backward pass"
+    return None
+
+
+def check_no_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError where :func:`grad_reason` finds autograd recording through q, k or v. Entry points that
+    transform their inputs before :func:`check_attention_inputs` sees them (PBS ranks and gathers the keys) call it
+    on the caller's tensors first."""
+    reason = grad_reason(q, k, v)
+    if reason is not None:
+        raise ValueError(f"{reason}: call it under torch.no_grad() or torch.inference_mode(), or detach q, k and v "
+                         f"(for training, use SDPA)")
+
+
+def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why a call with these inputs' dtype, head dim, device and autograd state cannot take the sparse path (None
+    when it can): for callers that fall back to dense attention instead of raising, as the diffusers and
+    transformers seams do (their fallback, SDPA, has a backward pass)."""
+    reason = grad_reason(query, key, value)
+    if reason is not None:
+        return reason
     if query.device.type == "cuda" and query.dtype not in KERNEL_DTYPES:
         return f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
     if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):

@@ -171,10 +171,36 @@ def new_output(q: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> None:
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+def _check_out(out: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``out`` must match q and be safe to write while the kernels run: its elements distinct (no zero strides)
+    and its memory apart from q's, k's and v's, which the kernels' programs read while others write their rows
+    (out=k would be a race on the GPU, yet right on the CPU, where the reference copies its result in). About
+    1.3 us of host time where ``out`` is given (the custom operators always give one)."""
+    if out is None:
+        return
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; got "
                          f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+    if 0 in out.stride() and any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.stride())):
+        raise ValueError(f"out has a zero stride (an expanded tensor, strides {out.stride()}): its elements must be "
+                         f"distinct")
+    storage = out.untyped_storage().data_ptr()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.untyped_storage().data_ptr() == storage and _address_ranges_meet(out, t):
+            raise ValueError(f"out overlaps {name} in memory: the kernels read {name} while writing out; pass a "
+                             f"separate buffer")
+
+
+def _address_ranges_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the address ranges two views of one storage span intersect (conservative: interleaved views that
+    share no element count too)."""
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def block_sparse_attention(
@@ -229,7 +255,7 @@ def block_sparse_attention(
     elif block_mask is not None:
         check_block_mask(block_mask, shape, q.device)
     chosen = pick_backend(backend, q.device)
-    _check_out(out, q)
+    _check_out(out, q, k, v)
     return _block_sparse_checked(q, k, v, block_mask, shape, is_causal=is_causal,
                                  scale=resolve_scale(scale, shape.head_dim),
                                  thr=_pv_thresholds(pvthreshd, shape, q.device, chosen), tensor_layout=tensor_layout,
@@ -334,7 +360,7 @@ def sparge_attention(
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
-    _check_out(out, q)
+    _check_out(out, q, k, v)
     compact, ticket = _predict_checked(q, k, shape, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
                                        cdfthreshd=cdfthreshd, attention_sink=attention_sink,
                                        tensor_layout=tensor_layout, chosen=chosen, with_ticket=True,
@@ -396,7 +422,7 @@ def s2o_attention(
     theta = per_head(simthreshd1, shape.heads, "simthreshd1", q.device, low=-1.0, high=1.0)
     tau_t = None if tau is None else per_head(tau, shape.heads, "tau", q.device, low=0.0)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
-    _check_out(out, q)
+    _check_out(out, q, k, v)
     if chosen == "triton":
         check_kernel_dtype(q.dtype)
     qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))

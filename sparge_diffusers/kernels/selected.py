@@ -362,7 +362,7 @@ def selected_block_attention(
     _check_block_size(block_size)
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)
-    _check_out(out, q)
+    _check_out(out, q, k, v)
     if not isinstance(max_partial_bytes, int) or isinstance(max_partial_bytes, bool) or max_partial_bytes <= 0:
         raise ValueError(f"max_partial_bytes must be a positive int, got {max_partial_bytes!r}")
     if isinstance(block_indices, SelectionIndex):

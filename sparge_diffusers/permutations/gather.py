@@ -37,8 +37,9 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, seq_dim: int) -> torch.Ten
     """``x.index_select(seq_dim, index)`` for a 4-D tensor whose sequence dim is 1 or 2 and last dim is dense.
 
     On CUDA the result has x's strides where x is dense (diffusers' (B, H, N, D) views of (B, N, H*D) projections
-    stay so, and the caller's transpose back is free, as with SDPA's output), else it is contiguous."""
-    if x.device.type != "cuda" or x.stride(-1) != 1 or torch.compiler.is_compiling():
+    stay so, and the caller's transpose back is free, as with SDPA's output), else it is contiguous. Where autograd
+    records through x, torch's gather runs instead (the Triton copy has no backward pass)."""
+    if x.device.type != "cuda" or x.stride(-1) != 1 or torch.compiler.is_compiling() or _records_grad(x):
         return x.index_select(seq_dim, index)  # (compiled: inductor generates its own gather)
     xh = x if seq_dim == 2 else x.transpose(1, 2)
     out = torch.empty_like(x)  # preserve_format: x's strides when x is dense and non-overlapping
@@ -49,12 +50,18 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, seq_dim: int) -> torch.Ten
 def gather_rows_per_head(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``out[b, h, i] = x[b, h, index[b, h, i]]`` for x (B, H, N, D) and an integer index (B or 1, H, N) of
     positions in [0, N) (not checked: the caller builds it), i.e. ``torch.gather`` along N with the index
-    expanded over D. On CUDA (last dims dense, not compiling) one Triton launch; elsewhere ``torch.gather``."""
-    if x.device.type != "cuda" or x.stride(-1) != 1 or index.stride(-1) != 1 or torch.compiler.is_compiling():
+    expanded over D. On CUDA (last dims dense, not compiling, no autograd through x) one Triton launch; elsewhere
+    ``torch.gather``."""
+    if x.device.type != "cuda" or x.stride(-1) != 1 or index.stride(-1) != 1 or torch.compiler.is_compiling() \
+            or _records_grad(x):
         return torch.gather(x, 2, index.expand(x.shape[0], *index.shape[1:]).unsqueeze(-1).expand(x.shape))
     out = torch.empty_like(x)
     _launch_gather(x, index, out, (index.stride(0) if index.shape[0] > 1 else 0, index.stride(1)))
     return out
+
+
+def _records_grad(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
 
 
 def _launch_gather(xh: torch.Tensor, index: torch.Tensor, oh: torch.Tensor, index_strides: tuple[int, int]) -> None:

@@ -339,13 +339,14 @@ class SpargeProcessor:
     def _warn(self, message: str) -> None:
         warn_once(message, self._warned, stacklevel=5)
 
-    def fallback_reason(self, query: torch.Tensor, attn_mask=None, dropout_p: float = 0.0) -> str | None:
+    def fallback_reason(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                        dropout_p: float = 0.0) -> str | None:
         """Why this SDPA call cannot run sparse (None when it can)."""
         if attn_mask is not None:
             return "an attention mask (the kernel takes block masks only)"
         if dropout_p:
             return "dropout"
-        return unsupported_reason(query)
+        return unsupported_reason(query, key, value)
 
     def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor, compiled: bool = False):
         """sparge_attention (its custom operator when ``compiled``), wrapped in the layer's token permutation
@@ -359,7 +360,7 @@ class SpargeProcessor:
 
     def _attention(self, layer, settings, sdpa, query, key, value, attn_mask=None, dropout_p=0.0,
                    is_causal=False, scale=None, enable_gqa=False):
-        reason = self.fallback_reason(query, attn_mask, dropout_p)
+        reason = self.fallback_reason(query, key, value, attn_mask, dropout_p)
         if reason:
             self._warn_once(reason)
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
