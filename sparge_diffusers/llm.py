@@ -10,8 +10,10 @@ they come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache
 the lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``), and left-padded batches
 (each prompt its own call without its padding). Everything else is left to transformers' own SDPA function, the
 one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, right padding
-or other explicit masks, dropout, softcapping, sliding windows, non-causal modules and unsupported dtypes or head
-dims. ``strict=True`` raises instead of falling back. Composes the kernels (SpargeAttn by default; S2O's ranked
+or other explicit masks, dropout, softcapping, sliding windows, position biases, non-causal modules and unsupported
+dtypes or head dims. ``strict=True`` raises instead of falling back. Calls that neither the kernels nor SDPA compute
+raise ValueError whatever ``strict`` says (attention sinks, key indices chosen by the model, packed sequences given
+only as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked
 walk or FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the
 segmented key permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator);
 knows nothing of diffusers.
@@ -19,6 +21,8 @@ knows nothing of diffusers.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -179,6 +183,55 @@ def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tenso
     return selected_block_attention_op(q, k, v, selection, scale=scale, validate=False, **settings)
 
 
+# Keyword arguments of transformers' attention calls (transformers 5.x models) that change the result. A call
+# carrying one of the first kind goes to transformers' SDPA function, which computes it; one of the second kind
+# raises, because neither the kernels nor that function compute it (it would drop the argument silently: on a tiny
+# random gpt-oss, ignoring its sinks moved the logits by a relative L1 of 0.033 against eager attention, 0.005 once
+# the sinks were set to -1e4).
+SDPA_COMPUTED_ARGUMENTS: dict[str, str] = {
+    "softcap": "softcapping",
+    "sliding_window": "a sliding window",
+    "position_bias": "a position bias (ALiBi or relative positions)",
+}
+UNCOMPUTED_ARGUMENTS: dict[str, str] = {
+    "s_aux": "attention sinks (s_aux, e.g. gpt-oss)",
+    "sinks": "per-token attention sinks (sinks)",
+    "indices": "key indices chosen by the model (indices, e.g. DeepSeek sparse attention)",
+    "block_indices": "key blocks chosen by the model (block_indices)",
+}
+
+
+@functools.cache
+def _sdpa_function_parameters() -> frozenset[str]:
+    """The named parameters of transformers' SDPA attention function (position_bias since transformers 5.x)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return frozenset(inspect.signature(sdpa_attention_forward).parameters)
+
+
+def check_call_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> None:
+    """Raise ValueError for an attention call that neither the kernels nor transformers' SDPA function compute
+    correctly: one carrying an :data:`UNCOMPUTED_ARGUMENTS` entry, or packed sequences described only by
+    flash-attention's ``cu_seq_lens_q``/``cu_seq_lens_k`` (more than one sequence and no mask, which SDPA, given no
+    mask, would attend across)."""
+    for name, what in UNCOMPUTED_ARGUMENTS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"SpargeLLMAttention: the model passes {what}, which neither the sparse kernels nor "
+                             "transformers' SDPA function compute; load it with an attention implementation that "
+                             "does (e.g. attn_implementation='eager')")
+    if kwargs.get("position_bias") is not None and "position_bias" not in _sdpa_function_parameters():
+        raise ValueError("SpargeLLMAttention: the model passes a position bias (position_bias), which this "
+                         "transformers version's SDPA function (the fallback) does not add; upgrade transformers or "
+                         "use attn_implementation='eager'")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        lengths = kwargs.get(name)
+        if attention_mask is None and isinstance(lengths, torch.Tensor) and lengths.numel() > 2:
+            raise ValueError(f"SpargeLLMAttention: packed sequences given only by {name} ({lengths.numel() - 1} "
+                             "sequences, no mask): neither the kernels nor SDPA read it. Pass position_ids (then "
+                             "transformers builds the packed mask and the call goes to SDPA) or use "
+                             "attn_implementation='flash_attention_2'")
+
+
 @dataclass(frozen=True)
 class PrefillMethod:
     """One way :class:`SpargeLLMAttention` computes a causal prefill call.
@@ -297,6 +350,7 @@ class SpargeLLMAttention:
         the causal variant it runs with: "upper_left" without a mask, "lower_right" with the lower-right mask, None
         for a mask under torch.compile, whose contents decide at run time (:meth:`_masked_call`); the left padding
         of each prompt where the mask has some, else None)."""
+        check_call_arguments(attention_mask, kwargs)  # before the decode step, which SDPA would get wrong as well
         if query.shape[2] == 1:
             return "", None, None  # decode step
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -304,10 +358,9 @@ class SpargeLLMAttention:
             return "a non-causal attention module", None, None
         if dropout:
             return "dropout", None, None
-        if kwargs.get("softcap") is not None:
-            return "softcapping", None, None
-        if kwargs.get("sliding_window") is not None:
-            return "a sliding window", None, None
+        for name, what in SDPA_COMPUTED_ARGUMENTS.items():
+            if kwargs.get(name) is not None:
+                return what, None, None
         reason = unsupported_reason(query, key, value)
         if reason is not None:
             return reason, None, None

@@ -450,6 +450,105 @@ def test_an_out_buffer_that_aliases_the_inputs_raises(layout, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_broadcast_inputs_with_zero_strides_give_their_copies_outputs(layout, device):
+    """Expanded views (stride 0: one prompt's q repeated over the batch, one K/V head over the K/V heads) are read
+    through their strides, by the Triton kernels and the Hopper kernel's TMA descriptors alike: every entry point
+    gives exactly the output of the same call on contiguous copies."""
+    from sparge_diffusers import s2o_attention, selected_block_attention
+    from sparge_diffusers.llm import pbs_sparge_attention
+
+    g = torch.Generator().manual_seed(11)
+    B, H, HK, N, D = 2, 4, 2, 300, 128
+    one_q = torch.randn(1, H, N, D, generator=g).to(device, torch.bfloat16)
+    one_k, one_v = (torch.randn(B, 1, N, D, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    q, k, v = one_q.expand(B, H, N, D), one_k.expand(B, HK, N, D), one_v.expand(B, HK, N, D)
+    if layout == "NHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    assert 0 in q.stride() and 0 in k.stride() and 0 in v.stride()
+    backend = dict(backend="triton") if device == "cpu" else {}
+    mask = torch.rand(B, H, 3, 5, generator=g).to(device) < 0.5
+    indices = torch.zeros(B, HK, N, 1, dtype=torch.int32, device=device)
+    calls = {
+        "sparge_attention": lambda *t: sparge_attention(*t, tensor_layout=layout, **backend),
+        "sparge_attention causal": lambda *t: sparge_attention(*t, is_causal=True, tensor_layout=layout, **backend),
+        "sparge_attention dense": lambda *t: sparge_attention(*t, simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                                                              tensor_layout=layout, **backend),
+        "block_sparse_attention": lambda *t: block_sparse_attention(*t, mask, tensor_layout=layout, **backend),
+        "s2o_attention": lambda *t: s2o_attention(*t, tensor_layout=layout, **backend),
+        "selected_block_attention": lambda *t: selected_block_attention(*t, indices, tensor_layout=layout,
+                                                                        **backend),
+    }
+    if layout == "HND":
+        calls["pbs_sparge_attention"] = lambda *t: pbs_sparge_attention(*t, segment=128)
+    for name, call in calls.items():
+        out = call(q, k, v)
+        assert torch.isfinite(out).all(), name
+        assert torch.equal(out, call(*(t.contiguous() for t in (q, k, v)))), name
+
+
+def _every_triton_entry_point(layout, backend):
+    """Each entry point that launches Triton kernels reading q/k/v rows, as f(q, k, v) -> a float tensor."""
+    from sparge_diffusers import s2o_attention, select_key_blocks, selected_block_attention
+
+    def selected(q, k, v):
+        return selected_block_attention(q, k, v, select_key_blocks(q, k, top_k=3, tensor_layout=layout, **backend),
+                                        tensor_layout=layout, **backend)
+
+    return {
+        "predict_block_mask": lambda q, k, v: predict_block_mask(q, k, tensor_layout=layout, **backend).float(),
+        "sparge_attention": lambda q, k, v: sparge_attention(q, k, v, tensor_layout=layout, **backend),
+        "sparge_attention stage 2": lambda q, k, v: sparge_attention(q, k, v, pvthreshd=8.0, tensor_layout=layout,
+                                                                      **backend),
+        "sparge_attention causal": lambda q, k, v: sparge_attention(q, k, v, is_causal=True, tensor_layout=layout,
+                                                                     **backend),
+        "dense": lambda q, k, v: block_sparse_attention(q, k, v, None, tensor_layout=layout, **backend),
+        "s2o_attention": lambda q, k, v: s2o_attention(q, k, v, is_causal=True, tensor_layout=layout, **backend),
+        "selected_block_attention": selected,
+    }
+
+
+def test_wide_offsets_rule_and_its_int64_row_path(monkeypatch):
+    """Row offsets go int64 exactly where a (batch, head)'s rows reach past int32 (Llama-3.1-8B's q views:
+    from 524,289 tokens on), and that path computes what the int32 one does (forced on here: every call wide)."""
+    from sparge_diffusers.kernels import _inputs
+
+    def q_view(n, heads=32, d=128):  # transformers' (B, H, N, D) view of a (B, N, H * D) projection
+        return torch.empty(1, n, heads * d, device="meta").view(1, n, heads, d).transpose(1, 2)
+
+    assert not _inputs.wide_offsets(q_view(524_288)) and _inputs.wide_offsets(q_view(524_289))
+    assert not _inputs.wide_offsets(q_view(524_289).contiguous())
+    q, k, v = make_qkv(1, 4, 2, 200, 200, 64, torch.bfloat16, "NHD", seed=12)
+    calls = _every_triton_entry_point("NHD", dict(backend="triton"))
+    narrow = {name: call(q, k, v) for name, call in calls.items()}
+    monkeypatch.setattr(_inputs, "INT32_OFFSET_MAX", 0)
+    assert _inputs.wide_offsets(q.transpose(1, 2))
+    for name, call in calls.items():
+        assert torch.equal(call(q, k, v), narrow[name]), name
+
+
+@pytest.mark.gpu
+def test_rows_past_int32_offsets_give_their_copies_outputs():
+    """q, k and v as views of one (1, N, W) buffer whose rows are W elements apart, (N - 1) W > 2^31 (4.3 GB):
+    every entry point gives exactly the output of the same call on contiguous copies (before the int64 row path,
+    stage 1 ended in an illegal memory access on the H100)."""
+    N, H, HK, D = 5000, 2, 1, 128
+    W = -(-(2**31 + 2**20) // (N - 1) // 64) * 64
+    g = torch.Generator(device="cuda").manual_seed(13)
+    buffer = torch.randn(1, N, W, device="cuda", dtype=torch.bfloat16, generator=g)
+    heads = buffer[:, :, :(H + 2 * HK) * D].unflatten(-1, (H + 2 * HK, D))  # (1, N, heads, D), NHD views
+    q, k, v = heads[:, :, :H], heads[:, :, H:H + HK], heads[:, :, H + HK:]
+    copies = [t.contiguous() for t in (q, k, v)]
+    for name, call in _every_triton_entry_point("NHD", {}).items():
+        out = call(q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(out, call(*copies)), name
+    out = torch.full((1, N, W), float("nan"), device="cuda", dtype=torch.bfloat16)[:, :, :H * D].unflatten(-1, (H, D))
+    sparge_attention(*copies, is_causal=True, tensor_layout="NHD", out=out)
+    assert torch.equal(out, sparge_attention(*copies, is_causal=True, tensor_layout="NHD"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_inputs_that_require_grad_raise_instead_of_losing_the_gradient(backend, device):
     """The kernels have no backward pass: an output computed while autograd records through q, k or v would

@@ -391,6 +391,61 @@ def test_attention_function_answers_in_transformers_layout():
     assert relative_l1(out, expected.transpose(1, 2)) < 1e-5
 
 
+def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
+    """Keyword arguments that change attention: a position bias goes to transformers' SDPA function, which adds it
+    (a warning; strict raises); attention sinks and model-chosen key indices raise on every call, decode steps
+    included (SDPA's function would drop them); packed sequences given only by cu_seq_lens raise without a mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(3)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    q, k, v = torch.randn(1, 4, 130, 64), torch.randn(1, 2, 130, 64), torch.randn(1, 2, 130, 64)
+    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    plain, _ = attention(module, q, k, v, None, scaling=0.125)
+    assert attention.sparse_calls == 1
+
+    bias = torch.randn(1, 4, 130, 130)
+    with pytest.warns(UserWarning, match="position bias"):
+        out, _ = attention(module, q, k, v, None, scaling=0.125, position_bias=bias)
+    assert attention.sparse_calls == 1
+    expected, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.125, position_bias=bias)
+    assert torch.equal(out, expected) and relative_l1(out, plain) > 0.05
+    with pytest.raises(ValueError, match="position bias.*strict=True"):
+        SpargeLLMAttention(strict=True)(module, q, k, v, None, position_bias=bias)
+
+    uncomputed = dict(s_aux=torch.zeros(4), sinks=torch.zeros(1, 4, 130, 1),
+                      indices=torch.zeros(1, 130, 8, dtype=torch.int32),
+                      block_indices=torch.zeros(1, 4, 3, 2, dtype=torch.int32))
+    for name, value in uncomputed.items():
+        for n in (130, 1):  # a prefill and a decode step
+            with pytest.raises(ValueError, match=f"{name}.*neither the sparse kernels nor"):
+                attention(module, q[:, :, :n], k, v, None, scaling=0.125, **{name: value})
+
+    packed = torch.tensor([0, 60, 130], dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed sequences given only by cu_seq_lens_q"):
+        attention(module, q, k, v, None, cu_seq_lens_q=packed, cu_seq_lens_k=packed)
+    one = torch.tensor([0, 130], dtype=torch.int32)
+    out, _ = attention(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=one, cu_seq_lens_k=one)
+    assert attention.sparse_calls == 2 and torch.equal(out, plain), "one sequence: the plain causal call"
+
+
+def test_a_model_with_attention_sinks_raises_instead_of_dropping_them(tmp_path):
+    """gpt-oss (learned attention sinks, passed as s_aux) accepts a registered implementation; its forward raises
+    rather than run attention without its sinks."""
+    config = transformers.AutoConfig.for_model(
+        "gpt_oss", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
+        vocab_size=128, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention", "full_attention"])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    attention = register("sparge_test_sinks")
+    model = load(tmp_path, "sparge_test_sinks")
+    with pytest.raises(ValueError, match="attention sinks"):
+        logits(model, prompt(150))
+    assert attention.sparse_calls == 0
+
+
 def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
     attention = register("sparge_test_compile", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
     model = load(tiny_llama, "sparge_test_compile")

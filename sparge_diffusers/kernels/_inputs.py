@@ -64,6 +64,21 @@ def to_hnd(x: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
     return x if layout == "HND" else x.transpose(1, 2)
 
 
+# The largest element offset a Triton kernel may compute in int32 from a (batch, head) base pointer.
+INT32_OFFSET_MAX = 2**31 - 1
+
+
+def wide_offsets(*views: torch.Tensor) -> bool:
+    """Whether some (B, H, N, D) view's rows of one (batch, head) reach past int32 offsets: its last element lies
+    more than ``INT32_OFFSET_MAX`` elements after the first of its head. The Triton kernels take batch and head
+    offsets in int64 always, and row offsets in int64 only then (a constexpr: other calls keep their code). Reached
+    by long sequences stored token-major: transformers hands over (B, H, N, D) views of (B, N, H * D) projections,
+    whose row stride H * D = 4096 (Llama-3.1-8B) passes it at 524,288 tokens; int32 offsets there made every
+    kernel of stage 1 read out of bounds (H100: an illegal memory access)."""
+    return any((t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3)) > INT32_OFFSET_MAX
+               for t in views if t.numel())
+
+
 def check_layout(layout: str) -> None:
     if layout not in ("HND", "NHD"):
         raise ValueError(f"tensor_layout must be 'HND' (B, H, N, D) or 'NHD' (B, N, H, D), got {layout!r}")

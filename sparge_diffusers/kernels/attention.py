@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import attention_hopper
-from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, wide_offsets
 from .._launch import launch, tensor_descriptor
 
 LOG2E = 1.4426950408889634
@@ -122,14 +122,19 @@ def _attend_tile(
     stride_kn, stride_kd, stride_vn, stride_vd,
     q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False,
+    WIDE: tl.constexpr = False,
 ):
     """One key tile (the keys in slots ``cols``) folded into the online-softmax state. ``q_pos``: the rows'
     causal positions (row + ``AttentionShape.causal_offset``). With PERMUTED_KEYS the causal test of a masked
-    tile compares each slot's original position (``KPOS_base[cols]``) with the row's."""
+    tile compares each slot's original position (``KPOS_base[cols]``) with the row's. ``WIDE``: K/V row offsets
+    in int64 (``_inputs.wide_offsets``)."""
     kv_mask = d_mask[None, :]
     if MASKED:
         kv_mask = kv_mask & (cols < kv_len)[:, None]
-    k = tl.load(K_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    kv_rows = cols
+    if WIDE:
+        kv_rows = cols.to(tl.int64)
+    k = tl.load(K_base + kv_rows[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k))
     if MASKED:
         visible = (cols < kv_len)[None, :]
@@ -153,7 +158,7 @@ def _attend_tile(
     acc = acc * alpha[:, None]
     # V is loaded whether or not its product is skipped: a load inside the branch cannot be software-
     # pipelined, which cost more than the bandwidth it saves (attention here is compute-bound).
-    v = tl.load(V_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    v = tl.load(V_base + kv_rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
     if PV_SKIP:
         gap = tl.where(row_valid & (m_local > float("-inf")), m_local - m_new, float("-inf"))
         if tl.max(gap, axis=0) > -pv_threshold:
@@ -170,7 +175,7 @@ def _walk_blocks(
     acc, l_i, m_i, pv_count, j_next, start, end, index, count, q, offs_n, K_base, V_base, KPOS_base,
     stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
-    USE_INDEX: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False,
+    USE_INDEX: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False, WIDE: tl.constexpr = False,
 ):
     """Tiles start .. end-1 of a row's walk: key block index[it], whose index the caller loaded one step ahead
     into ``j_next`` (returned one step further), or key block ``it`` itself without an index."""
@@ -181,7 +186,8 @@ def _walk_blocks(
         acc, l_i, m_i, pv_count = _attend_tile(
             acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, KPOS_base,
             stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
-            pv_threshold, qk_scale, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, PERMUTED_KEYS=PERMUTED_KEYS)
+            pv_threshold, qk_scale, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, PERMUTED_KEYS=PERMUTED_KEYS,
+            WIDE=WIDE)
     return acc, l_i, m_i, pv_count, j_next
 
 
@@ -190,9 +196,11 @@ def _query_tile(
     Q, K, V, H, GROUP, q_len,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TMA_IO: tl.constexpr = False,
+    WIDE: tl.constexpr = False,
 ):
     """This program's (query block, batch*head): its Q tile and the K/V base pointers of its K/V head.
-    With ``TMA_IO``, ``Q`` is a (B, H, N, D) tensor descriptor (rows past N read as zeros)."""
+    With ``TMA_IO``, ``Q`` is a (B, H, N, D) tensor descriptor (rows past N read as zeros). ``WIDE``: row
+    offsets in int64."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -205,7 +213,10 @@ def _query_tile(
     if TMA_IO:
         q = Q.load([b.to(tl.int32), h.to(tl.int32), pid_m * BLOCK_M, 0]).reshape(BLOCK_M, D_PAD)
     else:
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        q_rows = offs_m
+        if WIDE:
+            q_rows = offs_m.to(tl.int64)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                     mask=row_valid[:, None] & d_mask[None, :], other=0.0)
     K_base = K + b * stride_kb + hk * stride_kh
     V_base = V + b * stride_vb + hk * stride_vh
@@ -229,9 +240,9 @@ def _empty_softmax_state(PV_THRESHOLD, h, BLOCK_M: tl.constexpr, D_PAD: tl.const
 @triton.jit
 def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
                   stride_ob, stride_oh, stride_on, stride_od,
-                  TMA_IO: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None):
+                  TMA_IO: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None, WIDE: tl.constexpr = False):
     """Normalise and store one query tile; with ``TMA_IO``, ``O`` is a (B, H, N, D) tensor descriptor of
-    element type ``OUT_DTYPE`` (rows past N are not written)."""
+    element type ``OUT_DTYPE`` (rows past N are not written). ``WIDE``: row offsets in int64."""
     seen = l_i > 0.0  # a query row that saw no key gets a zero output, never NaN
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     if TMA_IO:
@@ -240,7 +251,10 @@ def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
         O.store([b.to(tl.int32), h.to(tl.int32), tl.program_id(0) * BLOCK_M, 0],
                 out.to(OUT_DTYPE).reshape(1, 1, BLOCK_M, D_PAD))
     else:
-        tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        o_rows = offs_m
+        if WIDE:
+            o_rows = offs_m.to(tl.int64)
+        tl.store(O + b * stride_ob + h * stride_oh + o_rows[:, None] * stride_on + offs_d[None, :] * stride_od,
                  out.to(O.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
 
@@ -254,11 +268,11 @@ def _sparse_attention_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_INDEX: tl.constexpr, PV_SKIP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
-    PAIR_TILES: tl.constexpr, TMA_IO: tl.constexpr, PERMUTED_KEYS: tl.constexpr,
+    PAIR_TILES: tl.constexpr, TMA_IO: tl.constexpr, PERMUTED_KEYS: tl.constexpr, WIDE: tl.constexpr,
 ):
     b, h, row, offs_m, offs_d, d_mask, row_valid, q, K_base, V_base = _query_tile(
         Q, K, V, H, GROUP, q_len, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
-        stride_vh, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_M=BLOCK_M, TMA_IO=TMA_IO)
+        stride_vh, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_M=BLOCK_M, TMA_IO=TMA_IO, WIDE=WIDE)
     offs_n = tl.arange(0, BLOCK_N)
     # original key positions of this K/V head (PERMUTED_KEYS; always walked through an index, whose
     # compaction put every block of the segments this query block overlaps among the masked tiles)
@@ -296,20 +310,21 @@ def _sparse_attention_kernel(
             acc, l_i, m_i, pv_count = _attend_tile(
                 acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
-                pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
+                pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, WIDE=WIDE)
         first_single = 2 * n_pairs
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, first_single, n_full, index, count, q, offs_n, K_base, V_base, KPOS_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
-        qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX)
+        qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
+        WIDE=WIDE)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, n_full, count, index, count, q, offs_n, K_base, V_base, KPOS_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
-        PERMUTED_KEYS=PERMUTED_KEYS)
+        PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE)
 
     _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od,
-                  TMA_IO=TMA_IO, OUT_DTYPE=q.dtype)
+                  TMA_IO=TMA_IO, OUT_DTYPE=q.dtype, WIDE=WIDE)
     if RETURN_COUNTS:
         tl.store(PV_COUNT + row, pv_count)
 
@@ -461,6 +476,7 @@ def sparse_attention_triton(
         HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,
         RETURN_COUNTS=return_counts, PAIR_TILES=pair_tiles(shape.head_dim, index is not None, pvthreshd is not None),
-        TMA_IO=tma_io, PERMUTED_KEYS=key_positions is not None, **_launch_config(shape.head_dim),
+        TMA_IO=tma_io, PERMUTED_KEYS=key_positions is not None, WIDE=wide_offsets(qh, kh, vh, out_h),
+        **_launch_config(shape.head_dim),
     )
     return pv_count if return_counts else None

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, wide_offsets
 from .._launch import launch
 from . import attention_hopper
 from .attention import LOG2E, _key_block_flags, _record_tail_tiles, tail_kernel_args
@@ -33,18 +33,22 @@ STATS_CHUNK = 64  # rows a statistics program holds at a time: a 128-row Q block
 
 @triton.jit
 def _block_mean_similarity(X, MEANS, SIM, out_row, block, N, stride_xn, stride_xd,
-                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                           WIDE: tl.constexpr = False):
     """Mean token and mean pairwise cosine similarity of rows [block * BLOCK, ...) of X (already offset to one
     head), stored at row ``out_row`` of MEANS (rows of HEAD_DIM) and SIM. Q's 128-row blocks are summed in
     64-row chunks, so Q's programs hold no more registers than K's (H100: Q's statistics at Flux 14.9 -> 13.5
-    us, at Llama-32K 104 -> 96 us; kernel-variants-H100.txt (bb))."""
+    us, at Llama-32K 104 -> 96 us; kernel-variants-H100.txt (bb)). ``WIDE``: row offsets in int64."""
     cols = tl.arange(0, D_PAD)
     cmask = cols < HEAD_DIM
     total = tl.zeros([D_PAD], dtype=tl.float32)
     unit_sum = tl.zeros([D_PAD], dtype=tl.float32)
     for c in tl.static_range(BLOCK // CHUNK):
         rows = block * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(X + rows[:, None] * stride_xn + cols[None, :] * stride_xd,
+        x_rows = rows
+        if WIDE:
+            x_rows = rows.to(tl.int64)
+        x = tl.load(X + x_rows[:, None] * stride_xn + cols[None, :] * stride_xd,
                     mask=(rows < N)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         total += tl.sum(x, axis=0)
         norm = tl.sqrt(tl.sum(x * x, axis=1))
@@ -57,13 +61,13 @@ def _block_mean_similarity(X, MEANS, SIM, out_row, block, N, stride_xn, stride_x
 @triton.jit
 def _block_mean_similarity_kernel(
     X, MEANS, SIM, N, H, stride_xb, stride_xh, stride_xn, stride_xd,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     base = X + (pid_bh // H).to(tl.int64) * stride_xb + (pid_bh % H).to(tl.int64) * stride_xh
     _block_mean_similarity(base, MEANS, SIM, pid_bh.to(tl.int64) * tl.num_programs(0) + pid_n, pid_n, N,
-                           stride_xn, stride_xd, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK, CHUNK=CHUNK)
+                           stride_xn, stride_xd, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK, CHUNK=CHUNK, WIDE=WIDE)
 
 
 @triton.jit
@@ -71,7 +75,7 @@ def _qk_block_statistics_kernel(
     Q, K, Q_MEANS, Q_SIM, K_MEANS, K_SIM, NQ_LEN, NKV_LEN, H, H_KV, NQ, NK, q_programs,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Both tensors' statistics in one launch: programs [0, q_programs) take Q's blocks, the rest K's.
     The launch takes as long as the two it replaces (both read at HBM speed), but stage 1 makes one launch
@@ -82,13 +86,13 @@ def _qk_block_statistics_kernel(
         bh = pid // NQ
         base = Q + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
         _block_mean_similarity(base, Q_MEANS, Q_SIM, pid.to(tl.int64), pid % NQ, NQ_LEN, stride_qn, stride_qd,
-                               HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK_Q, CHUNK=CHUNK)
+                               HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK_Q, CHUNK=CHUNK, WIDE=WIDE)
     else:
         pid = pid - q_programs
         bh = pid // NK
         base = K + (bh // H_KV).to(tl.int64) * stride_kb + (bh % H_KV).to(tl.int64) * stride_kh
         _block_mean_similarity(base, K_MEANS, K_SIM, pid.to(tl.int64), pid % NK, NKV_LEN, stride_kn, stride_kd,
-                               HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK_K, CHUNK=CHUNK)
+                               HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK=BLOCK_K, CHUNK=CHUNK, WIDE=WIDE)
 
 
 @triton.jit
@@ -210,7 +214,7 @@ def block_statistics_triton(x: torch.Tensor, block_size: int, num_warps: int = S
     launch(_block_mean_similarity_kernel, (nb, B * H),
         x, means, sim, N, H, *x.stride(),
         HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size, CHUNK=_chunk(block_size),
-        num_warps=num_warps,
+        WIDE=wide_offsets(x), num_warps=num_warps,
     )
     return means, sim
 
@@ -232,7 +236,7 @@ def qk_block_statistics_triton(qh: torch.Tensor, kh: torch.Tensor, num_warps: in
     launch(_qk_block_statistics_kernel, (q_programs + B * H_kv * nk,),
         qh, kh, q_means, q_sim, k_means, k_sim, N_q, N_kv, H, H_kv, nq, nk, q_programs, *qh.stride(), *kh.stride(),
         HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
-        CHUNK=min(_chunk(BLOCK_Q), _chunk(BLOCK_K)), num_warps=num_warps,
+        CHUNK=min(_chunk(BLOCK_Q), _chunk(BLOCK_K)), WIDE=wide_offsets(qh, kh), num_warps=num_warps,
     )
     return (q_means, q_sim), (k_means, k_sim)
 

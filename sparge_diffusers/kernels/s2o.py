@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible, wide_offsets
 from .._launch import launch
 from . import attention
 from .attention import (LOG2E, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile, _store_output,
@@ -58,11 +58,11 @@ def _ordered_attention_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, EARLY_STOP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
-    CHECK_EVERY: tl.constexpr,
+    CHECK_EVERY: tl.constexpr, WIDE: tl.constexpr,
 ):
     b, h, row, offs_m, offs_d, d_mask, row_valid, q, K_base, V_base = _query_tile(
         Q, K, V, H, GROUP, q_len, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
-        stride_vh, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_M=BLOCK_M)
+        stride_vh, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_M=BLOCK_M, WIDE=WIDE)
     offs_n = tl.arange(0, BLOCK_N)
 
     m_i, l_i, acc, pv_count, pv_threshold = _empty_softmax_state(PV_THRESHOLD, h, BLOCK_M=BLOCK_M, D_PAD=D_PAD,
@@ -79,11 +79,11 @@ def _ordered_attention_kernel(
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, 0, n_unmasked, index, count, q, offs_n, K_base, V_base, K_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
-        qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True)
+        qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True, WIDE=WIDE)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, n_unmasked, n_forced, index, count, q, offs_n, K_base, V_base, K_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
-        qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True)
+        qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True, WIDE=WIDE)
 
     # Ranked blocks, most important first (fully visible whole tiles: no masking), in chunks of CHECK_EVERY
     # tiles: the inner loop is an ordinary, software-pipelined for loop, and the stop test runs between
@@ -117,7 +117,7 @@ def _ordered_attention_kernel(
             acc, l_i, m_i, pv_count = _attend_tile(
                 acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, K_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
-                pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP)
+                pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, WIDE=WIDE)
         visited = tl.where(go, end, visited)
         if EARLY_STOP:
             before = l_old * tl.exp2(m_old - m_i)  # the normaliser before the last tile, at the new max
@@ -125,7 +125,8 @@ def _ordered_attention_kernel(
             gain = tl.where(row_valid, gain, 0.0)
             go = go & (visited < count) & (tl.sum(gain, axis=0) / n_valid >= tau)
 
-    _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od)
+    _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od,
+                  WIDE=WIDE)
     if RETURN_COUNTS:
         tl.store(VISITED + row, visited)
         tl.store(PV_COUNT + row, pv_count)
@@ -306,6 +307,7 @@ def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: Vi
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_K,
         IS_CAUSAL=is_causal, PV_SKIP=pvthreshd is not None, EARLY_STOP=tau is not None,
-        RETURN_COUNTS=return_counts, CHECK_EVERY=check_every, **_launch_config(shape.head_dim),
+        RETURN_COUNTS=return_counts, CHECK_EVERY=check_every, WIDE=wide_offsets(qh, kh, vh, out_h),
+        **_launch_config(shape.head_dim),
     )
     return (visited, pv_count) if return_counts else None

@@ -211,9 +211,10 @@ def _kv_outer_kernel(
     key_valid = offs_n < kv_len
     # the block's keys and values, loaded once for every query (and query head) that selected it
     kv_mask = key_valid[:, None] & d_mask[None, :]
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    kv_rows = offs_n[:, None].to(tl.int64)  # once per program: int64 costs nothing here (_inputs.wide_offsets)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + kv_rows * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+    v = tl.load(V + b * stride_vb + hk * stride_vh + kv_rows * stride_vn + offs_d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0)
     for start in range(begin, end, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
