@@ -54,6 +54,7 @@ def test_compiled_model_is_one_graph_and_matches_the_eager_sparse_step(name, bac
     native = run(model, inputs)
     processor = apply(model, SPARSE, dense_steps=1)
     run(model, inputs)  # the dense warm-up step
+    inputs = dict(inputs, timestep=inputs["timestep"] * 0.5)  # a later step: a lower timestep
     eager = run(model, inputs)  # eager sparse; also gives Flux its token grid (read from img_ids)
     records = len(processor.stats)
     first, second, messages = _compile_and_run(model, inputs, backend)
@@ -104,8 +105,10 @@ def test_compiled_model_runs_the_dense_warm_up_steps(name, backend):
         tolerance = 1e-5 if backend == "inductor" else (1e-6 if dense_step else 0)
         assert relative_l1(out, ref) <= tolerance, i
     assert int(processor._step_t) == 4 and not bool(processor._dense_now)
-    # compiled and eager calls share one count: two compiled steps of a new generation, then an eager third
-    _steps(compiled, inputs, [9, 7])
+    # compiled and eager calls share one count: two compiled steps of a new generation (each forward twice, as
+    # true CFG runs them: one step each), then an eager third
+    _steps(compiled, inputs, [9, 9, 7, 7])
+    assert int(processor._step_t) == 2
     assert torch.equal(_steps(model, inputs, [5])[0], eager[2]), "the eager call must go on as step 3 (sparse)"
 
 

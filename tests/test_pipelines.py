@@ -70,6 +70,11 @@ def run(model, inputs):
         return model(**inputs, return_dict=False)[0]
 
 
+def later_step(inputs, factor=0.5):
+    """The inputs of a later denoising step (a lower timestep: the processor counts steps by it)."""
+    return dict(inputs, timestep=inputs["timestep"] * factor)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_keeping_every_block_matches_native_processors(name):
     torch.manual_seed(0)
@@ -121,12 +126,32 @@ def test_per_layer_settings_and_dense_warmup():
     processor = apply(model, AGGRESSIVE, layer_settings={layer: SpargeSettings(dense=True)}, dense_steps=1)
     run(model, inputs)
     assert processor.stats == [], "step 1 is a dense warm-up step"
-    run(model, inputs)
+    run(model, later_step(inputs))
     layers = {s["layer"] for s in processor.stats}
     assert layers == {"transformer_blocks.0.attn"}, layers
     assert {s["step"] for s in processor.stats} == {2}
     with pytest.raises(ValueError, match="does not have"):
         apply(sd3()[0], layer_settings={"nope.attn": SpargeSettings()})
+
+
+def test_forwards_that_repeat_a_timestep_are_one_step():
+    """True CFG calls the transformer twice per denoising step with one timestep (Flux's negative prompt): both
+    forwards belong to that step, so the dense warm-up covers both and their statistics carry one step number; a
+    rise of the timestep starts the next generation at step 1."""
+    torch.manual_seed(4)
+    model, inputs = sd3()
+    native = run(model, inputs)
+    processor = apply(model, AGGRESSIVE, dense_steps=1)
+    timesteps = [10, 10, 8, 8, 6, 10, 10, 8]  # two steps with true CFG, a third without; a new generation
+    outs = [run(model, dict(inputs, timestep=torch.full_like(inputs["timestep"], t))) for t in timesteps]
+    assert torch.equal(outs[0], native) and torch.equal(outs[1], native), "both forwards of step 1 are dense"
+    assert torch.equal(outs[5], native) and torch.equal(outs[6], native), "and so are the new generation's"
+    assert relative_l1(outs[2], native) > 1e-3 and torch.equal(outs[2], outs[3])
+    per_step = {}
+    for record in processor.stats:
+        per_step[record["step"]] = per_step.get(record["step"], 0) + 1
+    assert per_step == {2: 3 * 2, 3: 2}, per_step  # sparse forwards: step 2 three times, step 3 once; 2 layers
+    assert processor.step == 2
 
 
 def test_fallback_warns_once_and_strict_raises():
@@ -199,6 +224,7 @@ def test_capture_reads_nothing_from_the_gpu_and_keeps_eager_state(monkeypatch):
     settings = SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None, permutation="hilbert")
     processor = apply(model, settings, dense_steps=1)
     run(model, inputs)
+    inputs = later_step(inputs)
     eager = run(model, inputs)
     step, grid, records = processor.step, processor.grid, len(processor.stats)
     assert grid == ((1, 16, 16), "before") and step == 2

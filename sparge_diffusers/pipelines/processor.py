@@ -191,8 +191,10 @@ class SpargeProcessor:
             file for another model class or naming layers the model lacks is refused; layers a file does not
             cover use ``settings``, with a warning (an error when ``strict``).
         dense_steps: run the first k denoising steps of every generation densely (counted by ``bind``'s
-            hook, which restarts the count when the timestep rises; under ``torch.compile`` the graph counts on
-            CPU tensors and the attention operator reads the count at run time).
+            hook from the timestep: a rise restarts the count, and a forward with the previous forward's timestep
+            belongs to the same step, as in pipelines that call the transformer twice per step, e.g. Flux's
+            true CFG; under ``torch.compile`` the graph counts on CPU tensors and the attention operator reads the
+            count at run time).
         collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read).
         strict: raise instead of falling back to native attention when a call cannot run sparse.
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
@@ -270,7 +272,9 @@ class SpargeProcessor:
         """Count denoising steps and note the token grid of this call (for token permutations).
 
         Within one generation the timestep only falls, so a timestep above the last one starts a new
-        generation and the count (hence the dense warm-up) starts again. This reads one number per step.
+        generation and the count (hence the dense warm-up) starts again; the same timestep again is the same
+        step (a second forward of it: true CFG's negative prompt, which must run as its positive one did). A
+        forward without a timestep counts as a step. This reads one number per forward.
         While a CUDA graph is being captured nothing may be read back from the GPU: see ``_on_captured_forward``.
         """
         if compiling() or _capturing():
@@ -281,12 +285,15 @@ class SpargeProcessor:
             last = float(self._last_timestep_t[0])
             self._last_timestep = None if math.isinf(last) else last
         timestep = kwargs.get("timestep")
+        repeat = False
         if isinstance(timestep, torch.Tensor) and timestep.numel():
             t = float(timestep.flatten()[0])
+            repeat = self._last_timestep is not None and t == self._last_timestep
             if self._last_timestep is not None and t > self._last_timestep:
                 self.step = 0
             self._last_timestep = t
-        self.step += 1
+        if not repeat:
+            self.step += 1
         if self.dense_steps:  # and hand the count on to compiled calls (CPU tensors: no sync)
             self._step_t.fill_(self.step)
             self._last_timestep_t.fill_(math.inf if self._last_timestep is None else self._last_timestep)
@@ -321,7 +328,8 @@ class SpargeProcessor:
         if isinstance(timestep, torch.Tensor) and timestep.numel():
             t = timestep.detach().flatten()[:1].to("cpu", torch.float64)
             restart = t > self._last_timestep_t  # a new generation: the timestep rose
-            self._step_t.copy_(torch.where(restart, 1, self._step_t + 1))
+            repeat = t == self._last_timestep_t  # the same step again (true CFG's second forward)
+            self._step_t.copy_(torch.where(restart, 1, torch.where(repeat, self._step_t, self._step_t + 1)))
             self._last_timestep_t.copy_(t)
         else:
             self._step_t.add_(1)
