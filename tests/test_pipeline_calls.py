@@ -97,3 +97,23 @@ def test_pipeline_call_with_processor_matches_dense(name):
     processor.reset_stats()
     out = getattr(pipe(**kw, generator=torch.Generator().manual_seed(0)), field)
     assert (out == out).all() and processor.stats
+
+
+def test_flux_true_cfg_runs_both_forwards_of_a_warm_up_step_densely():
+    """FluxPipeline's true CFG (a negative prompt, true_cfg_scale > 1) calls the transformer twice per step with one
+    timestep: dense_steps counts steps, so both forwards of step 1 run densely and each later step's two forwards
+    record one step number."""
+    torch.manual_seed(0)
+    pipe, kw, field, _ = flux_pipe()
+    pipe.set_progress_bar_config(disable=True)
+    kw.update(num_inference_steps=3, output_type="np", true_cfg_scale=2.0,
+              negative_prompt_embeds=torch.randn(1, 16, 32), negative_pooled_prompt_embeds=torch.randn(1, 16))
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
+    processor = apply(pipe, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None), dense_steps=1)
+    getattr(pipe(**kw, generator=torch.Generator().manual_seed(0)), field)
+    assert len(calls) == 6, "two forwards per step"
+    per_step = {}
+    for record in processor.stats:
+        per_step[record["step"]] = per_step.get(record["step"], 0) + 1
+    assert per_step == {2: 4, 3: 4}, per_step  # two forwards x two attention modules; step 1 dense
