@@ -37,6 +37,18 @@ def sd3():
     return model, inputs
 
 
+def sd35_medium():
+    """SD3.5 Medium's layout: QK RMS norms, and dual-attention layers whose second, image-only self-attention
+    (attn2) diffusers runs with JointAttnProcessor2_0 and no text."""
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=64, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=128, pooled_projection_dim=16, out_channels=4,
+        qk_norm="rms_norm", dual_attention_layers=(0,))
+    inputs = dict(hidden_states=torch.randn(2, 4, 32, 32), encoder_hidden_states=torch.randn(2, 20, 32),
+                  pooled_projections=torch.randn(2, 16), timestep=torch.tensor([10, 10]))
+    return model, inputs
+
+
 def cogvideox():
     model = diffusers.CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=4,
@@ -62,7 +74,7 @@ def mochi():
     return model, inputs
 
 
-MODELS = {"flux": flux, "sd3": sd3, "cogvideox": cogvideox, "mochi": mochi}
+MODELS = {"flux": flux, "sd3": sd3, "sd35_medium": sd35_medium, "cogvideox": cogvideox, "mochi": mochi}
 
 
 def run(model, inputs):
@@ -109,14 +121,17 @@ def test_sparse_run_reports_stats_and_bounded_error(name):
     assert relative_l1(moderate, native) < relative_l1(out, native)
 
 
-def test_set_attn_processor_works_where_the_model_has_it():
+@pytest.mark.parametrize("name", ["flux", "sd3", "sd35_medium", "cogvideox"])
+def test_set_attn_processor_works_where_the_model_has_it(name):
+    """Without apply() the processor never saw the model's own processors: it picks each module's diffusers
+    default itself (SD3.5 Medium's image-only attn2 once got CogVideoX's, which needs text, and failed)."""
     torch.manual_seed(2)
-    model, inputs = flux()
+    model, inputs = MODELS[name]()
     native = run(model, inputs)
     processor = SpargeProcessor(settings=KEEP_ALL)
     model.set_attn_processor(processor)
     assert relative_l1(run(model, inputs), native) < 1e-5
-    assert processor.stats
+    assert len({s["layer"] for s in processor.stats}) == len(model.attn_processors)
 
 
 def test_per_layer_settings_and_dense_warmup():

@@ -88,8 +88,10 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _native_processor(attn: torch.nn.Module):
-    """The processor diffusers 0.42 gives this attention module by default (a small registry, by class)."""
+def _native_processor(attn: torch.nn.Module, called_without_text: bool = False):
+    """The processor diffusers 0.42 gives this attention module by default (a small registry, by class, and for
+    ``Attention`` by how the model calls it, where known: CogVideoX passes its text to a module without text
+    projections, SD3.5's image-only attention passes none)."""
     from diffusers.models import attention_processor as ap
 
     name = type(attn).__name__
@@ -103,6 +105,10 @@ def _native_processor(attn: torch.nn.Module):
         if getattr(attn, "add_k_proj", None) is not None:  # SD3's joint text+image attention
             return ap.JointAttnProcessor2_0()
         if getattr(attn, "is_cross_attention", False) is False and getattr(attn, "norm_q", None) is not None:
+            # SD3.5 Medium's dual-attention layers add an image-only self-attention (attn2) with QK norms, called
+            # without text, and JointAttnProcessor2_0 in diffusers; CogVideoX's attention gets its text
+            if called_without_text:
+                return ap.JointAttnProcessor2_0()
             return ap.CogVideoXAttnProcessor2_0()
     raise ValueError(f"SpargeProcessor does not know the native processor of {name}; pass native=...")
 
@@ -421,7 +427,7 @@ class SpargeProcessor:
             kwargs["image_rotary_emb"] = image_rotary_emb
         native = self.native or self._natives.get(id(attn))
         if native is None:
-            native = self._natives[id(attn)] = _native_processor(attn)
+            native = self._natives[id(attn)] = _native_processor(attn, encoder_hidden_states is None)
         layer = self._names.get(id(attn), f"<unbound {type(attn).__name__} {id(attn):x}>")
         settings = self.layer_settings.get(layer, self.settings)
         warm_up = self.dense_steps and self.step <= self.dense_steps and not compiling()
