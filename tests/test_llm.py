@@ -378,13 +378,18 @@ def test_bad_settings_raise():
             SpargeLLMAttention(**bad)
 
 
-def test_attention_function_answers_in_transformers_layout():
-    """query (B, H, N, D), key/value (B, H_kv, N, D) in; (B, N, H, D) out, contiguous, like SDPA's function."""
-    torch.manual_seed(2)
+def direct_call_setup(seed):
+    """A causal module stub with grouped-query heads, random (B, H, N, D) q/k/v and a function keeping every block."""
+    torch.manual_seed(seed)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2
     q, k, v = torch.randn(1, 4, 130, 64), torch.randn(1, 2, 130, 64), torch.randn(1, 2, 130, 64)
-    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    return module, (q, k, v), SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+
+
+def test_attention_function_answers_in_transformers_layout():
+    """query (B, H, N, D), key/value (B, H_kv, N, D) in; (B, N, H, D) out, contiguous, like SDPA's function."""
+    module, (q, k, v), attention = direct_call_setup(2)
     out, weights = attention(module, q, k, v, None, scaling=0.125)
     assert weights is None and out.shape == (1, 130, 4, 64) and out.is_contiguous()
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
@@ -397,11 +402,7 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
     included (SDPA's function would drop them); packed sequences given only by cu_seq_lens raise without a mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    torch.manual_seed(3)
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 2
-    q, k, v = torch.randn(1, 4, 130, 64), torch.randn(1, 2, 130, 64), torch.randn(1, 2, 130, 64)
-    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    module, (q, k, v), attention = direct_call_setup(3)
     plain, _ = attention(module, q, k, v, None, scaling=0.125)
     assert attention.sparse_calls == 1
 
