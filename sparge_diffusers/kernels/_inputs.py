@@ -73,7 +73,7 @@ def wide_offsets(*views: torch.Tensor) -> bool:
     more than ``INT32_OFFSET_MAX`` elements after the first of its head. The Triton kernels take batch and head
     offsets in int64 always, and row offsets in int64 only then (a constexpr: other calls keep their code). Reached
     by long sequences stored token-major: transformers hands over (B, H, N, D) views of (B, N, H * D) projections,
-    whose row stride H * D = 4096 (Llama-3.1-8B) passes it at 524,288 tokens; int32 offsets there made every
+    whose row stride H * D = 4096 (Llama-3.1-8B) passes it from 524,289 tokens on; int32 offsets there made every
     kernel of stage 1 read out of bounds (H100: an illegal memory access)."""
     return any((t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3)) > INT32_OFFSET_MAX
                for t in views if t.numel())
