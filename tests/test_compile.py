@@ -112,6 +112,29 @@ def test_compiled_model_runs_the_dense_warm_up_steps(name, backend):
     assert torch.equal(_steps(model, inputs, [5])[0], eager[2]), "the eager call must go on as step 3 (sparse)"
 
 
+def test_regional_compilation_neither_recompiles_per_step_nor_skips_the_warm_up():
+    """diffusers' regional compilation (compile_repeated_blocks: Flux's blocks compiled, the model's forward and
+    so the step hook eager) once recompiled every block at every step: the processor read its step count inside
+    the compiled region, a guard on a Python int. Each step of two generations now equals the eager one, dense
+    warm-up steps included, with one graph per block."""
+    torch.manual_seed(12)
+    model, inputs = MODELS["flux"]()
+    timesteps = [9, 7, 5, 3] * 2
+    native = _steps(model, inputs, timesteps)
+    processor = apply(model, SPARSE, dense_steps=2)
+    eager = _steps(model, inputs, timesteps)
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(error_on_recompile=True):
+        warnings.simplefilter("always")
+        outs = _steps(model, inputs, timesteps)
+    assert not any("falling back" in str(w.message) for w in caught)
+    for i, (out, ref, dense) in enumerate(zip(outs, eager, native)):
+        assert relative_l1(out, ref) <= 1e-6, i
+        assert (relative_l1(out, dense) <= 1e-6) == (i % 4 < 2), i  # dense exactly in the warm-up steps
+    assert processor.step == 4
+
+
 def test_custom_op_dense_flag_switches_to_exact_attention():
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 4, 150, 64), torch.randn(1, 2, 150, 64), torch.randn(1, 2, 150, 64)
@@ -243,6 +266,31 @@ def test_compiled_model_on_gpu_runs_the_dense_warm_up_steps(mode):
     for i, out in enumerate(outs):
         assert torch.isfinite(out).all()
         if i % 4 < 2:  # dense: the native processors' output (bf16 projections fused differently)
+            assert relative_l1(out, native[i]) < 2e-2, i
+        else:
+            assert relative_l1(out, eager[i]) < 2e-2, i
+            assert relative_l1(out, native[i]) > relative_l1(out, eager[i]), i
+
+
+@pytest.mark.gpu
+def test_regional_compilation_on_gpu_runs_the_warm_up_and_sparse_steps_without_recompiling():
+    """compile_repeated_blocks with inductor on the GPU (Triton kernels inside the compiled blocks): dense warm-up
+    steps give the native output, the others the eager sparse one, and no block recompiles."""
+    torch.manual_seed(15)
+    model, inputs = _on_gpu(*MODELS["flux"]())
+    timesteps = [9, 7, 5, 3] * 2
+    native = _steps(model, inputs, timesteps)
+    apply(model, SPARSE, dense_steps=2)
+    eager = _steps(model, inputs, timesteps)
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(error_on_recompile=True):
+        warnings.simplefilter("always")
+        outs = _steps(model, inputs, timesteps)
+    assert not any("falling back" in str(w.message) for w in caught)
+    for i, out in enumerate(outs):
+        assert torch.isfinite(out).all()
+        if i % 4 < 2:
             assert relative_l1(out, native[i]) < 2e-2, i
         else:
             assert relative_l1(out, eager[i]) < 2e-2, i

@@ -1,5 +1,6 @@
 """SpargeProcessor on tiny random-weight diffusers transformers (CPU: the float32 reference path)."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -132,6 +133,95 @@ def test_set_attn_processor_works_where_the_model_has_it(name):
     model.set_attn_processor(processor)
     assert relative_l1(run(model, inputs), native) < 1e-5
     assert len({s["layer"] for s in processor.stats}) == len(model.attn_processors)
+
+
+def flux_with_ip_adapter():
+    """The tiny Flux with an IP-Adapter loaded through diffusers' own loader (random weights): its double-stream
+    block gets FluxIPAdapterAttnProcessor (an nn.Module holding to_k_ip/to_v_ip), its single-stream block keeps
+    FluxAttnProcessor. Returns the model, its inputs, the output before loading the adapter, and a factory of
+    joint_attention_kwargs (the model pops the embeddings out of the dict it is given)."""
+    model, inputs = flux()
+    before = run(model, inputs)
+    cross, hidden = 32, 128  # joint_attention_dim, heads x head dim
+    ip = {f"0.to_{w}_ip.{p}": torch.randn(hidden, cross) * 0.2 if p == "weight" else torch.randn(hidden) * 0.2
+          for w in "kv" for p in ("weight", "bias")}
+    projection = {"proj.weight": torch.randn(4 * cross, 24) * 0.2, "proj.bias": torch.zeros(4 * cross),
+                  "norm.weight": torch.ones(cross), "norm.bias": torch.zeros(cross)}
+    model._load_ip_adapter_weights({"image_proj": projection, "ip_adapter": ip})
+    embeds = torch.randn(2, 1, 24)
+    return model, inputs, before, lambda: {"ip_adapter_image_embeds": [embeds]}
+
+
+def sd3_with_ip_adapter(make=sd3):
+    """As flux_with_ip_adapter for SD3 (or SD3.5 Medium): every attention module gets
+    SD3IPAdapterJointAttnProcessor2_0, and the model an image projection (a resampler with attention modules of
+    its own, which stay native)."""
+    from diffusers.models.attention_processor import SD3IPAdapterJointAttnProcessor2_0
+    from diffusers.models.embeddings import IPAdapterTimeImageProjection
+
+    model, inputs = make()
+    before = run(model, inputs)
+    projection = IPAdapterTimeImageProjection(embed_dim=24, output_dim=128, hidden_dim=64, heads=1, num_queries=8,
+                                              timestep_in_dim=32)
+    ip = {}
+    for i in range(len(model.attn_processors)):
+        layer = SD3IPAdapterJointAttnProcessor2_0(hidden_size=128, ip_hidden_states_dim=128, head_dim=64,
+                                                  timesteps_emb_dim=64)
+        ip.update({f"{i}.{k}": v for k, v in layer.state_dict().items()})
+    model._load_ip_adapter_weights({"image_proj": projection.state_dict(), "ip_adapter": ip})
+    embeds = torch.randn(2, 10, 24)
+    return model, inputs, before, lambda: {"ip_adapter_image_embeds": embeds}
+
+
+IP_ADAPTER_MODELS = {"flux": flux_with_ip_adapter, "sd3": sd3_with_ip_adapter,
+                     "sd35_medium": lambda: sd3_with_ip_adapter(sd35_medium)}
+
+
+def run_with_image_prompt(model, inputs, ip_kwargs):
+    with torch.no_grad():
+        return model(**inputs, joint_attention_kwargs=ip_kwargs(), return_dict=False)[0]
+
+
+@pytest.mark.parametrize("permutation", [None, "hilbert"])
+@pytest.mark.parametrize("name", list(IP_ADAPTER_MODELS))
+def test_ip_adapter_layers_run_sparse_and_keep_their_image_prompt(name, permutation):
+    """apply() once left every module whose processor is an IP-Adapter's (an nn.Module) out, silently dense: all
+    of SD3's layers. Now it delegates to that processor, whose two attention calls (the layer's own tokens, and the
+    image prompt's keys, which a token permutation leaves in place) run sparse, and keeps its weights registered
+    on the module (moved by .to()) until detach() gives the processor back."""
+    torch.manual_seed(4)
+    model, inputs, before, ip_kwargs = IP_ADAPTER_MODELS[name]()
+    native = run_with_image_prompt(model, inputs, ip_kwargs)
+    assert relative_l1(native, before) > 0.01, "the image prompt must change the output for this test to mean much"
+    processors = dict(model.attn_processors)
+    keys = set(model.state_dict())
+    layers = {n.removesuffix(".processor") for n in processors if not n.startswith("image_proj.")}
+    processor = apply(model, dataclasses.replace(KEEP_ALL, permutation=permutation))
+    out = run_with_image_prompt(model, inputs, ip_kwargs)
+    assert relative_l1(out, native) < 1e-5
+    assert set(processor.sparsity_by_layer()) == layers, "every layer of the blocks runs sparse, none else"
+    ip_layers = [m for m in model.modules() if type(m.__dict__.get("processor")) is SpargeProcessor
+                 and isinstance(processor._natives[id(m)], torch.nn.Module)]
+    assert ip_layers
+    model.to(torch.float64)
+    assert all(p.dtype == torch.float64 for m in ip_layers for p in processor._natives[id(m)].parameters())
+    model.to(torch.float32)
+    processor.detach(model)
+    assert model.attn_processors == processors and set(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("name", list(IP_ADAPTER_MODELS))
+def test_set_attn_processor_over_an_ip_adapter_raises_instead_of_ignoring_the_image_prompt(name):
+    """set_attn_processor replaces (and discards) the IP-Adapter processors with their weights, and diffusers drops
+    the image features quietly where a processor does not name them: the output was the model's without its image
+    prompt. Such a call now raises, pointing to apply(); calls without an image prompt still run."""
+    torch.manual_seed(5)
+    model, inputs, before, ip_kwargs = IP_ADAPTER_MODELS[name]()
+    model.set_attn_processor(SpargeProcessor(settings=KEEP_ALL))
+    with pytest.raises(ValueError, match="apply"):
+        run_with_image_prompt(model, inputs, ip_kwargs)
+    if name == "flux":  # FluxIPAdapterAttnProcessor itself fails without an image prompt; the default one runs
+        assert relative_l1(run(model, inputs), before) < 1e-5
 
 
 def test_per_layer_settings_and_dense_warmup():

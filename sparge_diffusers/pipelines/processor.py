@@ -21,6 +21,7 @@ run; natively 355 us in that run).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import threading
@@ -110,7 +111,44 @@ def _native_processor(attn: torch.nn.Module, called_without_text: bool = False):
             if called_without_text:
                 return ap.JointAttnProcessor2_0()
             return ap.CogVideoXAttnProcessor2_0()
-    raise ValueError(f"SpargeProcessor does not know the native processor of {name}; pass native=...")
+    raise ValueError(f"SpargeProcessor does not know the native processor of {name}; pass native=..., or use "
+                     "sparge_diffusers.apply(...), which delegates to the processor each module has")
+
+
+# Where diffusers (0.42) attaches an IP-Adapter's image projection to a transformer (SD3: image_proj, Flux:
+# encoder_hid_proj). SD3's is a resampler with attention modules of its own: not the model's attention, so they
+# keep their processor.
+_IP_ADAPTER_PROJECTIONS = ("image_proj.", "encoder_hid_proj.")
+# The name under which an IP-Adapter processor replaced by SpargeProcessor stays registered on its attention
+# module, so that .to(), dtype casts and offloading hooks still move its to_k_ip/to_v_ip weights.
+_KEPT_NATIVE = "sparge_native_processor"
+
+
+def _ip_adapter_covers(attn: torch.nn.Module) -> bool:
+    """Whether diffusers' IP-Adapter loaders give this attention module an IP-Adapter processor: every attention
+    module of SD3, and Flux's double-stream blocks (with text projections) but not its single-stream ones, which the
+    model hands the image-prompt features all the same."""
+    return not (type(attn).__name__ == "FluxAttention" and getattr(attn, "added_kv_proj_dim", None) is None)
+
+
+def _ip_adapter_arguments(native: Any, attn: torch.nn.Module, given: dict[str, Any]) -> dict[str, Any]:
+    """The IP-Adapter keyword arguments (``ip_hidden_states``, ``ip_adapter_masks``, ``temb``) to hand the native
+    processor: the given ones its ``__call__`` names (diffusers drops the others, the first two quietly). Raises where the
+    model passes image-prompt features to a module an IP-Adapter covers but the native processor cannot take them:
+    its IP-Adapter processor, with the adapter's weights, was replaced (``set_attn_processor`` discards it), and
+    running on would ignore the image prompt."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return {}
+    # named parameters only, as diffusers' modules pass them (its processors' **kwargs swallow what they ignore)
+    parameters = inspect.signature(native).parameters
+    if "ip_hidden_states" in given and "ip_hidden_states" not in parameters and _ip_adapter_covers(attn):
+        raise ValueError(
+            f"the model passes IP-Adapter image features to a {type(attn).__name__} whose processor "
+            f"({type(native).__name__}) cannot take them: its IP-Adapter processor was replaced, and with it the "
+            "adapter's weights (set_attn_processor discards them). Load the IP-Adapter, then call "
+            "sparge_diffusers.apply(pipe): it keeps each module's IP-Adapter processor and runs its attention sparse")
+    return {k: v for k, v in given.items() if k in parameters}
 
 
 class _SparseSDPA(TorchFunctionMode):
@@ -269,6 +307,7 @@ class SpargeProcessor:
         """Undo :func:`apply`: give every attention module back the processor it had, remove the step hook."""
         for _, module in _attention_modules(transformer):
             if module.processor is self:
+                module._modules.pop(_KEPT_NATIVE, None)  # an IP-Adapter processor goes back to its own place
                 _set_processor(module, self._natives.get(id(module)) or _native_processor(module))
         if self._hook is not None:
             self._hook.remove()
@@ -362,11 +401,13 @@ class SpargeProcessor:
             return "dropout"
         return unsupported_reason(query, key, value)
 
-    def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor, compiled: bool = False):
+    def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor, compiled: bool = False,
+                            key: torch.Tensor | None = None):
         """sparge_attention (its custom operator when ``compiled``), wrapped in the layer's token permutation
-        when it has one and the grid is known."""
+        when it has one and the grid is known. Calls whose keys are other tokens than the queries (an IP-Adapter's
+        image-prompt attention) run unpermuted: the permutation orders the layer's own tokens."""
         attention = sparge_attention_op if compiled else sparge_attention
-        if settings.permutation is not None:
+        if settings.permutation is not None and (key is None or key.shape[2] == query.shape[2]):
             perm = self._permutation(settings.permutation, query.shape[2], query.device)
             if perm is not None:
                 return permuted(attention, perm)
@@ -382,7 +423,7 @@ class SpargeProcessor:
         thresholds = dict(is_causal=is_causal, scale=scale, simthreshd1=settings.simthreshd1,
                           cdfthreshd=settings.cdfthreshd, pvthreshd=settings.pvthreshd)
         compiled = compiling()
-        attention = self.sparse_attention_fn(settings, query, compiled)
+        attention = self.sparse_attention_fn(settings, query, compiled, key)
         if compiled:
             # one opaque node of the compiled graph; its outputs are reused buffers under CUDA graphs
             # (mode="reduce-overhead"), so no statistics: noted here, warned when they are read
@@ -418,19 +459,25 @@ class SpargeProcessor:
 
     # The keyword parameters are spelled out on purpose: diffusers' attention modules pass a processor only
     # the keyword arguments its __call__ signature names, so a bare **kwargs would silently drop
-    # image_rotary_emb (and rotary models would give wrong results).
+    # image_rotary_emb (and rotary models would give wrong results) and the IP-Adapter arguments (image prompts
+    # ignored).
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 image_rotary_emb: Any = None, **kwargs):
+                 image_rotary_emb: Any = None, ip_hidden_states: Any = None, ip_adapter_masks: Any = None,
+                 temb: torch.Tensor | None = None, **kwargs):
         kwargs.update(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
         if image_rotary_emb is not None:
             kwargs["image_rotary_emb"] = image_rotary_emb
         native = self.native or self._natives.get(id(attn))
         if native is None:
             native = self._natives[id(attn)] = _native_processor(attn, encoder_hidden_states is None)
+        kwargs.update(_ip_adapter_arguments(native, attn, dict(ip_hidden_states=ip_hidden_states,
+                                                               ip_adapter_masks=ip_adapter_masks, temb=temb)))
         layer = self._names.get(id(attn), f"<unbound {type(attn).__name__} {id(attn):x}>")
         settings = self.layer_settings.get(layer, self.settings)
-        warm_up = self.dense_steps and self.step <= self.dense_steps and not compiling()
+        # compiling() first: a compiled region that read self.step would guard on it and recompile every step
+        # (regional compilation: compile_repeated_blocks compiles the blocks, and the step hook runs eagerly)
+        warm_up = self.dense_steps and not compiling() and self.step <= self.dense_steps
         if not self.enabled or settings.dense or warm_up:
             return native(attn, hidden_states, **kwargs)
         seam = _SparseSDPA(self, layer, settings)
@@ -488,9 +535,13 @@ def install(pipe_or_transformer: Any, processor: SpargeProcessor) -> SpargeProce
         raise ValueError(f"{type(transformer).__name__} has no attention modules with a processor")
     processor.bind(transformer)  # checks the names first, so a refused settings file changes nothing
     for m in modules:
-        if m.processor is not processor:
-            processor._natives[id(m)] = m.processor  # delegate to what the model had, whatever it was
+        native = m.processor
+        if native is processor:
+            continue
+        processor._natives[id(m)] = native  # delegate to what the model had, whatever it was (IP-Adapters too)
         _set_processor(m, processor)
+        if isinstance(native, torch.nn.Module):  # set_processor unregistered it: keep its weights on the module
+            m.add_module(_KEPT_NATIVE, native)
     return processor
 
 
@@ -498,10 +549,13 @@ def _set_processor(module: torch.nn.Module, processor: Any) -> None:
     if hasattr(module, "set_processor"):
         module.set_processor(processor)
     else:  # MochiAttention in diffusers 0.42 has a processor attribute but no setter
+        if not isinstance(processor, torch.nn.Module):
+            module._modules.pop("processor", None)  # as set_processor does: a plain object cannot replace a child
         module.processor = processor
 
 
 def _attention_modules(transformer: torch.nn.Module):
-    """(name, module) of every attention module: those that hold a callable ``processor``."""
+    """(name, module) of every attention module of the model: those that hold a callable ``processor``, IP-Adapter
+    processors (modules with weights) included, the attention inside an IP-Adapter's image projection excluded."""
     return [(n, m) for n, m in transformer.named_modules()
-            if callable(getattr(m, "processor", None)) and not isinstance(m.processor, torch.nn.Module)]
+            if callable(getattr(m, "processor", None)) and not n.startswith(_IP_ADAPTER_PROJECTIONS)]

@@ -36,7 +36,7 @@ class _CalibrationProcessor(SpargeProcessor):
             search = self.searches[layer] = self.make_search()
         if search.phase == self.phase:
             search.observe(query, key, value, dense, is_causal=is_causal, scale=scale,
-                           attention=self.sparse_attention_fn(settings, query))
+                           attention=self.sparse_attention_fn(settings, query, key=key))
         return dense
 
 
