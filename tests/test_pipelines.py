@@ -210,6 +210,31 @@ def test_ip_adapter_layers_run_sparse_and_keep_their_image_prompt(name, permutat
     assert model.attn_processors == processors and set(model.state_dict()) == keys
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_ip_adapter_layers_on_gpu_after_moving_the_model_run_sparse_with_their_image_prompt(name):
+    """apply() on the CPU, then .to("cuda", bfloat16): the IP-Adapter weights the processor keeps move with the
+    model, and the Triton kernels answer both attention calls of each IP-Adapter layer (the image prompt's 4 or
+    8 keys: shorter than one key block)."""
+    torch.manual_seed(4)
+    model, inputs, _, ip_kwargs = IP_ADAPTER_MODELS[name]()
+    processor = apply(model, KEEP_ALL)
+    model = model.to("cuda", torch.bfloat16)
+    inputs = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() and not k.endswith("_ids") else v.dtype)
+              for k, v in inputs.items()}
+
+    def on_gpu():
+        return {k: [e.to("cuda", torch.bfloat16) for e in v] if isinstance(v, list) else v.to("cuda", torch.bfloat16)
+                for k, v in ip_kwargs().items()}
+
+    out = run_with_image_prompt(model, inputs, on_gpu)
+    layers = set(processor.sparsity_by_layer())
+    processor.enabled = False
+    native = run_with_image_prompt(model, inputs, on_gpu)
+    assert torch.isfinite(out).all() and relative_l1(out, native) < 2e-2
+    assert layers == {n.removesuffix(".processor") for n in model.attn_processors if not n.startswith("image_proj.")}
+
+
 @pytest.mark.parametrize("name", list(IP_ADAPTER_MODELS))
 def test_set_attn_processor_over_an_ip_adapter_raises_instead_of_ignoring_the_image_prompt(name):
     """set_attn_processor replaces (and discards) the IP-Adapter processors with their weights, and diffusers drops
