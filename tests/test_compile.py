@@ -240,6 +240,31 @@ def test_compiled_model_on_gpu_matches_the_eager_sparse_step(name, mode):
     assert relative_l1(outs[-1], native) > relative_l1(outs[-1], eager), "the compiled path must be the sparse one"
 
 
+def _native_then_eager_sparse_on_gpu(name, seed):
+    """A tiny model on the GPU, its native outputs over two 4-step runs, then apply() with 2 dense warm-up steps
+    and its eager outputs; dynamo reset so that the caller's compilation starts clean."""
+    torch.manual_seed(seed)
+    model, inputs = _on_gpu(*MODELS[name]())
+    timesteps = [9, 7, 5, 3] * 2
+    native = _steps(model, inputs, timesteps)
+    apply(model, SPARSE, dense_steps=2)
+    eager = _steps(model, inputs, timesteps)
+    torch._dynamo.reset()
+    return model, inputs, timesteps, native, eager
+
+
+def _assert_dense_in_warm_up_then_sparse(outs, native, eager):
+    """Steps 0-1 of each 4-step run are dense warm-up: the native processors' output (bf16 projections fused
+    differently, hence the tolerance); the rest are the eager sparse output, nearer to it than to the native."""
+    for i, out in enumerate(outs):
+        assert torch.isfinite(out).all()
+        if i % 4 < 2:
+            assert relative_l1(out, native[i]) < 2e-2, i
+        else:
+            assert relative_l1(out, eager[i]) < 2e-2, i
+            assert relative_l1(out, native[i]) > relative_l1(out, eager[i]), i
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compiled_model_on_gpu_runs_the_dense_warm_up_steps(mode):
@@ -248,13 +273,7 @@ def test_compiled_model_on_gpu_runs_the_dense_warm_up_steps(mode):
     repeat one path."""
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(13)
-    model, inputs = _on_gpu(*MODELS["sd3"]())
-    timesteps = [9, 7, 5, 3] * 2
-    native = _steps(model, inputs, timesteps)
-    apply(model, SPARSE, dense_steps=2)
-    eager = _steps(model, inputs, timesteps)
-    torch._dynamo.reset()
+    model, inputs, timesteps, native, eager = _native_then_eager_sparse_on_gpu("sd3", seed=13)
     counters.clear()
     compiled = torch.compile(model, fullgraph=True, mode=mode)
     with warnings.catch_warnings(record=True) as caught:
@@ -263,38 +282,20 @@ def test_compiled_model_on_gpu_runs_the_dense_warm_up_steps(mode):
     print(f"mode={mode}: cudagraph skips {dict(counters['inductor'].get('cudagraph_skips', {}) or {})}, "
           f"inductor counters {dict(counters['inductor'])}")
     assert not any("falling back" in str(w.message) for w in caught)
-    for i, out in enumerate(outs):
-        assert torch.isfinite(out).all()
-        if i % 4 < 2:  # dense: the native processors' output (bf16 projections fused differently)
-            assert relative_l1(out, native[i]) < 2e-2, i
-        else:
-            assert relative_l1(out, eager[i]) < 2e-2, i
-            assert relative_l1(out, native[i]) > relative_l1(out, eager[i]), i
+    _assert_dense_in_warm_up_then_sparse(outs, native, eager)
 
 
 @pytest.mark.gpu
 def test_regional_compilation_on_gpu_runs_the_warm_up_and_sparse_steps_without_recompiling():
     """compile_repeated_blocks with inductor on the GPU (Triton kernels inside the compiled blocks): dense warm-up
     steps give the native output, the others the eager sparse one, and no block recompiles."""
-    torch.manual_seed(15)
-    model, inputs = _on_gpu(*MODELS["flux"]())
-    timesteps = [9, 7, 5, 3] * 2
-    native = _steps(model, inputs, timesteps)
-    apply(model, SPARSE, dense_steps=2)
-    eager = _steps(model, inputs, timesteps)
-    torch._dynamo.reset()
+    model, inputs, timesteps, native, eager = _native_then_eager_sparse_on_gpu("flux", seed=15)
     model.compile_repeated_blocks(fullgraph=True)
     with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(error_on_recompile=True):
         warnings.simplefilter("always")
         outs = _steps(model, inputs, timesteps)
     assert not any("falling back" in str(w.message) for w in caught)
-    for i, out in enumerate(outs):
-        assert torch.isfinite(out).all()
-        if i % 4 < 2:
-            assert relative_l1(out, native[i]) < 2e-2, i
-        else:
-            assert relative_l1(out, eager[i]) < 2e-2, i
-            assert relative_l1(out, native[i]) > relative_l1(out, eager[i]), i
+    _assert_dense_in_warm_up_then_sparse(outs, native, eager)
 
 
 @pytest.mark.gpu
