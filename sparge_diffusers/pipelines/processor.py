@@ -133,10 +133,10 @@ def _ip_adapter_covers(attn: torch.nn.Module) -> bool:
 
 def _ip_adapter_arguments(native: Any, attn: torch.nn.Module, given: dict[str, Any]) -> dict[str, Any]:
     """The IP-Adapter keyword arguments (``ip_hidden_states``, ``ip_adapter_masks``, ``temb``) to hand the native
-    processor: the given ones its ``__call__`` names (diffusers drops the others, the first two quietly). Raises where the
-    model passes image-prompt features to a module an IP-Adapter covers but the native processor cannot take them:
-    its IP-Adapter processor, with the adapter's weights, was replaced (``set_attn_processor`` discards it), and
-    running on would ignore the image prompt."""
+    processor: the given ones its ``__call__`` names (diffusers drops the others, the first two quietly). Raises
+    where the model passes image-prompt features to a module an IP-Adapter covers but the native processor cannot
+    take them: its IP-Adapter processor, with the adapter's weights, was replaced (``set_attn_processor`` discards
+    it), and running on would ignore the image prompt."""
     given = {k: v for k, v in given.items() if v is not None}
     if not given:
         return {}
