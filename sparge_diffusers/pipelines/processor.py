@@ -21,6 +21,7 @@ run; natively 355 us in that run).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -131,6 +132,21 @@ def _ip_adapter_covers(attn: torch.nn.Module) -> bool:
     return not (type(attn).__name__ == "FluxAttention" and getattr(attn, "added_kv_proj_dim", None) is None)
 
 
+def _call_parameters(native: Any) -> frozenset[str]:
+    """The named parameters of a processor's ``__call__``, as diffusers' modules read them to decide what to pass
+    (its processors' ``**kwargs`` swallow what they ignore). Cached per processor class: it is read on every
+    attention call that carries IP-Adapter arguments."""
+    function = getattr(native.__call__, "__func__", None)  # a processor object's method: one entry per class
+    if function is None:  # a plain function or another callable
+        return frozenset(inspect.signature(native).parameters)
+    return _function_parameters(function)
+
+
+@functools.cache
+def _function_parameters(function: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
+
+
 def _ip_adapter_arguments(native: Any, attn: torch.nn.Module, given: dict[str, Any]) -> dict[str, Any]:
     """The IP-Adapter keyword arguments (``ip_hidden_states``, ``ip_adapter_masks``, ``temb``) to hand the native
     processor: the given ones its ``__call__`` names (diffusers drops the others, the first two quietly). Raises
@@ -140,8 +156,7 @@ def _ip_adapter_arguments(native: Any, attn: torch.nn.Module, given: dict[str, A
     given = {k: v for k, v in given.items() if v is not None}
     if not given:
         return {}
-    # named parameters only, as diffusers' modules pass them (its processors' **kwargs swallow what they ignore)
-    parameters = inspect.signature(native).parameters
+    parameters = _call_parameters(native)
     if "ip_hidden_states" in given and "ip_hidden_states" not in parameters and _ip_adapter_covers(attn):
         raise ValueError(
             f"the model passes IP-Adapter image features to a {type(attn).__name__} whose processor "
@@ -471,8 +486,9 @@ class SpargeProcessor:
         native = self.native or self._natives.get(id(attn))
         if native is None:
             native = self._natives[id(attn)] = _native_processor(attn, encoder_hidden_states is None)
-        kwargs.update(_ip_adapter_arguments(native, attn, dict(ip_hidden_states=ip_hidden_states,
-                                                               ip_adapter_masks=ip_adapter_masks, temb=temb)))
+        if ip_hidden_states is not None or ip_adapter_masks is not None or temb is not None:
+            kwargs.update(_ip_adapter_arguments(native, attn, dict(ip_hidden_states=ip_hidden_states,
+                                                                   ip_adapter_masks=ip_adapter_masks, temb=temb)))
         layer = self._names.get(id(attn), f"<unbound {type(attn).__name__} {id(attn):x}>")
         settings = self.layer_settings.get(layer, self.settings)
         # compiling() first: a compiled region that read self.step would guard on it and recompile every step
