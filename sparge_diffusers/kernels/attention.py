@@ -243,8 +243,10 @@ def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
                   TMA_IO: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None, WIDE: tl.constexpr = False):
     """Normalise and store one query tile; with ``TMA_IO``, ``O`` is a (B, H, N, D) tensor descriptor of
     element type ``OUT_DTYPE`` (rows past N are not written). ``WIDE``: row offsets in int64."""
-    seen = l_i > 0.0  # a query row that saw no key gets a zero output, never NaN
-    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    # A query row that saw no key (l == 0) gets a zero output; a NaN normaliser (NaN or inf in q or k) stays
+    # NaN in the output, as in SDPA, rather than turning into zeros.
+    unseen = l_i == 0.0
+    out = tl.where(unseen[:, None], 0.0, acc / tl.where(unseen, 1.0, l_i)[:, None])
     if TMA_IO:
         BLOCK_M: tl.constexpr = acc.shape[0]
         D_PAD: tl.constexpr = acc.shape[1]

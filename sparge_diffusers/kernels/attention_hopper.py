@@ -379,10 +379,10 @@ if GLUON_IMPORT_ERROR is None:
                     kv_c += 1
             mbarrier.arrive(q_empty.index(i % 2))
             l_o = gl.convert_layout(l_i, rows_o)
-            seen = l_o > 0.0  # a query row that saw no key gets a zero output, never NaN
-            # one reciprocal per row, not one division per element: 3-5% faster at every density on an H100
-            # (kernel-variants (t)), outputs bitwise equal on the GPU check cases
-            inv_l = gl.where(seen, 1.0 / gl.where(seen, l_o, 1.0), 0.0)
+            # a query row that saw no key (l == 0) gets a zero output; a NaN normaliser (NaN or inf in q or k)
+            # stays NaN, as in SDPA. One reciprocal per row, not one division per element: 3-5% faster at
+            # every density on an H100 (kernel-variants (t)), outputs bitwise equal on the GPU check cases
+            inv_l = gl.where(l_o == 0.0, 0.0, 1.0 / l_o)
             out = acc * gl.expand_dims(inv_l, 1)
             tma.store_wait(pendings=0)  # the previous tile's store has left o_smem
             o_smem.store(out.to(o_desc.dtype))

@@ -25,6 +25,12 @@ from .stats import SparsityStats, sparsity_stats
 LOG2E = 1.4426950408889634
 
 
+def _normalised(acc: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """acc / l per row; rows that saw no key (l == 0) give zeros, and a NaN normaliser (NaN or inf in q or k)
+    stays NaN as in SDPA instead of turning into zeros."""
+    return torch.where(l[..., None] == 0, 0.0, acc / torch.where(l == 0, 1.0, l)[..., None])
+
+
 def reference_block_statistics(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block mean token and mean pairwise cosine similarity (the paper's CosSim, upstream's "meansim").
 
@@ -59,7 +65,8 @@ def _mass_at_or_above(p: torch.Tensor) -> torch.Tensor:
     asc, _ = torch.sort(p, dim=-1)
     suffix = asc.flip(-1).cumsum(-1).flip(-1)
     first_ge = torch.searchsorted(asc.contiguous(), p.contiguous(), right=False)
-    return torch.gather(suffix, -1, first_ge)
+    # a NaN entry (a query block holding NaN, whose row stage 1 forces on anyway) finds no place: clamp it
+    return torch.gather(suffix, -1, first_ge.clamp(max=p.shape[-1] - 1))
 
 
 def reference_prediction_details(
@@ -210,7 +217,7 @@ def reference_block_sparse_attention(
             acc = torch.where(do_pv[..., None, None], acc + p @ vh[:, :, cols], acc)
             m = torch.where(a, m_new, m)
             pv_counts[:, :, i] += do_pv
-        out[:, :, rows] = torch.where(l[..., None] > 0, acc / l.clamp(min=1e-30)[..., None], 0.0)
+        out[:, :, rows] = _normalised(acc, l)
     stats = sparsity_stats(qk_counts, pv_counts, shape, is_causal)
     out = out.to(q.dtype)
     return (out if tensor_layout == "HND" else out.transpose(1, 2)), stats
@@ -278,7 +285,7 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                         if float(gain.mean()) < float(tau[h]):
                             break
                 visited[b, h, i] = n
-                out[b, h, rows] = torch.where(l[:, None] > 0, acc / l.clamp(min=1e-30)[:, None], 0.0)
+                out[b, h, rows] = _normalised(acc, l)
     return out.to(device), visited.to(device), pv_count.to(device)
 
 
@@ -305,7 +312,8 @@ def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, 
     keys = keys.repeat_interleave(group, dim=1)
     s = (qh @ kh.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
     s = s.masked_fill(~keys, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: all -inf -> NaN -> 0
+    # rows with no visible key (all -inf) get zeros; NaN from NaN or inf inputs stays, as in SDPA
+    p = torch.softmax(s, dim=-1).masked_fill(~keys.any(-1, keepdim=True), 0.0)
     out = (p @ vh.repeat_interleave(group, dim=1)).to(q.dtype)
     return out if tensor_layout == "HND" else out.transpose(1, 2)
 

@@ -235,7 +235,7 @@ def _kv_outer_kernel(
             m = tl.where(m == float("-inf"), 0.0, m)
             p = tl.math.exp2(s - m[:, None])
             l = tl.sum(p, 1)
-            l_safe = tl.where(l > 0, l, 1.0)
+            l_safe = tl.where(l == 0.0, 1.0, l)  # padding rows; a NaN sum (NaN in q or k) stays NaN
             o = tl.dot(p.to(v.dtype), v) / l_safe[:, None]
             tl.store(O_PART + (part_row + g)[:, None] * HEAD_DIM + offs_d[None, :], o.to(O_PART.dtype.element_ty),
                      mask=row_valid[:, None] & d_mask[None, :])
@@ -277,7 +277,8 @@ def _merge_kernel(
         acc = acc * alpha[:, None] + w[:, None] * o
         den = den * alpha + w
         m = m_new
-    out = tl.where(den[:, None] > 0, acc / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    # a row with no partial (den == 0) gets zeros; a NaN denominator stays NaN in the output, as in SDPA
+    out = tl.where(den[:, None] == 0.0, 0.0, acc / tl.where(den == 0.0, 1.0, den)[:, None])
     out_rows = OUT + b * stride_ob + h * stride_oh + (q_start + rows[:, None]).to(tl.int64) * stride_on
     tl.store(out_rows + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
              mask=row_valid[:, None] & d_mask[None, :])

@@ -1,0 +1,108 @@
+"""NaN in q, k or v reaches the output as it does in SDPA, never zeros or finite values in its place.
+
+A NaN score makes the row's softmax normaliser NaN. The kernels once took "normaliser > 0" to mean "this row saw
+a key" and wrote zeros otherwise, so a NaN in q or k (an fp16 overflow upstream, say) came out as a plausible
+finite output. Now only a zero normaliser gives zeros. Stage 1 keeps NaN visible too: a block holding a NaN has
+a NaN self-similarity, which is not above the threshold, so its row or column is forced on.
+
+A product that the method skips (a block outside the mask, a P.V dropped by stage 2) never uses its values, so a
+NaN there cannot show (the same holds for FlexAttention and any block-sparse kernel). The cases below therefore
+place each NaN where the method must use it.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparge_diffusers.kernels import (block_sparse_attention, s2o_attention, selected_block_attention,
+                                      sparge_attention)
+from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
+
+CPU_BACKENDS = ["reference", "triton"]
+
+
+def _non_finite_rows(out: torch.Tensor) -> torch.Tensor:
+    """(B, H, N) bool: rows of an HND output holding any NaN or inf."""
+    return ~torch.isfinite(out.float()).all(-1)
+
+
+def _sdpa_non_finite_rows(q, k, v, is_causal: bool) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
+    return _non_finite_rows(F.scaled_dot_product_attention(q.float(), k, v, is_causal=is_causal))
+
+
+def _with_nan(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
+    t = t.clone()
+    t[index] = float("nan")
+    return t
+
+
+def _video(dtype, device, head_dim=64):
+    # 3 text + 4 x 12 x 12 visual tokens: 5 query blocks and 10 key blocks, none of them full-length at the end
+    return video_like_qkv((4, 12, 12), heads=2, head_dim=head_dim, text_tokens=3, dtype=dtype, device=device, seed=3)
+
+
+def _check_video_sparge(backend, dtype, device, head_dim=64):
+    q, k, v = _video(dtype, device, head_dim)
+    _, stats = sparge_attention(q, k, v, return_sparsity=True, backend=backend)
+    assert stats.sparsity > 0.1, "stage 1 must skip blocks here, or the test proves nothing about it"
+    for name, nan_q, nan_k in [("q", _with_nan(q, (0, 1, 200, 5)), k), ("k", q, _with_nan(k, (0, 0, 300, 7)))]:
+        out = sparge_attention(nan_q, nan_k, v, backend=backend)
+        expected = _sdpa_non_finite_rows(nan_q, nan_k, v, False)
+        assert expected.any(), name
+        assert torch.equal(_non_finite_rows(out), expected), f"NaN in {name}: rows differ from SDPA's"
+
+
+def _check_causal_entries(backend, dtype, device):
+    """Causal GQA with NaN in a key, a value and a query: every entry point that reads them."""
+    q, k, v = llm_like_qkv(300, heads=4, kv_heads=2, head_dim=64, dtype=dtype, device=device, seed=1)
+    n_blocks = (300 + 63) // 64
+    every_block = torch.arange(n_blocks, device=device).expand(1, 2, 300, n_blocks)
+    dense_mask = torch.ones(1, 1, 3, 5, dtype=torch.bool, device=device)
+    entries = {
+        "block_sparse": lambda a, b, c: block_sparse_attention(a, b, c, dense_mask, is_causal=True, pvthreshd=None,
+                                                               backend=backend),
+        "s2o": lambda a, b, c: s2o_attention(a, b, c, is_causal=True, tau=None, backend=backend),
+        "selected": lambda a, b, c: selected_block_attention(a, b, c, every_block, backend=backend),
+        "sparge": lambda a, b, c: sparge_attention(a, b, c, is_causal=True, backend=backend),
+    }
+    cases = [("q", _with_nan(q, (0, 3, 150, 9)), k, v), ("k", q, _with_nan(k, (0, 1, 170, 2)), v),
+             ("v", q, k, _with_nan(v, (0, 0, 240, 0)))]
+    # NaN in v at key 240 of KV head 0: the rows that see it must be NaN. Rows of the same query tile that the
+    # causal mask hides from it may be NaN as well (0 x NaN in the tile's P.V product, as in SDPA's math and
+    # FlashAttention kernels); KV head 1's query heads never are.
+    v_must = torch.zeros(1, 4, 300, dtype=torch.bool, device=device)
+    v_must[0, :2, 240:] = True
+    for entry, attend in entries.items():
+        for name, a, b, c in cases:
+            if entry == "sparge" and name == "v":
+                continue  # stage 1 does not look at v: a block it skips may hold the NaN (see the module doc)
+            got = _non_finite_rows(attend(a, b, c))
+            if name == "v":
+                assert got[v_must].all() and not got[0, 2:].any(), f"{entry}, NaN in v"
+                continue
+            expected = _sdpa_non_finite_rows(a, b, c, True)
+            assert expected.any() and not expected.all(), name  # the causal mask hides it from earlier rows
+            assert torch.equal(got, expected), f"{entry}, NaN in {name}: {int(got.sum())} NaN rows, " \
+                                               f"SDPA {int(expected.sum())}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_nan_in_q_or_k_reaches_the_output_through_stage_1(backend, dtype):
+    _check_video_sparge(backend, dtype, "cpu")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_nan_reaches_the_output_of_every_causal_entry_point(backend):
+    _check_causal_entries(backend, torch.float16, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])  # 128 runs the Hopper kernel on an H100
+def test_nan_reaches_the_output_on_gpu(dtype, head_dim):
+    _check_video_sparge("auto", dtype, "cuda", head_dim)
+    if head_dim == 64:
+        _check_causal_entries("auto", dtype, "cuda")
