@@ -25,6 +25,14 @@ def images(n=4, size=64, seed=0):
 
 # --- fidelity -----------------------------------------------------------------------------------------
 
+def _strict_json_load(path):
+    """Parse a file as strict JSON: Infinity, -Infinity and NaN (which json.dump writes by default) fail."""
+    def reject(token):
+        raise ValueError(f"{path} is not strict JSON: {token}")
+
+    return json.loads(path.read_text(), parse_constant=reject)
+
+
 def test_psnr_ssim_lpips_of_identical_images():
     x = images()
     lpips = LPIPS()
@@ -249,7 +257,12 @@ def test_evaluate_image_pipeline(tmp_path, tiny_clip):
     assert set(report["sparsity_by_layer"]["aggressive"]) == {"transformer_blocks.0.attn",
                                                               "single_transformer_blocks.0.attn"}
     out = tmp_path / "out"
-    assert json.loads((out / "report.json").read_text())["summary"]["aggressive"]["sparsity"] > 0.2
+    strict = _strict_json_load(out / "report.json")
+    assert strict["summary"]["aggressive"]["sparsity"] > 0.2
+    # dense against itself: PSNR infinite in the returned report, null in the file, and marked identical
+    assert strict["summary"]["dense"]["psnr"] is None and strict["summary"]["dense"]["identical_to_dense"] == 1
+    assert strict["summary"]["aggressive"]["identical_to_dense"] == 0
+    assert all(r["psnr"] is None and r["identical_to_dense"] for r in strict["samples"] if r["mode"] == "dense")
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert len(rows) == 9 and {r["mode"] for r in rows} == {"dense", "keep-all", "aggressive"}
     assert Image.open(out / "grid_0.png").size == (3 * 16, 16)  # three modes side by side
@@ -275,14 +288,14 @@ def test_eval_command_on_a_locally_saved_video_pipeline(tmp_path, capsys):
                  "--clip", clip, "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "CogVideoXTransformer3DModel on cpu" in printed and "clipsim" in printed
-    report = json.loads((out / "report.json").read_text())
+    report = _strict_json_load(out / "report.json")
     assert report["kind"] == "video" and report["device"] == "cpu"
     for mode in ("dense", "sparge"):
         s = report["summary"][mode]
         assert -1 <= s["clipsim"] <= 1 and -1 <= s["clip_temp"] <= 1 and s["temporal_flicker"] >= 0
     assert "sparsity" in report["summary"]["sparge"] and set(report["sparsity_by_layer"]["sparge"]) == {
         "transformer_blocks.0.attn1", "transformer_blocks.1.attn1"}
-    assert report["summary"]["dense"]["psnr"] is None or report["summary"]["dense"]["psnr"] == math.inf
+    assert report["summary"]["dense"]["psnr"] is None and report["summary"]["dense"]["identical_to_dense"] == 1
     for name in ("metrics.csv", "grid_0.png", "grid_0.gif", "grid_1.png", "quality_vs_time.png"):
         assert (out / name).is_file(), name
     from PIL import Image
@@ -314,6 +327,7 @@ def test_eval_command_on_gpu(tmp_path, capsys):
     out = tmp_path / "eval"
     assert main(["eval", "--model", model, "--prompts", str(prompts), "--out", str(out), "--steps", "2", "--height",
                  "64", "--width", "64", "--num-frames", "9", "--guidance-scale", "1.0", "--quiet"]) == 0
-    report = json.loads((out / "report.json").read_text())
+    report = _strict_json_load(out / "report.json")
     assert report["device"] != "cpu" and "sparge" in report["sparsity_by_layer"]
-    assert report["summary"]["sparge"]["psnr"] > 20
+    sparge = report["summary"]["sparge"]
+    assert sparge["identical_to_dense"] == 1 or sparge["psnr"] > 20  # identical: PSNR infinite, null in the file

@@ -3,6 +3,10 @@
 Outputs in ``out_dir``: ``report.json`` (settings, GPU, per-mode means, per-sample metrics, sparsity per
 layer), ``metrics.csv`` (one row per mode and prompt), ``grid_<i>.png`` (modes side by side; for videos one
 row of frames per mode) and ``grid_<i>.gif`` for videos, and ``quality_vs_time.png``.
+
+``report.json`` is strict JSON: the PSNR of an output identical to dense's (infinite; always so for the
+``dense`` mode itself) is written as null there, and ``identical_to_dense`` (per sample true or false, per
+mode the fraction of prompts) says which. ``metrics.csv`` and the returned report keep ``inf``.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
             if "dense" in outputs:
                 ref = outputs["dense"][i]
                 row["psnr"], row["ssim"] = psnr(x, ref), ssim(x, ref)
+                row["identical_to_dense"] = math.isinf(row["psnr"])  # report.json writes that PSNR as null
                 if lpips is not None:
                     row["lpips"] = lpips.distance(x, ref)
             if clip is not None:
@@ -171,7 +176,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
 
 def _write(out_dir: Path, report: dict, outputs: dict, modes, is_video: bool, metric_names: list[str]) -> None:
     with open(out_dir / "report.json", "w") as f:
-        json.dump(report, f, indent=1, default=lambda v: None)
+        json.dump(_strict_json(report), f, indent=1, default=lambda v: None, allow_nan=False)
     with open(out_dir / "metrics.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["mode", "prompt_index", "prompt", "seed"] + metric_names)
         writer.writeheader()
@@ -179,6 +184,18 @@ def _write(out_dir: Path, report: dict, outputs: dict, modes, is_video: bool, me
     for i in range(len(report["prompts"])):
         _grid(out_dir, i, [outputs[m.name][i] for m in modes], is_video)
     _plot(out_dir / "quality_vs_time.png", report)
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with each non-finite float as None: json.dump would write ``Infinity`` or ``NaN``, which jq,
+    JavaScript's JSON.parse and most other JSON readers reject."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def _grid(out_dir: Path, index: int, per_mode: list[torch.Tensor], is_video: bool) -> None:
