@@ -12,11 +12,11 @@ place each NaN where the method must use it.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sparge_diffusers.kernels import (block_sparse_attention, s2o_attention, selected_block_attention,
                                       sparge_attention)
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
+from test_kernels import dense_reference
 
 CPU_BACKENDS = ["reference", "triton"]
 
@@ -27,9 +27,7 @@ def _non_finite_rows(out: torch.Tensor) -> torch.Tensor:
 
 
 def _sdpa_non_finite_rows(q, k, v, is_causal: bool) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
-    return _non_finite_rows(F.scaled_dot_product_attention(q.float(), k, v, is_causal=is_causal))
+    return _non_finite_rows(dense_reference(q, k, v, is_causal, "HND"))
 
 
 def _with_nan(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
