@@ -19,7 +19,6 @@ Writes JSON (default benchmarks/results/attention-<gpu>.json) and prints a table
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, sparge_attention
 from sparge_diffusers import compact_block_mask
+from sparge_diffusers._json import write_json
 from sparge_diffusers.kernels.attention import block_mask_to_index
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.stats import dense_block_count
@@ -295,8 +295,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     for name in args.shapes.split(","):
         results["shapes"][name] = run_shape(FULL[name], densities, device, lambda m: print(m, flush=True))
-        with open(out, "w") as f:  # after every shape, so a later failure keeps what was measured
-            json.dump(results, f, indent=1)
+        write_json(out, results)  # after every shape, so a later failure keeps what was measured
     print_table(results)
     print(f"\nwrote {out}")
 

@@ -10,7 +10,6 @@ Usage: python benchmarks/compile_dense_steps.py [cogvideox|flux|sd3|mochi] [MODE
        (default configs: default:0,default:1,reduce-overhead:0,reduce-overhead:1; writes
        $OUT or . / compile-dense-steps-<model>.json)
 """
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import timed  # noqa: E402
 from pipelines import build_on_gpu  # noqa: E402
 
+from sparge_diffusers._json import write_json  # noqa: E402
 from sparge_diffusers.pipelines import SpargeSettings, apply  # noqa: E402
 
 
@@ -64,8 +64,7 @@ def main(argv=None):
             processor.detach(model)
             del fn
     out = os.path.join(os.environ.get("OUT", "."), f"compile-dense-steps-{name}.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(out, results)
     print(f"{results['gpu']}, {name}")
     print(f"{'mode':16} {'dense_steps':>11} {'step ms':>8} {'compile s':>9} {'L1 vs eager':>11} {'partitions':>10}")
     for r in results["rows"]:

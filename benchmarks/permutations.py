@@ -9,13 +9,13 @@ Usage: python benchmarks/permutations.py [--out results.json]   (a CPU runs smal
 """
 
 import argparse
-import json
 import os
 import time
 
 import torch
 
 from sparge_diffusers import sparge_attention
+from sparge_diffusers._json import write_json
 from sparge_diffusers.permutations import block_self_similarity, permuted, visual_token_permutation
 from sparge_diffusers.testing import video_like_qkv
 from sparge_diffusers.workloads import sampled_relative_l1
@@ -78,8 +78,7 @@ def main(argv=None):
               f"{100 * c['share']:.2f}% of cuDNN SDPA ({c['cudnn_ms']:.2f} ms)")
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    "permutations-" + results["device"].split(" (")[0].replace(" ", "_") + ".json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(out, results)
     print(f"wrote {out}")
 
 

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 import diffusers
 from sparge_diffusers import relative_l1
+from sparge_diffusers._json import write_json
 from sparge_diffusers.pipelines import SpargeSettings, apply
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -142,8 +143,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     print_table(results)
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "pipelines-H100.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(out, results)
 
 
 def compiled_ms(model, inputs) -> tuple[float, float]:

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, sparge_attention
+from ._json import write_json
 from .workloads import FULL, SMALL, cudnn_attention_fn, sampled_relative_l1
 
 
@@ -64,9 +65,8 @@ def bench(args: argparse.Namespace) -> int:
             line += f" {r['sparge_ms']:9.2f} {r['cudnn_ms']:9.2f} {r['speedup_vs_cudnn']:8.2f}"
         print(line)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu (reference, small sizes)",
-                       "date": time.strftime("%Y-%m-%d"), "version": __version__, "workloads": rows}, f, indent=1)
+        write_json(args.json, {"device": torch.cuda.get_device_name() if gpu else "cpu (reference, small sizes)",
+                               "date": time.strftime("%Y-%m-%d"), "version": __version__, "workloads": rows})
         print(f"wrote {args.json}")
     return 0
 

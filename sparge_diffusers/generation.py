@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from tqdm import tqdm
+
+from ._json import write_json
 
 __all__ = ["generate", "run_pipeline", "save_output"]
 
@@ -213,6 +214,5 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
               "warmup": warmup,
               "pipe_kwargs": {k: v for k, v in pipe_kwargs.items() if isinstance(v, (int, float, str, bool))},
               "notes": notes, "outputs": rows}
-    with open(out_dir / "generate.json", "w") as f:
-        json.dump(report, f, indent=1, default=lambda v: None)
+    write_json(out_dir / "generate.json", report, other_types_as_null=True)
     return report

@@ -1,7 +1,6 @@
 """The command line's bench on the CPU reference path."""
 
-import json
-
+from json_checks import strict_json_load
 from sparge_diffusers.cli import main
 
 
@@ -10,7 +9,7 @@ def test_bench_runs_on_cpu_and_writes_json(tmp_path, capsys):
     assert main(["bench", "--cpu", "--quiet", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "No GPU" in printed and "llama32k" in printed
-    rows = json.loads(out.read_text())["workloads"]
+    rows = strict_json_load(out)["workloads"]
     assert [r["workload"] for r in rows] == ["cogvideox", "mochi", "flux", "llama32k"]
     for r in rows:
         assert 0.05 < r["sparsity"] < 1, r

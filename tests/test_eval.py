@@ -2,7 +2,6 @@
 downloads), and the eval runner end to end on tiny models."""
 
 import csv
-import json
 import math
 
 import pytest
@@ -14,6 +13,7 @@ pytest.importorskip("torchmetrics")
 from sparge_diffusers.eval import (  # noqa: E402
     LPIPS, ClipModel, clip_score, clip_temp, clipsim, fid, parse_modes, psnr, sharpness, ssim, temporal_flicker)
 from sparge_diffusers.eval.fidelity import ALEXNET_FILE  # noqa: E402
+from json_checks import strict_json_load  # noqa: E402
 from tiny_pipes import TinyImagePipeline  # noqa: E402
 
 
@@ -24,14 +24,6 @@ def images(n=4, size=64, seed=0):
 
 
 # --- fidelity -----------------------------------------------------------------------------------------
-
-def _strict_json_load(path):
-    """Parse a file as strict JSON: Infinity, -Infinity and NaN (which json.dump writes by default) fail."""
-    def reject(token):
-        raise ValueError(f"{path} is not strict JSON: {token}")
-
-    return json.loads(path.read_text(), parse_constant=reject)
-
 
 def test_psnr_ssim_lpips_of_identical_images():
     x = images()
@@ -257,7 +249,7 @@ def test_evaluate_image_pipeline(tmp_path, tiny_clip):
     assert set(report["sparsity_by_layer"]["aggressive"]) == {"transformer_blocks.0.attn",
                                                               "single_transformer_blocks.0.attn"}
     out = tmp_path / "out"
-    strict = _strict_json_load(out / "report.json")
+    strict = strict_json_load(out / "report.json")
     assert strict["summary"]["aggressive"]["sparsity"] > 0.2
     # dense against itself: PSNR infinite in the returned report, null in the file, and marked identical
     assert strict["summary"]["dense"]["psnr"] is None and strict["summary"]["dense"]["identical_to_dense"] == 1
@@ -288,7 +280,7 @@ def test_eval_command_on_a_locally_saved_video_pipeline(tmp_path, capsys):
                  "--clip", clip, "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "CogVideoXTransformer3DModel on cpu" in printed and "clipsim" in printed
-    report = _strict_json_load(out / "report.json")
+    report = strict_json_load(out / "report.json")
     assert report["kind"] == "video" and report["device"] == "cpu"
     for mode in ("dense", "sparge"):
         s = report["summary"][mode]
@@ -327,7 +319,7 @@ def test_eval_command_on_gpu(tmp_path, capsys):
     out = tmp_path / "eval"
     assert main(["eval", "--model", model, "--prompts", str(prompts), "--out", str(out), "--steps", "2", "--height",
                  "64", "--width", "64", "--num-frames", "9", "--guidance-scale", "1.0", "--quiet"]) == 0
-    report = _strict_json_load(out / "report.json")
+    report = strict_json_load(out / "report.json")
     assert report["device"] != "cpu" and "sparge" in report["sparsity_by_layer"]
     sparge = report["summary"]["sparge"]
     assert sparge["identical_to_dense"] == 1 or sparge["psnr"] > 20  # identical: PSNR infinite, null in the file

@@ -3,6 +3,7 @@ pipeline saved locally and loaded through DiffusionPipeline.from_pretrained; a s
 
 import importlib.util
 import json
+import math
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ pytest.importorskip("transformers")
 from sparge_diffusers.cli import main  # noqa: E402
 from sparge_diffusers.generation import generate  # noqa: E402
 from sparge_diffusers.pipelines import SpargeSettings  # noqa: E402
+from json_checks import strict_json_load  # noqa: E402
 from tiny_pipes import TinyImagePipeline, save_tiny_cogvideox_pipeline  # noqa: E402
 
 VIDEO_ARGS = ["--steps", "2", "--height", "64", "--width", "64", "--num-frames", "9", "--guidance-scale", "1.0",
@@ -121,7 +123,8 @@ def test_generate_images_with_warmup_settings_file_and_progress(tmp_path, capsys
     LayerSettingsFile(model_class="FluxTransformer2DModel", layers={
         "transformer_blocks.0.attn": SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3)}).save(aggressive)
     report = generate(pipe, ["a cat", "a dog"], tmp_path / "out", layer_settings=str(aggressive),
-                      settings=SpargeSettings(cdfthreshd=0.5), pipe_kwargs={"num_inference_steps": 3}, warmup=True)
+                      settings=SpargeSettings(cdfthreshd=0.5, pvthreshd=math.inf),  # stage 2 off: null in the file
+                      pipe_kwargs={"num_inference_steps": 3}, warmup=True)
     assert pipe.calls == [1, 3, 3]
     captured = capsys.readouterr()
     assert "generate: 100%" in captured.err and "6/6" in captured.err  # steps of the timed calls
@@ -134,6 +137,8 @@ def test_generate_images_with_warmup_settings_file_and_progress(tmp_path, capsys
         assert row["sparsity_by_layer"]["transformer_blocks.0.attn"] > 0.3  # the file's aggressive layer
     assert report["sparge"]["layer_settings"] == str(aggressive) and report["warmup"] is True
     assert report["sparge"]["settings"]["cdfthreshd"] == 0.5
+    written = strict_json_load(tmp_path / "out" / "generate.json")["sparge"]["settings"]
+    assert written["cdfthreshd"] == 0.5 and written["pvthreshd"] is None
     processors = {type(m.processor).__name__ for m in pipe.transformer.modules() if hasattr(m, "processor")}
     assert processors == {"FluxAttnProcessor"}, "generate puts the native processors back"
 

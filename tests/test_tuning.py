@@ -264,6 +264,34 @@ def test_settings_file_mismatches(tmp_path):
         LayerSettingsFile.load(path)
 
 
+def test_settings_file_is_strict_json_and_keeps_stage_2_off(tmp_path):
+    """pvthreshd = inf (stage 2 off) and non-finite measurements: json.dump wrote Infinity / NaN, which strict
+    readers reject; the file holds null and reads back as off (per head too), and unserialisable values raise."""
+    import math
+
+    from json_checks import strict_json_load
+    from sparge_diffusers.pipelines import LayerSettingsFile, SpargeSettings
+
+    path = tmp_path / "s.json"
+    LayerSettingsFile(model_class="FluxTransformer2DModel", layers={
+        "a": SpargeSettings(pvthreshd=math.inf), "b": SpargeSettings(pvthreshd=[50.0, math.inf]),
+        "c": SpargeSettings(pvthreshd=None)}, measured={"a": {"l1": math.nan, "sparsity": 0.5}},
+        budget={"l1": math.inf}).save(path)
+    doc = strict_json_load(path)
+    assert doc["layers"]["a"]["pvthreshd"] is None and doc["layers"]["b"]["pvthreshd"] == [50.0, None]
+    assert doc["layers"]["a"]["measured"] == {"l1": None, "sparsity": 0.5} and doc["budget"] == {"l1": None}
+    loaded = LayerSettingsFile.load(path)
+    assert loaded.layers["a"].pvthreshd is None and loaded.layers["c"].pvthreshd is None
+    assert loaded.layers["b"].pvthreshd == [50.0, math.inf]
+    q = torch.randn(1, 2, 130, 64)
+    for name in "ab":  # what the loaded settings run equals what the saved ones ran
+        s = loaded.layers[name]
+        out = sparge_attention(q, q, q, pvthreshd=s.pvthreshd, backend="reference")
+        assert torch.equal(out, sparge_attention(q, q, q, pvthreshd=math.inf, backend="reference"))
+    with pytest.raises(TypeError, match="Tensor"):
+        LayerSettingsFile(model_class="X", layers={"a": SpargeSettings(cdfthreshd=torch.tensor(0.9))}).save(path)
+
+
 def test_detach_restores_native_processors():
     from sparge_diffusers import apply
 

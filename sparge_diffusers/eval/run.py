@@ -12,7 +12,6 @@ mode the fraction of prompts) says which. ``metrics.csv`` and the returned repor
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import time
@@ -23,6 +22,7 @@ from typing import Any, Sequence
 import torch
 from tqdm import tqdm
 
+from .._json import write_json
 from ..generation import device_name, run_pipeline, to_uint8
 from .clip import ClipModel, clip_score, clip_temp, clipsim
 from .distribution import fid
@@ -175,8 +175,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
 
 
 def _write(out_dir: Path, report: dict, outputs: dict, modes, is_video: bool, metric_names: list[str]) -> None:
-    with open(out_dir / "report.json", "w") as f:
-        json.dump(_strict_json(report), f, indent=1, default=lambda v: None, allow_nan=False)
+    write_json(out_dir / "report.json", report, other_types_as_null=True)
     with open(out_dir / "metrics.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["mode", "prompt_index", "prompt", "seed"] + metric_names)
         writer.writeheader()
@@ -184,18 +183,6 @@ def _write(out_dir: Path, report: dict, outputs: dict, modes, is_video: bool, me
     for i in range(len(report["prompts"])):
         _grid(out_dir, i, [outputs[m.name][i] for m in modes], is_video)
     _plot(out_dir / "quality_vs_time.png", report)
-
-
-def _strict_json(value: Any) -> Any:
-    """``value`` with each non-finite float as None: json.dump would write ``Infinity`` or ``NaN``, which jq,
-    JavaScript's JSON.parse and most other JSON readers reject."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
 
 
 def _grid(out_dir: Path, index: int, per_mode: list[torch.Tensor], is_video: bool) -> None:

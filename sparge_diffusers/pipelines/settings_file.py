@@ -11,16 +11,20 @@ A file is JSON::
      "calibration": {...}}
 
 Thresholds are one number per layer or one per head. ``measured`` is what tuning saw on its calibration
-data; loading ignores it.
+data; loading ignores it. The file is strict JSON: a ``pvthreshd`` of ``math.inf`` (stage 2 off, as ``None``)
+is written as null, also inside a per-head list, and read back as off; non-finite measurements are null.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from .._json import write_json
 
 FORMAT = "sparge-diffusers/layer-settings"
 VERSION = 1
@@ -43,14 +47,13 @@ class LayerSettingsFile:
 
         layers = {}
         for name, s in self.layers.items():
-            layers[name] = {key: getattr(s, key) for key in _THRESHOLDS}
+            layers[name] = {key: getattr(s, key) for key in _THRESHOLDS}  # inf pvthreshd (off) -> null
             if name in self.measured:
                 layers[name]["measured"] = self.measured[name]
         doc = {"format": FORMAT, "version": VERSION, "model_class": self.model_class,
                "diffusers_version": self.diffusers_version, "sparge_diffusers_version": __version__,
                "budget": self.budget, "layers": layers, "calibration": self.calibration}
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(path, doc)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "LayerSettingsFile":
@@ -72,7 +75,10 @@ class LayerSettingsFile:
             unknown = set(entry) - set(_THRESHOLDS) - {"measured"}
             if unknown:
                 raise ValueError(f"{path}: layer {name!r} has unknown keys {sorted(unknown)}")
-            layers[name] = SpargeSettings(**{k: entry[k] for k in _THRESHOLDS if k in entry})
+            values = {k: entry[k] for k in _THRESHOLDS if k in entry}
+            if isinstance(values.get("pvthreshd"), list):  # a head with stage 2 off is null in the file
+                values["pvthreshd"] = [math.inf if t is None else t for t in values["pvthreshd"]]
+            layers[name] = SpargeSettings(**values)
             if "measured" in entry:
                 measured[name] = entry["measured"]
         if not layers:
