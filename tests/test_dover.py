@@ -72,7 +72,7 @@ def test_dover_views_shapes_and_normalisation():
         torch.testing.assert_close(v.mean((0, 2, 3, 4)), want)
     x = torch.rand(20, 3, 64, 64)
     assert all(torch.equal(a, b) for a, b in zip(dover_views(x, seed=3).values(), dover_views(x, seed=3).values()))
-    with pytest.raises(ValueError, match="RGB video"):
+    with pytest.raises(ValueError, match="3, H, W"):
         dover_views(torch.rand(9, 64, 64))
 
 

@@ -35,7 +35,8 @@ def test_psnr_ssim_lpips_of_identical_images():
 
 def test_psnr_known_value_and_ordering():
     x = images()
-    assert psnr(x + 0.1, x) == pytest.approx(20.0, abs=1e-4)  # MSE 0.01 (up to float32 rounding of x + 0.1)
+    y = 0.9 * x  # so that y + 0.1 stays in [0, 1]
+    assert psnr(y + 0.1, y) == pytest.approx(20.0, abs=1e-4)  # MSE 0.01 (up to float32 rounding of y + 0.1)
     noisy = lambda s: (x + s * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)  # noqa: E731
     assert psnr(noisy(0.02), x) > psnr(noisy(0.1), x)
     assert ssim(noisy(0.02), x) > ssim(noisy(0.1), x)
@@ -48,6 +49,31 @@ def test_fidelity_rejects_mismatched_inputs():
         psnr(images(2), images(3))
     with pytest.raises(ValueError, match="3, H, W"):
         ssim(torch.rand(2, 1, 8, 8), torch.rand(2, 1, 8, 8))
+
+
+@pytest.mark.parametrize("data, message", [
+    (lambda x: (x * 255).round().to(torch.uint8), "uint8"),  # what PIL / numpy images give
+    (lambda x: x * 2 - 1, r"values span \[-0\.\d+, 0\.\d+\], not \[0, 1\]"),  # a VAE decoder's [-1, 1] output
+    (lambda x: x * 255, r"values span \[\d+\.?\d*, 2\d\d\.?\d*\], not \[0, 1\]"),  # [0, 255] floats
+], ids=["uint8", "minus_one_to_one", "zero_to_255"])
+def test_every_metric_rejects_images_outside_0_1(data, message):
+    """Each metric scales, normalises or clamps assuming [0, 1]; other data gave plausible wrong numbers
+    (uint8 images: CLIP's clamp made them white, PSNR and SSIM used the wrong data range)."""
+    from sparge_diffusers.eval import dover_views
+
+    x = images(2, 32)
+    bad = data(x)
+    clip = ClipModel(encode_image_fn=lambda t: t.flatten(1), encode_text_fn=lambda t: torch.ones(len(t), 3 * 16 * 16),
+                     image_size=16)
+    calls = [lambda: psnr(bad, x), lambda: psnr(x, bad), lambda: ssim(bad, x), lambda: LPIPS()(bad, x),
+             lambda: clip_score(bad, ["a", "b"], clip), lambda: clipsim(bad, "a", clip), lambda: clip_temp(bad, clip),
+             lambda: fid(bad, x, feature=SmallFeatures()), lambda: fid(x, bad, feature=SmallFeatures()),
+             lambda: temporal_flicker(bad), lambda: sharpness(bad), lambda: dover_views(bad)]
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    stray = (x * 1.008 - 0.004)  # a decoder output a hair outside [0, 1] is still accepted
+    assert psnr(stray, x) > 40 and math.isfinite(clip_score(stray, ["a", "b"], clip))
 
 
 def test_lpips_loads_weight_files(tmp_path):
@@ -236,6 +262,9 @@ def test_evaluate_image_pipeline(tmp_path, tiny_clip):
         Image.fromarray((images(1, 32, seed=i)[0].permute(1, 2, 0) * 255).byte().numpy()).save(real_dir / f"{i}.png")
     real = load_images(real_dir, (16, 16))
     assert real.shape == (3, 3, 16, 16) and 0 <= real.min() and real.max() <= 1
+    with pytest.raises(ValueError, match="real_images: expected float"):  # before generating anything
+        evaluate(pipe, ["a cat"], modes, tmp_path / "bad", real_images=(real * 255).byte(), progress=False)
+    assert not (tmp_path / "bad").exists()
     report = evaluate(pipe, ["a cat", "a red car", "the moon"], modes, tmp_path / "out", pipe_kwargs={
         "num_inference_steps": 2}, clip=tiny_clip, lpips=LPIPS(), fid_feature=SmallFeatures(), real_images=real,
         progress=False)

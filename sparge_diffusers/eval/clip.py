@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ._images import check_unit_images
+
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -37,8 +39,7 @@ class ClipModel:
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) in [0, 1] -> the model's input: short side resized, centre-cropped, normalised."""
-        if images.dim() != 4 or images.shape[1] != 3:
-            raise ValueError(f"expected (N, 3, H, W) images in [0, 1], got {tuple(images.shape)}")
+        check_unit_images(images)
         h, w = images.shape[-2:]
         s = self.image_size / min(h, w)
         size = (max(self.image_size, round(h * s)), max(self.image_size, round(w * s)))

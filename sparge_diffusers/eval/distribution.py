@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ._images import check_unit_images
+
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"  # torch-fidelity's FID Inception weights
 
 
@@ -20,6 +22,8 @@ def fid(real: torch.Tensor, fake: torch.Tensor, *, feature: torch.nn.Module | No
     """
     from torchmetrics.image.fid import FrechetInceptionDistance
 
+    check_unit_images(real, "real images")
+    check_unit_images(fake, "generated images")
     if len(real) < 2 or len(fake) < 2:
         raise ValueError(f"FID needs at least two images per set, got {len(real)} and {len(fake)}")
     if feature is None:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._images import check_unit_images
+
 DOVER_WEIGHTS_URL = "https://huggingface.co/teowu/DOVER/resolve/main/DOVER.pth"
 DOVER_INSTALL = "pip install git+https://github.com/VQAssessment/DOVER.git"
 
@@ -112,8 +114,7 @@ def dover_views(frames: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
 
     Returns {"technical": (3, C, 32, 224, 224), "aesthetic": (1, C, 32, 224, 224)} (clips first), float32.
     """
-    if frames.dim() != 4 or frames.shape[1] != 3:
-        raise ValueError(f"DOVER needs (frames, 3, H, W) RGB video, got shape {tuple(frames.shape)}")
+    check_unit_images(frames, "DOVER's frames")
     g = torch.Generator().manual_seed(seed)
     video = frames.detach().float().cpu().clamp(0, 1).mul(255.0).transpose(0, 1)  # (C, T, H, W)
     n = video.shape[1]

@@ -14,12 +14,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._images import check_unit_images
+
 
 def _check_pair(x: torch.Tensor, ref: torch.Tensor) -> None:
+    check_unit_images(x)
+    check_unit_images(ref, "reference")
     if x.shape != ref.shape:
         raise ValueError(f"shapes differ: {tuple(x.shape)} vs reference {tuple(ref.shape)}")
-    if x.dim() != 4 or x.shape[1] != 3:
-        raise ValueError(f"expected (N, 3, H, W) images or (F, 3, H, W) frames in [0, 1], got {tuple(x.shape)}")
 
 
 def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:

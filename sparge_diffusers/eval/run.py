@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from .._json import write_json
 from ..generation import device_name, run_pipeline, to_uint8
+from ._images import check_unit_images
 from .clip import ClipModel, clip_score, clip_temp, clipsim
 from .distribution import fid
 from .fidelity import LPIPS, psnr, ssim
@@ -94,6 +95,8 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
     """
     from ..pipelines import apply
 
+    if real_images is not None:
+        check_unit_images(real_images, "real_images")  # before any generation, not after it
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pipe_kwargs = dict(pipe_kwargs or {})

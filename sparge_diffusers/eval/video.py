@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._images import check_unit_images
+
 _LAPLACIAN = torch.tensor([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]]).view(1, 1, 3, 3)
 
 
@@ -20,6 +22,7 @@ def _luma(frames: torch.Tensor) -> torch.Tensor:
 
 def temporal_flicker(frames: torch.Tensor) -> float:
     """Mean absolute luma change between consecutive frames (0 for a still video; lower is steadier)."""
+    check_unit_images(frames, "frames")
     if len(frames) < 2:
         raise ValueError("temporal_flicker needs at least two frames")
     y = _luma(frames.float())
@@ -28,5 +31,6 @@ def temporal_flicker(frames: torch.Tensor) -> float:
 
 def sharpness(frames: torch.Tensor) -> float:
     """Variance of the luma Laplacian, averaged over frames (0 for flat frames; blur lowers it)."""
+    check_unit_images(frames, "frames")
     lap = F.conv2d(_luma(frames.float()), _LAPLACIAN)
     return float(lap.flatten(1).var(1).mean())
