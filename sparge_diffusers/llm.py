@@ -10,10 +10,11 @@ they come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache
 the lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``), and left-padded batches
 (each prompt its own call without its padding). Everything else is left to transformers' own SDPA function, the
 one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, right padding
-or other explicit masks, dropout, softcapping, sliding windows, position biases, non-causal modules and unsupported
-dtypes or head dims. ``strict=True`` raises instead of falling back. Calls that neither the kernels nor SDPA compute
-raise ValueError whatever ``strict`` says (attention sinks, key indices chosen by the model, packed sequences given
-only as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked
+or other explicit masks, dropout, softcapping, sliding windows, position biases, non-causal modules, unsupported
+dtypes or head dims and shapes the kernels refuse (a value head dim unlike the query's). ``strict=True`` raises
+instead of falling back. Calls that neither the kernels nor SDPA compute raise ValueError whatever ``strict`` says
+(attention sinks, key indices chosen by the model, packed sequences given only as ``cu_seq_lens``:
+:func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked
 walk or FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the
 segmented key permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator);
 knows nothing of diffusers.
@@ -361,7 +362,7 @@ class SpargeLLMAttention:
         for name, what in SDPA_COMPUTED_ARGUMENTS.items():
             if kwargs.get(name) is not None:
                 return what, None, None
-        reason = unsupported_reason(query, key, value)
+        reason = unsupported_reason(query, key, value, is_causal=True, causal_variant="upper_left")  # shapes only
         if reason is not None:
             return reason, None, None
         if attention_mask is None:

@@ -396,6 +396,19 @@ def test_attention_function_answers_in_transformers_layout():
     assert relative_l1(out, expected.transpose(1, 2)) < 1e-5
 
 
+def test_a_value_head_dim_unlike_the_querys_falls_back_to_sdpa():
+    """SDPA takes v with another head dim than q and k (DeepSeek-style attention at small sizes); the kernels
+    refuse it, which raised in the middle of the model. Now transformers' SDPA function answers, with a warning."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module, (q, k, v), attention = direct_call_setup(4)
+    v = torch.randn(1, 2, 130, 32)
+    with pytest.warns(UserWarning, match="k and v shapes differ"):
+        out, _ = attention(module, q, k, v, None, scaling=0.125)
+    expected, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.125)
+    assert attention.sparse_calls == 0 and out.shape == (1, 130, 4, 32) and torch.equal(out, expected)
+
+
 def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
     """Keyword arguments that change attention: a position bias goes to transformers' SDPA function, which adds it
     (a warning; strict raises); attention sinks and model-chosen key indices raise on every call, decode steps

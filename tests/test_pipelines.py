@@ -302,6 +302,31 @@ def test_fallback_warns_once_and_strict_raises():
             F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
 
 
+@pytest.mark.parametrize("shapes, causal, message", [
+    (((2, 64, 64),) * 3, False, "must be 4-D"),  # (B*H, N, D), as older processors call SDPA
+    (((1, 1, 2, 64, 64),) * 3, False, "must be 4-D"),  # extra batch dims
+    (((1, 2, 64, 64), (1, 2, 96, 64), (1, 2, 96, 64)), True, "is_causal=True with 64 queries and 96 keys"),
+    (((1, 2, 64, 64), (1, 2, 64, 64), (1, 2, 64, 32)), False, "k and v shapes differ"),  # value head dim != q's
+    (((2, 2, 64, 64), (1, 2, 64, 64), (1, 2, 64, 64)), False, "batch sizes differ"),  # SDPA broadcasts
+])
+def test_calls_sdpa_takes_and_the_kernels_refuse_fall_back(shapes, causal, message):
+    """Such a call raised the kernels' ValueError in the middle of the model; it is SDPA's to answer (with the
+    one-time warning), and strict refuses it. Causal with unequal lengths: SDPA aligns it upper left."""
+    import torch.nn.functional as F
+
+    from sparge_diffusers.pipelines.processor import _SparseSDPA
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(*shape) for shape in shapes)
+    with pytest.warns(UserWarning, match=message):
+        with _SparseSDPA(SpargeProcessor(), "layer", SpargeSettings()):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    with pytest.raises(ValueError, match="strict"):
+        with _SparseSDPA(SpargeProcessor(strict=True), "layer", SpargeSettings()):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 def test_a_training_step_falls_back_to_sdpa_with_its_gradients():
     """With autograd on (a fine-tuning step) the kernels, which have no backward pass, would hand back outputs
     without a gradient: the processor falls back to native attention, warns once, and the step's loss and weight

@@ -176,10 +176,12 @@ def check_no_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"(for training, use SDPA)")
 
 
-def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
-    """Why a call with these inputs' dtype, head dim, device and autograd state cannot take the sparse path (None
-    when it can): for callers that fall back to dense attention instead of raising, as the diffusers and
-    transformers seams do (their fallback, SDPA, has a backward pass)."""
+def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool = False,
+                       causal_variant: CausalVariant | None = None) -> str | None:
+    """Why a call with these inputs' dtype, head dim, device, autograd state and shapes cannot take the sparse path
+    (None when it can): for callers that fall back to dense attention instead of raising, as the diffusers and
+    transformers seams do (their fallback, SDPA, has a backward pass and takes shapes the kernels refuse: not
+    4-D, a value head dim unlike q's, batch sizes to broadcast, causal with unequal lengths and no variant)."""
     reason = grad_reason(query, key, value)
     if reason is not None:
         return reason
@@ -189,6 +191,11 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return f"head dim {query.shape[-1]}"
     if query.device.type not in ("cuda", "cpu"):
         return f"device {query.device}"
+    try:
+        check_attention_inputs(query, key, value, tensor_layout="HND", is_causal=is_causal,
+                               causal_variant=causal_variant)
+    except ValueError as e:
+        return str(e)
     return None
 
 

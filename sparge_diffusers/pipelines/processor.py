@@ -408,13 +408,13 @@ class SpargeProcessor:
         warn_once(message, self._warned, stacklevel=5)
 
     def fallback_reason(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
-                        dropout_p: float = 0.0) -> str | None:
+                        dropout_p: float = 0.0, is_causal: bool = False) -> str | None:
         """Why this SDPA call cannot run sparse (None when it can)."""
         if attn_mask is not None:
             return "an attention mask (the kernel takes block masks only)"
         if dropout_p:
             return "dropout"
-        return unsupported_reason(query, key, value)
+        return unsupported_reason(query, key, value, is_causal=is_causal)
 
     def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor, compiled: bool = False,
                             key: torch.Tensor | None = None):
@@ -430,7 +430,7 @@ class SpargeProcessor:
 
     def _attention(self, layer, settings, sdpa, query, key, value, attn_mask=None, dropout_p=0.0,
                    is_causal=False, scale=None, enable_gqa=False):
-        reason = self.fallback_reason(query, key, value, attn_mask, dropout_p)
+        reason = self.fallback_reason(query, key, value, attn_mask, dropout_p, is_causal)
         if reason:
             self._warn_once(reason)
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

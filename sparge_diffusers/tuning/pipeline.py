@@ -27,7 +27,7 @@ class _CalibrationProcessor(SpargeProcessor):
                    is_causal=False, scale=None, enable_gqa=False):
         dense = sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                      scale=scale, enable_gqa=enable_gqa)
-        reason = self.fallback_reason(query, key, value, attn_mask, dropout_p)
+        reason = self.fallback_reason(query, key, value, attn_mask, dropout_p, is_causal)
         if reason:  # the layer will fall back at inference too: nothing to tune there
             self._warn_once(f"{reason}; such calls are not tuned")
             return dense
