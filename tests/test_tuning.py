@@ -292,6 +292,23 @@ def test_settings_file_is_strict_json_and_keeps_stage_2_off(tmp_path):
         LayerSettingsFile(model_class="X", layers={"a": SpargeSettings(cdfthreshd=torch.tensor(0.9))}).save(path)
 
 
+@pytest.mark.parametrize("field, values, message", [
+    ("cdfthreshd", (0.9, 1.5), r"cdfthreshd values must lie in \[0.0, 1.0\], got 1.5"),
+    ("simthreshd1", (2.0,), r"simthreshd1 values must lie in \[-1.0, 1.0\]"),
+    ("pvthreshd", (4.0, 0.0), r"pvthreshd values must lie in \(0, inf\]"),
+    ("pvthreshd", (float("nan"),), "got nan"),
+    ("pvthreshd", (None,), "got None"),
+    ("cdfthreshd", (), "non-empty sequence"),
+    ("cdfthreshd", 0.9, "non-empty sequence"),
+])
+def test_threshold_grid_rejects_values_the_kernels_refuse(field, values, message):
+    """Checked when the grid is made, so tune() fails before running the model, not at its first attention call;
+    inf (stage 2 off) is a valid pvthreshd."""
+    with pytest.raises(ValueError, match=message):
+        ThresholdGrid(**{field: values})
+    ThresholdGrid(pvthreshd=(float("inf"), 4.0))
+
+
 def test_detach_restores_native_processors():
     from sparge_diffusers import apply
 

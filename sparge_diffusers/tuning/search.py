@@ -40,6 +40,19 @@ class ThresholdGrid:
     cdfthreshd: tuple[float, ...] = DEFAULT_CDFTHRESHD
     pvthreshd: tuple[float, ...] = DEFAULT_PVTHRESHD
 
+    def __post_init__(self):
+        # checked here, before tune() runs the model, rather than by the kernels at the first calibration call
+        ranges = {"simthreshd1": (-1.0, 1.0), "cdfthreshd": (0.0, 1.0), "pvthreshd": (0.0, math.inf)}
+        for name, (low, high) in ranges.items():
+            values = getattr(self, name)
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) == 0:
+                raise ValueError(f"ThresholdGrid.{name} must be a non-empty sequence of numbers, got {values!r}")
+            for x in values:
+                ok = isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high  # NaN fails
+                if not ok or (name == "pvthreshd" and x == 0):
+                    span = "(0, inf] (inf: stage 2 off)" if name == "pvthreshd" else f"[{low}, {high}]"
+                    raise ValueError(f"ThresholdGrid.{name} values must lie in {span}, got {x!r}")
+
     def stage1_points(self) -> list[tuple[float, float]]:
         """(theta, tau) pairs; with theta >= 1 every block is kept whatever tau, so only one such pair."""
         points = [(s, c) for s in self.simthreshd1 if s < 1 for c in self.cdfthreshd]
