@@ -160,8 +160,13 @@ def generate_command(args: argparse.Namespace) -> int:
     if not mode.sparse and sparse_only:
         print(f"{', '.join(sparse_only)} apply to sparge attention, not --attention dense", file=sys.stderr)
         return 2
+    try:
+        settings = _settings(args)  # before loading the model
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     pipe = load_pipeline(args.model, args.device, args.dtype)
-    report = generate(pipe, prompts, args.out, sparse=mode.sparse, settings=_settings(args),
+    report = generate(pipe, prompts, args.out, sparse=mode.sparse, settings=settings,
                       layer_settings=mode.settings_file, dense_steps=args.dense_steps, strict=args.strict,
                       seed=args.seed, pipe_kwargs=pipeline_kwargs(args), fps=args.fps, compile=args.compile,
                       warmup=args.warmup, progress=not args.quiet)

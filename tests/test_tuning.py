@@ -262,6 +262,10 @@ def test_settings_file_mismatches(tmp_path):
                                 "layers": {"a": {"cdfthreshd": 0.9, "bogus": 1}}}))
     with pytest.raises(ValueError, match="unknown keys"):
         LayerSettingsFile.load(path)
+    path.write_text(json.dumps({"format": "sparge-diffusers/layer-settings", "version": 1, "model_class": "X",
+                                "layers": {"a": {"cdfthreshd": [0.9, 1.5]}}}))
+    with pytest.raises(ValueError, match=r"s.json: layer 'a': cdfthreshd values must lie in \[0.0, 1.0\], got 1.5"):
+        LayerSettingsFile.load(path)
 
 
 def test_settings_file_is_strict_json_and_keeps_stage_2_off(tmp_path):
@@ -297,7 +301,7 @@ def test_settings_file_is_strict_json_and_keeps_stage_2_off(tmp_path):
     ("simthreshd1", (2.0,), r"simthreshd1 values must lie in \[-1.0, 1.0\]"),
     ("pvthreshd", (4.0, 0.0), r"pvthreshd values must lie in \(0, inf\]"),
     ("pvthreshd", (float("nan"),), "got nan"),
-    ("pvthreshd", (None,), "got None"),
+    ("pvthreshd", (None,), r"non-empty sequence of numbers, got \(None,\)"),
     ("cdfthreshd", (), "non-empty sequence"),
     ("cdfthreshd", 0.9, "non-empty sequence"),
 ])
@@ -307,6 +311,23 @@ def test_threshold_grid_rejects_values_the_kernels_refuse(field, values, message
     with pytest.raises(ValueError, match=message):
         ThresholdGrid(**{field: values})
     ThresholdGrid(pvthreshd=(float("inf"), 4.0))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(cdfthreshd=1.5), r"cdfthreshd values must lie in \[0.0, 1.0\]"),
+    (dict(simthreshd1=[0.5, float("nan")]), "simthreshd1 values must lie in"),
+    (dict(pvthreshd=0), r"pvthreshd values must lie in \(0, inf\]"),
+    (dict(pvthreshd=[50, None]), "got None"),
+    (dict(simthreshd1=[]), "non-empty list"),
+    (dict(permutation="zigzag"), "unknown permutation 'zigzag'"),
+])
+def test_settings_are_checked_when_made(settings, message):
+    """Not at the model's first attention call (after its text encoders ran); None and inf turn stage 2 off."""
+    from sparge_diffusers.pipelines import SpargeSettings
+
+    with pytest.raises(ValueError, match=message):
+        SpargeSettings(**settings)
+    SpargeSettings(pvthreshd=None), SpargeSettings(pvthreshd=float("inf"), simthreshd1=[0.5, -1.0, 1.0])
 
 
 def test_detach_restores_native_processors():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence, Union
+from typing import Any, Literal, Sequence, Union
 
 import torch
 
@@ -229,6 +229,25 @@ def per_head(value: PerHead, heads: int, name: str, device: torch.device, *,
     if (t < low).any() or (t > high).any():
         raise ValueError(f"{name} must lie in [{low}, {high}], got {t.tolist()}")
     return _on_device(tuple(t.tolist()), str(device))
+
+
+THRESHOLD_RANGES = {"simthreshd1": (-1.0, 1.0), "cdfthreshd": (0.0, 1.0), "pvthreshd": (0.0, math.inf)}
+
+
+def check_threshold_values(name: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is a threshold the kernels take, whatever the head count: a number or a
+    non-empty sequence of numbers in ``name``'s range (pvthreshd: > 0, inf or None for stage 2 off). For callers
+    that hold thresholds before any call (settings, tuning grids); a tensor is left to the call's own check."""
+    if isinstance(value, torch.Tensor) or (name == "pvthreshd" and value is None):
+        return
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    low, high = THRESHOLD_RANGES[name]
+    if not values:
+        raise ValueError(f"{name} must be a number or a non-empty list of numbers, got {value!r}")
+    for x in values:
+        if not (_is_number(x) and low <= x <= high) or (name == "pvthreshd" and x == 0):  # NaN fails the range
+            span = "(0, inf] (inf or None: stage 2 off)" if name == "pvthreshd" else f"[{low}, {high}]"
+            raise ValueError(f"{name} values must lie in {span}, got {x!r}")
 
 
 def _is_number(x) -> bool:

@@ -37,8 +37,8 @@ from torch.overrides import TorchFunctionMode
 from .._compile import compiling, warn_once
 from ..kernels import sparge_attention
 from ..kernels.library import sparge_attention_op
-from ..kernels._inputs import unsupported_reason
-from ..permutations import permuted, visual_token_permutation
+from ..kernels._inputs import THRESHOLD_RANGES, check_threshold_values, unsupported_reason
+from ..permutations import ORDERS, permuted, visual_token_permutation
 from .settings_file import LayerSettingsFile
 
 
@@ -52,6 +52,13 @@ class SpargeSettings:
     pvthreshd: float | list[float] | None = 50
     dense: bool = False  # run this layer densely (native SDPA)
     permutation: str | None = None  # reorder visual tokens: "hilbert", "rowmajor", "colmajor", "timemajor", "random"
+
+    def __post_init__(self):
+        # checked when made (or read from a settings file), not at the model's first attention call
+        for name in THRESHOLD_RANGES:
+            check_threshold_values(name, getattr(self, name))
+        if self.permutation is not None and self.permutation not in ORDERS:
+            raise ValueError(f"unknown permutation {self.permutation!r}; choose from {sorted(ORDERS)} or None")
 
 
 def infer_token_grid(

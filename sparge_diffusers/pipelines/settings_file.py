@@ -78,7 +78,10 @@ class LayerSettingsFile:
             values = {k: entry[k] for k in _THRESHOLDS if k in entry}
             if isinstance(values.get("pvthreshd"), list):  # a head with stage 2 off is null in the file
                 values["pvthreshd"] = [math.inf if t is None else t for t in values["pvthreshd"]]
-            layers[name] = SpargeSettings(**values)
+            try:
+                layers[name] = SpargeSettings(**values)
+            except ValueError as e:
+                raise ValueError(f"{path}: layer {name!r}: {e}") from None
             if "measured" in entry:
                 measured[name] = entry["measured"]
         if not layers:

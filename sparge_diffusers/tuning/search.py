@@ -21,6 +21,7 @@ from typing import Callable, Literal
 import torch
 
 from ..kernels import sparge_attention
+from ..kernels._inputs import THRESHOLD_RANGES, check_threshold_values
 
 # theta = 1 keeps every block (no block similarity exceeds 1) and tau = 1 keeps every key block with any
 # probability, so the densest point of the default grid is exact up to rounding: a budget is always met.
@@ -42,16 +43,11 @@ class ThresholdGrid:
 
     def __post_init__(self):
         # checked here, before tune() runs the model, rather than by the kernels at the first calibration call
-        ranges = {"simthreshd1": (-1.0, 1.0), "cdfthreshd": (0.0, 1.0), "pvthreshd": (0.0, math.inf)}
-        for name, (low, high) in ranges.items():
+        for name in THRESHOLD_RANGES:
             values = getattr(self, name)
-            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) == 0:
+            if not isinstance(values, (list, tuple)) or not values or None in values:
                 raise ValueError(f"ThresholdGrid.{name} must be a non-empty sequence of numbers, got {values!r}")
-            for x in values:
-                ok = isinstance(x, (int, float)) and not isinstance(x, bool) and low <= x <= high  # NaN fails
-                if not ok or (name == "pvthreshd" and x == 0):
-                    span = "(0, inf] (inf: stage 2 off)" if name == "pvthreshd" else f"[{low}, {high}]"
-                    raise ValueError(f"ThresholdGrid.{name} values must lie in {span}, got {x!r}")
+            check_threshold_values(name, values)
 
     def stage1_points(self) -> list[tuple[float, float]]:
         """(theta, tau) pairs; with theta >= 1 every block is kept whatever tau, so only one such pair."""
