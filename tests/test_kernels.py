@@ -684,3 +684,15 @@ def test_block_mask_to_index_keeps_the_visible_blocks_in_order(B, H, nq_len, nkv
                 blocks = index[b, h, i, :count[b, h, i]].long()
                 assert torch.equal(blocks, torch.nonzero(kept[b, h, i]).flatten())
                 assert not needs_masking[i, blocks[:n_full[b, h, i]]].any()
+
+
+def test_relative_l1_compares_equal_shapes_only():
+    """An HND output against an NHD reference with one head broadcast to a (N, N) comparison and gave a number;
+    two all-zero tensors gave inf (maximal error) for identical outputs."""
+    out = torch.randn(1, 1, 20, 8)
+    with pytest.raises(ValueError, match=r"equal shapes, got \(1, 1, 20, 8\) and \(1, 20, 1, 8\)"):
+        relative_l1(out, out.transpose(1, 2))
+    assert relative_l1(out, out) == 0 and relative_l1(torch.zeros(3), torch.zeros(3)) == 0
+    assert relative_l1(torch.ones(3), torch.zeros(3)) == math.inf
+    assert math.isnan(relative_l1(torch.tensor([math.nan]), torch.ones(1)))
+    assert relative_l1(2 * out, out) == pytest.approx(1.0)

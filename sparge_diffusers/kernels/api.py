@@ -457,7 +457,13 @@ def s2o_attention(
 
 
 def relative_l1(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """The paper's accuracy metric: sum|O - O'| / sum|O'|, in float64."""
+    """The paper's accuracy metric: sum|O - O'| / sum|O'|, in float64; 0 for two all-zero tensors, inf for a
+    non-zero ``out`` against an all-zero ``ref``. The shapes must be equal: broadcasting (an HND output against
+    an NHD reference with one head, say) would compare the wrong elements."""
+    if out.shape != ref.shape:
+        raise ValueError(f"relative_l1 needs equal shapes, got {tuple(out.shape)} and {tuple(ref.shape)}")
     o, r = out.double(), ref.double()
-    denom = r.abs().sum()
-    return float((o - r).abs().sum() / denom) if denom > 0 else math.inf
+    err, denom = float((o - r).abs().sum()), float(r.abs().sum())
+    if denom > 0:
+        return err / denom
+    return 0.0 if err == 0 else (math.nan if math.isnan(err) else math.inf)
