@@ -104,6 +104,8 @@ def sampled_errors(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     Exact attention of every row would need O(N^2) memory at the benchmark sizes; 2048 rows of every head
     estimate the metrics with a spread well below the differences we report.
     """
+    if out.shape != q.shape[:3] + v.shape[3:]:  # an NHD output would be indexed along its heads
+        raise ValueError(f"out must be (B, H, N, D) like q, got {tuple(out.shape)} for q {tuple(q.shape)}")
     N = q.shape[2]
     g = torch.Generator(device=q.device).manual_seed(seed)
     idx = torch.randperm(N, generator=g, device=q.device)[:rows].sort().values

@@ -696,3 +696,16 @@ def test_relative_l1_compares_equal_shapes_only():
     assert relative_l1(torch.ones(3), torch.zeros(3)) == math.inf
     assert math.isnan(relative_l1(torch.tensor([math.nan]), torch.ones(1)))
     assert relative_l1(2 * out, out) == pytest.approx(1.0)
+
+
+def test_sampled_relative_l1_matches_the_full_metric_and_wants_hnd():
+    """The benchmarks' row-sampled metric: with every row sampled it is relative_l1 against exact attention;
+    an NHD output would have been indexed along its heads."""
+    from sparge_diffusers.workloads import sampled_relative_l1
+
+    q, k, v = (torch.randn(1, 2, 100, 64) for _ in range(3))
+    out = sparge_attention(q, k, v, simthreshd1=-1.0, cdfthreshd=0.5, backend="reference")
+    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert sampled_relative_l1(out, q, k, v, False, rows=100) == pytest.approx(relative_l1(out, exact), rel=1e-5)
+    with pytest.raises(ValueError, match="out must be"):
+        sampled_relative_l1(out.transpose(1, 2), q, k, v, False)
