@@ -139,8 +139,11 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
     Returns the report also written to ``generate.json``: per prompt the seed, seconds, files, number of outputs,
     and with ``sparse`` the number of attention calls that ran sparse and the mean sparsity over layers and per layer.
     """
-    from .pipelines import apply
+    from .pipelines import apply, installed_processor
 
+    if installed_processor(pipe) is not None:  # its dense runs would run it, its sparse runs would nest in it
+        raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("
+                         "pipe.transformer)); generate applies its own from its arguments")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pipe_kwargs = dict(pipe_kwargs or {})

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 diffusers = pytest.importorskip("diffusers")
 
 from sparge_diffusers import relative_l1  # noqa: E402
-from sparge_diffusers.pipelines import SpargeProcessor, SpargeSettings, apply  # noqa: E402
+from sparge_diffusers.pipelines import SpargeProcessor, SpargeSettings, apply, install  # noqa: E402
 
 KEEP_ALL = SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
 AGGRESSIVE = SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None)
@@ -133,6 +133,25 @@ def test_set_attn_processor_works_where_the_model_has_it(name):
     model.set_attn_processor(processor)
     assert relative_l1(run(model, inputs), native) < 1e-5
     assert len({s["layer"] for s in processor.stats}) == len(model.attn_processors)
+
+
+def test_a_second_processor_is_refused_until_the_first_is_detached():
+    """A second apply() wrapped the first processor as the layers' native one: the first answered every call with
+    its own settings while the second recorded nothing (and warned that the layers ran dense)."""
+    torch.manual_seed(3)
+    model, inputs = flux()
+    first = apply(model, AGGRESSIVE)
+    with pytest.raises(ValueError, match="already runs a SpargeProcessor"):
+        apply(model, KEEP_ALL)
+    assert install(model, first) is first  # the same processor again: nothing changes
+    first.detach(model)
+    second = apply(model, KEEP_ALL)
+    run(model, inputs)
+    assert second.stats and first.stats == []
+    second.detach(model)
+    model.set_attn_processor(SpargeProcessor())  # diffusers' own call installs one too
+    with pytest.raises(ValueError, match="already runs a SpargeProcessor"):
+        apply(model)
 
 
 def flux_with_ip_adapter():
@@ -457,6 +476,7 @@ def test_a_native_processor_that_never_calls_sdpa_is_reported_not_silently_dense
             out = run(model, inputs)
         assert processor.stats == []
         assert relative_l1(out, native) < 1e-5  # flex attention, dense: the native result
+        processor.detach(model)
         strict = apply(model, AGGRESSIVE, strict=True)
         with pytest.raises(ValueError, match="strict=True"):
             run(model, inputs)

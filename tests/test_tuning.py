@@ -330,6 +330,28 @@ def test_settings_are_checked_when_made(settings, message):
     SpargeSettings(pvthreshd=None), SpargeSettings(pvthreshd=float("inf"), simthreshd1=[0.5, -1.0, 1.0])
 
 
+def test_tune_generate_and_evaluate_refuse_a_model_that_already_runs_a_processor(tmp_path):
+    """tune's calibration processor would have wrapped it and taken its sparse output for the exact one; generate's
+    and evaluate's dense runs would have run it. Each refuses before running the model."""
+    from sparge_diffusers import apply, tune
+    from sparge_diffusers.eval import AttentionMode, evaluate
+    from sparge_diffusers.generation import generate
+
+    model, latents = tiny_flux(8)
+    applied = apply(model)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match="already runs a SpargeProcessor"):
+        tune(model, [latents(0)], progress=False)
+    pipe = type("Pipe", (), {"transformer": model})()
+    with pytest.raises(ValueError, match="already runs a SpargeProcessor"):
+        generate(pipe, ["a cat"], tmp_path / "g", sparse=False, progress=False)
+    with pytest.raises(ValueError, match="already runs a SpargeProcessor"):
+        evaluate(pipe, ["a cat"], [AttentionMode("dense", False)], tmp_path / "e", progress=False)
+    assert calls == []
+    applied.detach(model)
+
+
 def test_detach_restores_native_processors():
     from sparge_diffusers import apply
 

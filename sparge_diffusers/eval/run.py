@@ -93,8 +93,11 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
     dense set and, when ``real_images`` (N, 3, H, W) are given (the paper: COCO images of the captions used
     as prompts), with those. DOVER's technical / aesthetic / fused scores of each video need ``dover``.
     """
-    from ..pipelines import apply
+    from ..pipelines import apply, installed_processor
 
+    if installed_processor(pipe) is not None:  # the dense mode would run it
+        raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("
+                         "pipe.transformer)); evaluate applies each mode's own")
     if real_images is not None:
         check_unit_images(real_images, "real_images")  # before any generation, not after it
     out_dir = Path(out_dir)

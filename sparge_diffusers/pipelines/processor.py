@@ -556,6 +556,12 @@ def install(pipe_or_transformer: Any, processor: SpargeProcessor) -> SpargeProce
     modules = [m for _, m in _attention_modules(transformer)]
     if not modules:
         raise ValueError(f"{type(transformer).__name__} has no attention modules with a processor")
+    # A second processor would wrap the first as the layers' "native" one: the first would answer every call with
+    # its own settings while the second saw none, and tune() would take the first's sparse output for exact
+    earlier = installed_processor(transformer)
+    if earlier is not None and earlier is not processor:
+        raise ValueError(f"{type(transformer).__name__} already runs a SpargeProcessor (an earlier apply() or "
+                         "set_attn_processor): call its .detach(transformer) first, or change its settings")
     processor.bind(transformer)  # checks the names first, so a refused settings file changes nothing
     for m in modules:
         native = m.processor
@@ -566,6 +572,14 @@ def install(pipe_or_transformer: Any, processor: SpargeProcessor) -> SpargeProce
         if isinstance(native, torch.nn.Module):  # set_processor unregistered it: keep its weights on the module
             m.add_module(_KEPT_NATIVE, native)
     return processor
+
+
+def installed_processor(pipe_or_transformer: Any) -> SpargeProcessor | None:
+    """The :class:`SpargeProcessor` the model's attention modules hold (from :func:`apply` or
+    ``set_attn_processor``), or None."""
+    transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
+    return next((m.processor for _, m in _attention_modules(transformer) if isinstance(m.processor, SpargeProcessor)),
+                None)
 
 
 def _set_processor(module: torch.nn.Module, processor: Any) -> None:
