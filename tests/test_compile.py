@@ -78,13 +78,15 @@ def _steps(model, inputs, timesteps):
     return outs
 
 
-@pytest.mark.parametrize("name,backend", [("sd3", "aot_eager"), ("cogvideox", "inductor")])
-def test_compiled_model_runs_the_dense_warm_up_steps(name, backend):
+@pytest.mark.parametrize("name,backend,generation", [("sd3", "aot_eager", [9, 7, 5, 3]),
+                                                     ("cogvideox", "inductor", [9, 7, 5, 3]),
+                                                     ("sd3", "aot_eager", [3, 5, 7, 9])])  # rising, as Mochi's
+def test_compiled_model_runs_the_dense_warm_up_steps(name, backend, generation):
     """dense_steps under torch.compile: the graph counts steps on CPU tensors and the operator reads the flag at
     run time, so each step of two generations equals the eager step (dense, then sparse) with one graph."""
     torch.manual_seed(11)
     model, inputs = MODELS[name]()
-    timesteps = [9, 7, 5, 3] * 2  # two generations of four steps
+    timesteps = generation * 2  # two generations of four steps
     native = _steps(model, inputs, timesteps)
     processor = apply(model, SPARSE, dense_steps=2)
     eager = _steps(model, inputs, timesteps)
@@ -107,9 +109,9 @@ def test_compiled_model_runs_the_dense_warm_up_steps(name, backend):
     assert int(processor._step_t) == 4 and not bool(processor._dense_now)
     # compiled and eager calls share one count: two compiled steps of a new generation (each forward twice, as
     # true CFG runs them: one step each), then an eager third
-    _steps(compiled, inputs, [9, 9, 7, 7])
+    _steps(compiled, inputs, [generation[0]] * 2 + [generation[1]] * 2)
     assert int(processor._step_t) == 2
-    assert torch.equal(_steps(model, inputs, [5])[0], eager[2]), "the eager call must go on as step 3 (sparse)"
+    assert torch.equal(_steps(model, inputs, generation[2:3])[0], eager[2]), "the eager call goes on as step 3"
 
 
 def test_regional_compilation_neither_recompiles_per_step_nor_skips_the_warm_up():

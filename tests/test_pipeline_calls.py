@@ -99,6 +99,26 @@ def test_pipeline_call_with_processor_matches_dense(name):
     assert (out == out).all() and processor.stats
 
 
+def test_mochi_with_its_inverted_sigmas_warms_up_then_runs_sparse():
+    """Mochi's scheduler inverts the sigmas (invert_sigmas in its scheduler config), so its timesteps rise from 0.
+    The step count took every rise for a new generation: with dense_steps every step ran dense and nothing sparse.
+    Now step 1 is the warm-up, the later steps run sparse, and a second generation warms up again."""
+    torch.manual_seed(0)
+    pipe, kw, field, _ = mochi_pipe()
+    pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler(invert_sigmas=True)
+    pipe.set_progress_bar_config(disable=True)
+    kw.update(num_inference_steps=3, output_type="np")
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(float(k["timestep"][0])), with_kwargs=True)
+    processor = apply(pipe, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None), dense_steps=1)
+    pipe(**kw, generator=torch.Generator().manual_seed(0))
+    assert seen == sorted(seen) and seen[0] < seen[-1], seen  # rising timesteps
+    first = [s["step"] for s in processor.stats]  # Mochi's processor calls SDPA once per prompt of the batch
+    assert set(first) == {2, 3} and first.count(2) == first.count(3), first
+    pipe(**kw, generator=torch.Generator().manual_seed(0))
+    assert [s["step"] for s in processor.stats[len(first):]] == first, "the second generation warms up again"
+
+
 def test_flux_true_cfg_runs_both_forwards_of_a_warm_up_step_densely():
     """FluxPipeline's true CFG (a negative prompt, true_cfg_scale > 1) calls the transformer twice per step with one
     timestep: dense_steps counts steps, so both forwards of step 1 run densely and each later step's two forwards

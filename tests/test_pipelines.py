@@ -283,19 +283,23 @@ def test_per_layer_settings_and_dense_warmup():
         apply(sd3()[0], layer_settings={"nope.attn": SpargeSettings()})
 
 
-def test_forwards_that_repeat_a_timestep_are_one_step():
+@pytest.mark.parametrize("timesteps", [
+    [10, 10, 8, 8, 6, 10, 10, 8],  # two steps with true CFG, a third without; a new generation
+    [0, 0, 2, 2, 4, 0, 0, 2],  # the same with rising timesteps, as Mochi's inverted sigmas give them
+])
+def test_forwards_that_repeat_a_timestep_are_one_step(timesteps):
     """True CFG calls the transformer twice per denoising step with one timestep (Flux's negative prompt): both
     forwards belong to that step, so the dense warm-up covers both and their statistics carry one step number; a
-    rise of the timestep starts the next generation at step 1."""
+    move of the timestep against the generation's direction starts the next generation at step 1."""
     torch.manual_seed(4)
     model, inputs = sd3()
-    native = run(model, inputs)
+    calls = [dict(inputs, timestep=torch.full_like(inputs["timestep"], t)) for t in timesteps]
+    native = [run(model, call) for call in calls]
     processor = apply(model, AGGRESSIVE, dense_steps=1)
-    timesteps = [10, 10, 8, 8, 6, 10, 10, 8]  # two steps with true CFG, a third without; a new generation
-    outs = [run(model, dict(inputs, timestep=torch.full_like(inputs["timestep"], t))) for t in timesteps]
-    assert torch.equal(outs[0], native) and torch.equal(outs[1], native), "both forwards of step 1 are dense"
-    assert torch.equal(outs[5], native) and torch.equal(outs[6], native), "and so are the new generation's"
-    assert relative_l1(outs[2], native) > 1e-3 and torch.equal(outs[2], outs[3])
+    outs = [run(model, call) for call in calls]
+    assert all(torch.equal(outs[i], native[i]) for i in (0, 1)), "both forwards of step 1 are dense"
+    assert all(torch.equal(outs[i], native[i]) for i in (5, 6)), "and so are the new generation's"
+    assert relative_l1(outs[2], native[2]) > 1e-3 and torch.equal(outs[2], outs[3])
     per_step = {}
     for record in processor.stats:
         per_step[record["step"]] = per_step.get(record["step"], 0) + 1

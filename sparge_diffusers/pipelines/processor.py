@@ -257,10 +257,11 @@ class SpargeProcessor:
             file for another model class or naming layers the model lacks is refused; layers a file does not
             cover use ``settings``, with a warning (an error when ``strict``).
         dense_steps: run the first k denoising steps of every generation densely (counted by ``bind``'s
-            hook from the timestep: a rise restarts the count, and a forward with the previous forward's timestep
-            belongs to the same step, as in pipelines that call the transformer twice per step, e.g. Flux's
-            true CFG; under ``torch.compile`` the graph counts on CPU tensors and the attention operator reads the
-            count at run time).
+            hook from the timestep: a generation's first two timesteps set its direction, falling (Flux, SD3,
+            CogVideoX) or rising (Mochi's inverted sigmas), and a move against it restarts the count; a forward
+            with the previous forward's timestep belongs to the same step, as in pipelines that call the
+            transformer twice per step, e.g. Flux's true CFG; under ``torch.compile`` the graph counts on CPU
+            tensors and the attention operator reads the count at run time).
         collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read).
         strict: raise instead of falling back to native attention when a call cannot run sparse.
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
@@ -285,7 +286,6 @@ class SpargeProcessor:
     step: int = 0
     grid: tuple | None = None  # ((T, H, W), "before" | "after") of the current forward call, set by bind's hook
     _records: list = field(default_factory=list, repr=False)
-    _last_timestep: float | None = field(default=None, repr=False)
     _names: dict[int, str] = field(default_factory=dict, repr=False)
     _natives: dict[int, Any] = field(default_factory=dict, repr=False)
     _warned: set = field(default_factory=set, repr=False)
@@ -300,6 +300,9 @@ class SpargeProcessor:
                                   compare=False)
     _last_timestep_t: torch.Tensor = field(default_factory=lambda: torch.full((1,), math.inf, dtype=torch.float64),
                                            repr=False, compare=False)
+    # the current generation's timestep direction: -1 falling, +1 rising, 0 not known yet (its first step)
+    _direction_t: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64), repr=False,
+                                       compare=False)
     _dense_now: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.bool), repr=False,
                                      compare=False)
 
@@ -338,33 +341,21 @@ class SpargeProcessor:
     def _on_forward(self, module, args, kwargs):
         """Count denoising steps and note the token grid of this call (for token permutations).
 
-        Within one generation the timestep only falls, so a timestep above the last one starts a new
-        generation and the count (hence the dense warm-up) starts again; the same timestep again is the same
-        step (a second forward of it: true CFG's negative prompt, which must run as its positive one did). A
-        forward without a timestep counts as a step. This reads one number per forward.
+        Within one generation the timestep moves one way: down in most pipelines, up in Mochi's (its scheduler
+        inverts the sigmas, so its timesteps rise from 0). The first two timesteps of a generation set the
+        direction, and a move against it starts a new generation, whose count (hence the dense warm-up) starts
+        again. (Only falling was expected before: every step of a Mochi generation restarted the count, so with
+        ``dense_steps`` every step ran dense.) The same timestep again is the same step (a second forward of it:
+        true CFG's negative prompt, which must run as its positive one did). A forward without a timestep counts
+        as a step. This reads one number per forward. A generation of one step followed by another is taken for
+        the two steps of one generation.
         While a CUDA graph is being captured nothing may be read back from the GPU: see ``_on_captured_forward``.
         """
         if compiling() or _capturing():
             self._on_captured_forward(module, args, kwargs)
             return
-        if self.dense_steps:  # compiled calls may have counted since (on the CPU tensors): go on from there
-            self.step = int(self._step_t[0])
-            last = float(self._last_timestep_t[0])
-            self._last_timestep = None if math.isinf(last) else last
-        timestep = kwargs.get("timestep")
-        repeat = False
-        if isinstance(timestep, torch.Tensor) and timestep.numel():
-            t = float(timestep.flatten()[0])
-            repeat = self._last_timestep is not None and t == self._last_timestep
-            if self._last_timestep is not None and t > self._last_timestep:
-                self.step = 0
-            self._last_timestep = t
-        if not repeat:
-            self.step += 1
-        if self.dense_steps:  # and hand the count on to compiled calls (CPU tensors: no sync)
-            self._step_t.fill_(self.step)
-            self._last_timestep_t.fill_(math.inf if self._last_timestep is None else self._last_timestep)
-            self._dense_now.fill_(self.step <= self.dense_steps)
+        self._count_step(kwargs.get("timestep"))  # the count compiled calls keep too (CPU tensors)
+        self.step = int(self._step_t[0])
         self.grid = infer_token_grid(module, args, kwargs)
 
     def _on_captured_forward(self, module, args, kwargs) -> None:
@@ -372,11 +363,11 @@ class SpargeProcessor:
         it. Capture follows eager warm-up calls, whose step count and token grid stand: the graph records the
         attention path of the step being captured, and replays do not run this hook, so ``dense_steps`` cannot
         switch a replayed graph between dense and sparse (warned once). A compiled model counts steps inside its
-        graph instead (``_count_step_in_graph``; a Python counter would make it recompile at each step). Flux's
+        graph instead (``_count_step``; a Python counter would make it recompile at each step). Flux's
         grid comes from its img_ids on the GPU, which cannot be read here: the last eager call's grid is kept when
         its token count matches, else no permutation (with the usual warning)."""
         if self.dense_steps and compiling():
-            self._count_step_in_graph(kwargs.get("timestep"))
+            self._count_step(kwargs.get("timestep"))
         elif self.dense_steps:
             self._warn_capture("dense_steps has no effect on CUDA-graph replays (the graph records the path of the "
                                "captured step); capture one graph for the dense steps and one for the rest")
@@ -388,15 +379,20 @@ class SpargeProcessor:
         else:  # read from shapes only
             self.grid = infer_token_grid(module, args, kwargs)
 
-    def _count_step_in_graph(self, timestep: Any) -> None:
-        """``_on_forward``'s step count as operations of the compiled graph on CPU tensors (one read of the
-        timestep per step, as in eager calls): the graph updates the count and the dense flag in place, and
-        every attention operator of the step reads the flag when it runs."""
+    def _count_step(self, timestep: Any) -> None:
+        """:meth:`_on_forward`'s step count (see there) as operations on CPU tensors, the same in eager calls and
+        in a compiled graph (one read of the timestep per step): the count and the dense flag are updated in
+        place, and every attention operator of the step reads the flag when it runs."""
         if isinstance(timestep, torch.Tensor) and timestep.numel():
             t = timestep.detach().flatten()[:1].to("cpu", torch.float64)
-            restart = t > self._last_timestep_t  # a new generation: the timestep rose
-            repeat = t == self._last_timestep_t  # the same step again (true CFG's second forward)
-            self._step_t.copy_(torch.where(restart, 1, torch.where(repeat, self._step_t, self._step_t + 1)))
+            last, direction = self._last_timestep_t, self._direction_t
+            first = torch.isinf(last)  # no forward seen yet
+            repeat = t == last  # the same step again (true CFG's second forward)
+            moved = torch.sign(t - last)
+            restart = ~first & ~repeat & (direction != 0) & (moved != direction)  # a new generation
+            step = torch.where(restart, 1, torch.where(repeat, self._step_t, self._step_t + 1))
+            self._direction_t.copy_(torch.where(restart | first, 0.0, torch.where(repeat, direction, moved)))
+            self._step_t.copy_(step)
             self._last_timestep_t.copy_(t)
         else:
             self._step_t.add_(1)
