@@ -352,6 +352,20 @@ def test_tune_generate_and_evaluate_refuse_a_model_that_already_runs_a_processor
     applied.detach(model)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(dense_steps=-1), "dense_steps must be an int >= 0, got -1"),  # ran no warm-up without a word
+    (dict(dense_steps="2"), "dense_steps must be an int >= 0, got '2'"),  # failed at the first step
+    (dict(dense_steps=1.5), "dense_steps must be an int"),
+    (dict(layer_settings={"transformer_blocks.0.attn": {"cdfthreshd": 0.9}}), "must be SpargeSettings"),
+])
+def test_processor_options_are_checked_when_made(options, message):
+    from sparge_diffusers.pipelines import SpargeProcessor, SpargeSettings
+
+    with pytest.raises(ValueError, match=message):
+        SpargeProcessor(**options)
+    assert SpargeProcessor(settings=None).settings == SpargeSettings()  # None: the defaults, as apply() takes it
+
+
 def test_detach_restores_native_processors():
     from sparge_diffusers import apply
 

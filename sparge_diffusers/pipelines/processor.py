@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import math
+import numbers
 import os
 import threading
 import warnings
@@ -307,11 +308,21 @@ class SpargeProcessor:
                                      compare=False)
 
     def __post_init__(self):
+        if self.settings is None:
+            self.settings = SpargeSettings()
         if isinstance(self.layer_settings, (str, os.PathLike)):
             self.layer_settings = LayerSettingsFile.load(self.layer_settings)
         if isinstance(self.layer_settings, LayerSettingsFile):
             self._settings_file = self.layer_settings
             self.layer_settings = dict(self._settings_file.layers)
+        # checked here: a negative count ran no warm-up without a word, a string failed at the first step
+        if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, numbers.Integral) \
+                or self.dense_steps < 0:
+            raise ValueError(f"dense_steps must be an int >= 0, got {self.dense_steps!r}")
+        wrong = [n for n, s in {"settings": self.settings, **self.layer_settings}.items()
+                 if not isinstance(s, SpargeSettings)]
+        if wrong:
+            raise ValueError(f"settings must be SpargeSettings (per layer too); not so for {wrong[:3]}")
 
     def bind(self, transformer: torch.nn.Module) -> "SpargeProcessor":
         """Learn the module names (for per-layer settings and stats) and count denoising steps."""
