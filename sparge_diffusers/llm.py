@@ -35,8 +35,8 @@ from ._compile import compiling, warn_once
 from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_op, select_key_blocks,
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
-from .kernels._inputs import (CausalVariant, PerHead, check_attention_inputs, check_no_grad, resolve_scale,
-                              unsupported_reason)
+from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_attention_inputs, check_no_grad,
+                              check_threshold_values, resolve_scale, unsupported_reason)
 from .kernels.api import new_output
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
@@ -338,6 +338,8 @@ class SpargeLLMAttention:
             raise ValueError(f"top_k must be a positive int, got {self.top_k!r}")
         if self.block_size not in (32, 64, 128):
             raise ValueError(f"block_size must be 32, 64 or 128, got {self.block_size!r}")
+        for name in THRESHOLD_RANGES:  # checked here, not at the model's first prefill
+            check_threshold_values(name, getattr(self, name))
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
         self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its left padding)

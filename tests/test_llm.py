@@ -373,7 +373,9 @@ def test_s2o_chunk_against_a_cache_stops_early(tiny_llama):
 def test_bad_settings_raise():
     for bad, message in ((dict(method="topk"), "method must be one of"), (dict(method="fsa", pbs_segment=256),
                          "pbs_segment pairs"), (dict(s2o_segment=100), "s2o_segment"), (dict(top_k=0), "top_k"),
-                         (dict(block_size=48), "block_size")):
+                         (dict(block_size=48), "block_size"), (dict(cdfthreshd=1.5), r"cdfthreshd values must lie"),
+                         (dict(pvthreshd=0), r"pvthreshd values must lie in \(0, inf\]"),
+                         (dict(simthreshd1=[0.5, float("nan")]), "simthreshd1 values")):  # not at the first prefill
         with pytest.raises(ValueError, match=message):
             SpargeLLMAttention(**bad)
 
