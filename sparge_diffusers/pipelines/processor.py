@@ -355,11 +355,11 @@ class SpargeProcessor:
         Within one generation the timestep moves one way: down in most pipelines, up in Mochi's (its scheduler
         inverts the sigmas, so its timesteps rise from 0). The first two timesteps of a generation set the
         direction, and a move against it starts a new generation, whose count (hence the dense warm-up) starts
-        again. (Only falling was expected before: every step of a Mochi generation restarted the count, so with
-        ``dense_steps`` every step ran dense.) The same timestep again is the same step (a second forward of it:
-        true CFG's negative prompt, which must run as its positive one did). A forward without a timestep counts
-        as a step. This reads one number per forward. A generation of one step followed by another is taken for
-        the two steps of one generation.
+        again (with a falling direction assumed, every step of a Mochi generation would restart the count and
+        run dense). The same timestep again is the same step (a second forward of it: true CFG's negative prompt,
+        which must run as its positive one did). A forward without a timestep counts as a step. This reads one
+        number per forward. A generation of one step followed by another is taken for the two steps of one
+        generation.
         While a CUDA graph is being captured nothing may be read back from the GPU: see ``_on_captured_forward``.
         """
         if compiling() or _capturing():
