@@ -262,6 +262,10 @@ def test_evaluate_image_pipeline(tmp_path, tiny_clip):
         Image.fromarray((images(1, 32, seed=i)[0].permute(1, 2, 0) * 255).byte().numpy()).save(real_dir / f"{i}.png")
     real = load_images(real_dir, (16, 16))
     assert real.shape == (3, 3, 16, 16) and 0 <= real.min() and real.max() <= 1
+    with pytest.raises(ValueError, match="distinct names"):  # outputs are kept by name: the second overwrote
+        evaluate(pipe, ["a cat"], [modes[1], AttentionMode("keep-all", True)], tmp_path / "bad", progress=False)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        evaluate(pipe, [], modes, tmp_path / "bad", progress=False)
     with pytest.raises(ValueError, match="real_images: expected float"):  # before generating anything
         evaluate(pipe, ["a cat"], modes, tmp_path / "bad", real_images=(real * 255).byte(), progress=False)
     assert not (tmp_path / "bad").exists()

@@ -95,6 +95,11 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
     """
     from ..pipelines import apply, installed_processor
 
+    names = [m.name for m in modes]
+    if not names or len(set(names)) != len(names):  # outputs are kept by name: a repeat would overwrite
+        raise ValueError(f"evaluate needs one or more modes with distinct names, got {names}")
+    if not prompts:
+        raise ValueError("evaluate needs at least one prompt")
     if installed_processor(pipe) is not None:  # the dense mode would run it
         raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("
                          "pipe.transformer)); evaluate applies each mode's own")
