@@ -191,11 +191,20 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return f"head dim {query.shape[-1]}"
     if query.device.type not in ("cuda", "cpu"):
         return f"device {query.device}"
-    try:
-        check_attention_inputs(query, key, value, tensor_layout="HND", is_causal=is_causal,
-                               causal_variant=causal_variant)
-    except ValueError as e:
-        return str(e)
+    # Shapes SDPA takes and the kernels refuse. Only these few comparisons run on every call (the seams ask on
+    # every attention call, and the kernel call repeats the full check, ~4.6 us of host time); the full check
+    # runs when one fails, for its message. What both refuse (mismatched dtypes, devices or q/k head dims,
+    # head counts that do not divide) is left to the kernel call's error, as SDPA would raise too.
+    plain = (query.dim() == key.dim() == value.dim() == 4 and key.shape == value.shape
+             and query.shape[0] == key.shape[0] and query.numel() > 0 and key.numel() > 0
+             and query.dtype in KERNEL_DTYPES + (torch.float32,)
+             and (not is_causal or causal_variant is not None or query.shape[2] == key.shape[2]))
+    if not plain:
+        try:
+            check_attention_inputs(query, key, value, tensor_layout="HND", is_causal=is_causal,
+                                   causal_variant=causal_variant)
+        except ValueError as e:
+            return str(e)
     return None
 
 
