@@ -85,12 +85,14 @@ class RecordSDPA(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.device = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             qkv = list(args[:3]) + [kwargs[n] for n in ("query", "key", "value") if n in kwargs]
             self.calls.append(tuple(t.shape for t in qkv))
+            self.device = qkv[0].device
         return func(*args, **kwargs)
 
 
@@ -180,8 +182,8 @@ def run_model(name, graph=False, compiled=False):
         dense_kernel_ms = kernel_ms(step)
         attn_ms = 0.0
         for shape in set(rec.calls):
-            q = torch.randn(shape[0], device="cuda", dtype=DTYPE)
-            k = torch.randn(shape[1], device="cuda", dtype=DTYPE)
+            q = torch.randn(shape[0], device=rec.device, dtype=DTYPE)
+            k = torch.randn(shape[1], device=rec.device, dtype=DTYPE)
             one = timed(lambda: F.scaled_dot_product_attention(q, k, k), reps=5)
             attn_ms += one * rec.calls.count(shape)
         largest = max(rec.calls, key=lambda c: c[0].numel())[0]
@@ -215,7 +217,7 @@ def run_model(name, graph=False, compiled=False):
                 ms, compile_s = compiled_ms(model, inputs)
                 row["settings"][label].update(compiled_ms=ms, compiled_speedup=row["dense_compiled_ms"] / ms,
                                               compile_s=compile_s)
-            processor.enabled = False
+            processor.detach(model)  # one SpargeProcessor per model: the next setting installs its own
         print(name, json.dumps(row), flush=True)
     return row
 

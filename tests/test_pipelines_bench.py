@@ -1,0 +1,53 @@
+"""benchmarks/pipelines.py runs each model through dense, then every sparse setting, on one model (CPU, a tiny
+random-weight Flux, the reference path; the timings themselves need a GPU)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import pipelines as pipelines_bench  # noqa: E402  (a broken import must fail here, not skip)
+
+from sparge_diffusers.pipelines import installed_processor  # noqa: E402
+
+
+def tiny_flux():
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 28, 28)).to(torch.bfloat16)
+    H = W = 12
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(H).float(), torch.arange(W).float(),
+                                     indexing="ij"), -1).reshape(-1, 3)
+    inputs = dict(hidden_states=torch.randn(1, H * W, 4, dtype=torch.bfloat16),
+                  encoder_hidden_states=torch.randn(1, 20, 32, dtype=torch.bfloat16),
+                  pooled_projections=torch.randn(1, 16, dtype=torch.bfloat16), timestep=torch.tensor([0.5]),
+                  img_ids=ids, txt_ids=torch.zeros(20, 3))
+    return model.eval(), inputs, "tiny"
+
+
+def test_every_setting_runs_on_the_same_model_and_leaves_it_dense(monkeypatch):
+    built = []
+
+    def build(name):
+        built.append(tiny_flux())
+        return built[-1]
+
+    def timed(fn, reps=5, warmup=3):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(pipelines_bench, "build_on_gpu", build)
+    monkeypatch.setattr(pipelines_bench, "timed", timed)
+    monkeypatch.setattr(pipelines_bench, "kernel_ms", lambda fn: 1.0)
+    row = pipelines_bench.run_model("flux")
+    assert set(row["settings"]) == {"default", "aggressive"}  # the second setting used to meet the first's processor
+    for setting in row["settings"].values():
+        assert 0.0 <= setting["sparsity"] <= 1.0
+        assert 0.0 <= setting["relative_l1_vs_dense_step"] < 0.5
+    assert row["attention_calls"] == 2 and row["attention_shape"][2] == 20 + 12 * 12
+    assert installed_processor(built[0][0]) is None
