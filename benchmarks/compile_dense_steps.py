@@ -6,10 +6,11 @@ switching operator ``sparge_diffusers::sparge_attention_or_exact``, which induct
 compiled model with dense_steps=0 (the plain operator) and dense_steps=1 (after the warm-up: the same timestep
 repeats, so the count says sparse), per mode, and the compiled output's relative L1 against the eager one.
 
-Usage: python benchmarks/compile_dense_steps.py [cogvideox|flux|sd3|mochi] [MODE:DENSE_STEPS,...]
-       (default configs: default:0,default:1,reduce-overhead:0,reduce-overhead:1; writes
+Usage: python benchmarks/compile_dense_steps.py [cogvideox|flux|sd3|mochi] [MODE:DENSE_STEPS,...] [--out FILE]
+       (default configs: default:0,default:1,reduce-overhead:0,reduce-overhead:1; writes --out, else
        $OUT or . / compile-dense-steps-<model>.json)
 """
+import argparse
 import os
 import sys
 import time
@@ -19,8 +20,9 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import timed  # noqa: E402
-from pipelines import build_on_gpu  # noqa: E402
+from pipelines import MODELS, build_on_gpu  # noqa: E402
 
+from sparge_diffusers import relative_l1  # noqa: E402
 from sparge_diffusers._json import write_json  # noqa: E402
 from sparge_diffusers.pipelines import SpargeSettings, apply  # noqa: E402
 
@@ -28,20 +30,27 @@ from sparge_diffusers.pipelines import SpargeSettings, apply  # noqa: E402
 CONFIGS = "default:0,default:1,reduce-overhead:0,reduce-overhead:1"
 
 
-def relative_l1(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().sum() / b.float().abs().sum())
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default="cogvideox", choices=sorted(MODELS))
+    ap.add_argument("configs", nargs="?", default=CONFIGS, help="MODE:DENSE_STEPS,... (MODE: a torch.compile mode)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    try:
+        args.configs = [(mode, int(steps)) for mode, steps in (c.split(":") for c in args.configs.split(","))]
+    except ValueError:
+        ap.error(f"configs must be MODE:DENSE_STEPS,... (e.g. {CONFIGS}), got {args.configs!r}")
+    return args
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    name = argv[0] if argv else "cogvideox"
-    configs = [c.split(":") for c in (argv[1] if len(argv) > 1 else CONFIGS).split(",")]
+    args = parse_args(argv)
+    name, configs = args.model, args.configs
     model, inputs, _ = build_on_gpu(name)
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": name, "rows": []}
     with torch.no_grad():
         eager_dense = model(**inputs, return_dict=False)[0].clone()
         for mode, dense_steps in configs:
-            dense_steps = int(dense_steps)
             processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9), dense_steps=dense_steps)
             for _ in range(dense_steps + 1):  # eager steps past the warm-up: the last one is sparse
                 eager_sparse = model(**inputs, return_dict=False)[0].clone()
@@ -63,7 +72,7 @@ def main(argv=None):
             print(row, flush=True)
             processor.detach(model)
             del fn
-    out = os.path.join(os.environ.get("OUT", "."), f"compile-dense-steps-{name}.json")
+    out = args.out or os.path.join(os.environ.get("OUT", "."), f"compile-dense-steps-{name}.json")
     write_json(out, results)
     print(f"{results['gpu']}, {name}")
     print(f"{'mode':16} {'dense_steps':>11} {'step ms':>8} {'compile s':>9} {'L1 vs eager':>11} {'partitions':>10}")

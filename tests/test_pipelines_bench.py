@@ -51,3 +51,18 @@ def test_every_setting_runs_on_the_same_model_and_leaves_it_dense(monkeypatch):
         assert 0.0 <= setting["relative_l1_vs_dense_step"] < 0.5
     assert row["attention_calls"] == 2 and row["attention_shape"][2] == 20 + 12 * 12
     assert installed_processor(built[0][0]) is None
+
+
+def test_compile_dense_steps_parses_its_arguments(capsys):
+    import compile_dense_steps  # benchmarks/ is on the path (above)
+
+    assert compile_dense_steps.parse_args(["flux", "default:2,reduce-overhead:0"]).configs == [
+        ("default", 2), ("reduce-overhead", 0)]
+    assert compile_dense_steps.parse_args([]).model == "cogvideox"
+    with pytest.raises(SystemExit) as e:  # was a KeyError: --help taken for a model name
+        compile_dense_steps.parse_args(["--help"])
+    assert e.value.code == 0 and "MODE:DENSE_STEPS" in capsys.readouterr().out
+    for bad in (["flux", "default:x"], ["flux", "default"], ["unet"]):
+        with pytest.raises(SystemExit) as e:
+            compile_dense_steps.parse_args(bad)
+        assert e.value.code == 2
