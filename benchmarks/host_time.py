@@ -8,6 +8,9 @@ timed with our kernels launched directly (``sparge_diffusers._launch``, the defa
 ``kernel[grid](...)`` path, alternately (``AB_REPEATS`` times each, min of the mins and median of the medians):
 the host's speed swings between runs, so only figures of one run compare.
 
+The second part of the table splits one call: stage 1's launches with their allocations, the tail order's zeroed
+buffer, and the cost of one allocation and of one empty launch on this host.
+
 Usage: python benchmarks/host_time.py [--out benchmarks/results/host-time-H100.json]
 """
 
@@ -24,8 +27,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import save_report  # noqa: E402
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from sparge_diffusers import block_sparse_attention, compact_block_mask, predict_block_mask, sparge_attention  # noqa: E402
 from sparge_diffusers import _launch  # noqa: E402
+from sparge_diffusers.kernels import attention_hopper, predict  # noqa: E402
+from sparge_diffusers.kernels._inputs import check_attention_inputs, resolve_scale  # noqa: E402
 
 WARMUP, ROUNDS, CALLS = 20, 5, 40
 AB_REPEATS = 3
@@ -42,6 +50,34 @@ def entry_points(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
         "predict_block_mask": lambda: predict_block_mask(q, k),
         "block_sparse(prebuilt)": lambda: block_sparse_attention(q, k, v, compact),
         "block_sparse(dense)": lambda: block_sparse_attention(q, k, v, None),
+    }
+
+
+@triton.jit
+def _empty_kernel(x, n, BLOCK: tl.constexpr):
+    pass
+
+
+def part_entry_points(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """What one sparge_attention call is made of, each timed alone: stage 1's three launches with their output
+    allocations, the Hopper kernel's zeroed tail-order buffer, and the yardsticks a call pays per allocation and
+    per launch (``torch.empty``, ``torch.zeros``, a Triton kernel that does nothing, launched as ours are)."""
+    shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=False)
+    scale = resolve_scale(None, shape.head_dim)
+    theta = torch.full((shape.heads,), 0.6, device=q.device)
+    tau = torch.full((shape.heads,), 0.98, device=q.device)
+    (q_means, q_sim), (k_means, k_sim) = predict.qk_block_statistics_triton(q, k)
+    scores = predict.compressed_scores_triton(q_means, k_means, shape, scale)
+    return {
+        "  stage 1: statistics": lambda: predict.qk_block_statistics_triton(q, k),
+        "  stage 1: scores": lambda: predict.compressed_scores_triton(q_means, k_means, shape, scale),
+        "  stage 1: topcdf": lambda: predict.topcdf_block_mask_triton(
+            scores, q_sim, k_sim, shape, is_causal=False, simthreshd1=theta, cdfthreshd=tau, attention_sink=False),
+        "  tail schedule": lambda: attention_hopper.new_tail_schedule(shape, q.device, with_counter=True),
+        "  torch.empty": lambda: torch.empty(shape.batch, shape.heads, shape.q_blocks, shape.head_dim,
+                                             device=q.device, dtype=torch.float32),
+        "  torch.zeros(65)": lambda: torch.zeros(65, device=q.device, dtype=torch.int32),
+        "  empty Triton launch": lambda: _launch.launch(_empty_kernel, (1,), q, 5, BLOCK=16),
     }
 
 
@@ -89,7 +125,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    by_path = launch_path_ab(entry_points(q, k, v))
+    by_path = launch_path_ab({**entry_points(q, k, v), **part_entry_points(q, k)})
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [1, 24, 4608, 128],
                "host_us": by_path["direct"], "host_us_triton_launch": by_path["triton"]}
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}); Flux shape (1, 24, 4608, 128) bf16, HND; "

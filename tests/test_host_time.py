@@ -28,3 +28,16 @@ def test_launch_paths_are_timed_alternately_and_the_default_restored(monkeypatch
     assert set(result) == {"direct", "triton"} and set(result["direct"]) == {"probe"}
     assert seen == [True, False, True, False]
     assert _launch.ENABLED is True
+
+
+def test_the_parts_of_a_call_run_and_are_timed():
+    from sparge_diffusers.workloads import SMALL
+
+    q, k, _ = SMALL["flux"].make("cpu")  # the launchers run in the Triton interpreter here
+    parts = host_time.part_entry_points(q, k)
+    assert {name.strip() for name in parts} >= {"stage 1: statistics", "stage 1: scores", "stage 1: topcdf",
+                                                "tail schedule", "empty Triton launch"}
+    mask, (index, count, n_full) = parts["  stage 1: topcdf"]()
+    assert mask.shape == count.shape + (index.shape[-1],) and bool((count > 0).all())
+    times = host_time.host_times(parts, rounds=2, calls=1, warmup=1)
+    assert all(0 < t["min_us"] <= t["median_us"] for t in times.values())
