@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -81,6 +82,48 @@ def _pipe_arg(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= ``low`` (counts are checked when parsed, not after the model has loaded)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _modes_or_none(text: str):
+    """The attention modes of ``--attention`` with their settings files read (their contents checked), or None after
+    printing why not: before the model loads, which can take minutes."""
+    from .eval.run import parse_modes
+    from .pipelines import LayerSettingsFile
+
+    try:
+        modes = parse_modes(text)
+        for mode in modes:
+            if mode.settings_file:
+                LayerSettingsFile.load(mode.settings_file)
+    except (ValueError, OSError) as e:
+        print(e, file=sys.stderr)
+        return None
+    return modes
+
+
 def load_pipeline(model: str, device: str | None, dtype: str | None):
     """``DiffusionPipeline.from_pretrained`` on the chosen device (CUDA if present) and dtype."""
     from diffusers import DiffusionPipeline
@@ -102,9 +145,13 @@ def pipeline_kwargs(args: argparse.Namespace) -> dict:
 
 
 def read_prompts(path: str) -> list[str]:
-    """The non-empty lines of a prompts file; prints why and returns [] when there are none."""
-    with open(path) as f:
-        prompts = [line.strip() for line in f if line.strip()]
+    """The non-empty lines of a prompts file; prints why and returns [] when there are none (or no such file)."""
+    try:
+        with open(path) as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    except OSError as e:
+        print(f"cannot read the prompts file: {e}", file=sys.stderr)
+        return []
     if not prompts:
         print(f"{path} holds no prompts (one per line)", file=sys.stderr)
     return prompts
@@ -113,11 +160,18 @@ def read_prompts(path: str) -> list[str]:
 def tune_command(args: argparse.Namespace) -> int:
     from .tuning.pipeline import tune
 
+    from .tuning import ThresholdGrid, ThresholdSearch
+
     prompts = read_prompts(args.prompts)
     if not prompts:
         return 2
+    try:  # what would otherwise fail only after the model has loaded, or after the whole calibration
+        ThresholdSearch(l1=args.l1, l2=args.l2, aggregate=args.aggregate)
+        _prepare_output_file(args.out)
+    except (ValueError, OSError) as e:
+        print(e, file=sys.stderr)
+        return 2
     pipe = load_pipeline(args.model, args.device, args.dtype)
-    from .tuning import ThresholdGrid
 
     grid = ThresholdGrid(pvthreshd=(50.0,)) if args.no_stage2 else None
     tuned = tune(pipe, prompts, l1=args.l1, l2=args.l2, grid=grid, per_head=not args.per_layer,
@@ -132,6 +186,16 @@ def tune_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_output_file(path: str) -> None:
+    """Make the folder a result file goes to, and refuse a path that is a folder: the file is written at the end."""
+    from pathlib import Path
+
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--out {path} is a folder; give the settings file's path (e.g. {out / 'settings.json'})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
 def _settings(args: argparse.Namespace):
     from .pipelines import SpargeSettings
 
@@ -141,7 +205,6 @@ def _settings(args: argparse.Namespace):
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from .eval.run import parse_modes
     from .generation import generate
 
     prompts = list(args.prompt or []) or (read_prompts(args.prompts) if args.prompts else [])
@@ -149,7 +212,9 @@ def generate_command(args: argparse.Namespace) -> int:
         if not args.prompts:
             print("give --prompt TEXT (repeatable) or --prompts FILE", file=sys.stderr)
         return 2
-    modes = parse_modes(args.attention)
+    modes = _modes_or_none(args.attention)
+    if modes is None:
+        return 2
     if len(modes) != 1:
         print(f"--attention {args.attention!r}: generate runs one mode ('sparge-diffusers eval' compares several)",
               file=sys.stderr)
@@ -185,12 +250,17 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from .eval import LPIPS, DoverScorer, evaluate, load_clip, parse_modes
+    from .eval import LPIPS, DoverScorer, evaluate, load_clip
 
     prompts = read_prompts(args.prompts)
     if not prompts:
         return 2
-    modes = parse_modes(args.attention)
+    modes = _modes_or_none(args.attention)
+    if modes is None:
+        return 2
+    if args.fid_real and not os.path.isdir(args.fid_real):
+        print(f"--fid-real {args.fid_real}: no such folder", file=sys.stderr)
+        return 2
     # metric models first: a missing weights file fails before any generation
     lpips = LPIPS.from_files(args.lpips_weights) if args.lpips_weights else None
     dover = DoverScorer(args.dover_weights) if args.dover_weights else None
@@ -226,11 +296,11 @@ def _add_generation_args(p: argparse.ArgumentParser, prompt_text: bool = False, 
         given.add_argument("--prompts", help="text file with one prompt per line")
     else:
         p.add_argument("--prompts", required=True, help="text file with one prompt per line")
-    p.add_argument("--steps", type=int, default=steps, help="denoising steps per prompt (default "
+    p.add_argument("--steps", type=_int_at_least(1), default=steps, help="denoising steps per prompt (default "
                    + (f"{steps})" if steps else "the pipeline's)"))
-    p.add_argument("--height", type=int)
-    p.add_argument("--width", type=int)
-    p.add_argument("--num-frames", type=int, dest="num_frames")
+    p.add_argument("--height", type=_int_at_least(1))
+    p.add_argument("--width", type=_int_at_least(1))
+    p.add_argument("--num-frames", type=_int_at_least(1), dest="num_frames")
     p.add_argument("--guidance-scale", type=float, dest="guidance_scale")
     p.add_argument("--pipe-arg", type=_pipe_arg, action="append", metavar="KEY=VALUE",
                    help="any other pipeline call argument (value parsed as JSON when it can be)")
@@ -255,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("tune", help="choose thresholds per attention layer on calibration prompts (section 3.6)")
     _add_generation_args(t)
     t.add_argument("--out", required=True, help="settings file to write (JSON)")
-    t.add_argument("--l1", type=float, default=0.05, help="relative L1 budget of (simthreshd1, cdfthreshd)")
-    t.add_argument("--l2", type=float, default=0.06, help="relative L1 budget with pvthreshd")
+    t.add_argument("--l1", type=_positive_float, default=0.05, help="relative L1 budget of (simthreshd1, cdfthreshd)")
+    t.add_argument("--l2", type=_positive_float, default=0.06, help="relative L1 budget with pvthreshd")
     t.add_argument("--no-stage2", action="store_true",
                    help="leave pvthreshd off (50): faster kernels, less sparsity (see the README's tuning table)")
     t.add_argument("--per-layer", action="store_true", help="one setting per layer instead of one per head")
@@ -275,14 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--pvthreshd", type=float, help="stage 2's threshold likewise (default 50)")
     g.add_argument("--permutation", choices=["hilbert", "rowmajor", "colmajor", "timemajor", "random"],
                    help="reorder visual tokens before attention (likewise)")
-    g.add_argument("--dense-steps", type=int, default=0, dest="dense_steps",
+    g.add_argument("--dense-steps", type=_int_at_least(0), default=0, dest="dense_steps",
                    help="the first K denoising steps of every output stay dense")
     g.add_argument("--strict", action="store_true", help="fail where a call cannot run sparse (no dense fallback)")
     g.add_argument("--compile", action="store_true", help="torch.compile the transformer (use with --warmup)")
     g.add_argument("--warmup", action="store_true",
                    help="one untimed call first (the dense steps and one sparse step), so timings exclude kernel "
                    "(and model) compilation")
-    g.add_argument("--fps", type=int, default=8, help="frame rate of saved videos (default 8)")
+    g.add_argument("--fps", type=_int_at_least(1), default=8, help="frame rate of saved videos (default 8)")
     g.set_defaults(func=generate_command)
     e = sub.add_parser("eval", help="generate with each attention mode for the same seeds and score the outputs")
     _add_generation_args(e)

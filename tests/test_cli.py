@@ -61,3 +61,55 @@ def test_tune_command_rejects_empty_prompt_file(tmp_path, capsys):
     prompts.write_text("\n")
     assert main(["tune", "--model", str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path / "o")]) == 2
     assert "holds no prompts" in capsys.readouterr().err
+
+
+def _error_of(argv, capsys) -> str:
+    """The stderr of a command that must stop with status 2 (returned, or argparse's SystemExit) before it loads
+    its model: the model path does not exist, so a later failure would be a loading error instead."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2, argv
+    return capsys.readouterr().err
+
+
+def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("diffusers")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    not_settings = tmp_path / "not-settings.json"
+    not_settings.write_text('{"layers": {}}')
+    model = str(tmp_path / "no-model")
+    generate = ["generate", "--model", model, "--out", str(tmp_path / "g"), "--prompt", "a cat"]
+    assert "must be at least 0" in _error_of(generate + ["--dense-steps", "-1"], capsys)
+    assert "must be at least 1" in _error_of(generate + ["--steps", "0"], capsys)
+    assert "expected an integer" in _error_of(generate + ["--fps", "x"], capsys)
+    assert "not found" in _error_of(generate + ["--attention", f"sparge:{tmp_path / 'missing.json'}"], capsys)
+    assert "not a sparge-diffusers layer-settings file" in _error_of(
+        generate + ["--attention", f"sparge:{not_settings}"], capsys)
+    evaluate = ["eval", "--model", model, "--out", str(tmp_path / "e"), "--prompts", str(prompts)]
+    assert "not a sparge-diffusers layer-settings file" in _error_of(
+        evaluate + ["--attention", f"dense,sparge:{not_settings}"], capsys)
+    assert "no such folder" in _error_of(evaluate + ["--fid-real", str(tmp_path / "no-images")], capsys)
+    assert "cannot read the prompts file" in _error_of(
+        ["eval", "--model", model, "--out", str(tmp_path / "e"), "--prompts", str(tmp_path / "none.txt")], capsys)
+    tune = ["tune", "--model", model, "--prompts", str(prompts)]
+    assert "need 0 < l1 <= l2" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--l1", "0.1", "--l2",
+                                                    "0.05"], capsys)
+    assert "positive finite" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--l1", "nan"], capsys)
+    assert "is a folder" in _error_of(tune + ["--out", str(tmp_path)], capsys)
+
+
+def test_tune_command_makes_the_settings_folder_before_loading_the_model(tmp_path):
+    import pytest
+
+    pytest.importorskip("diffusers")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    out = tmp_path / "new" / "dir" / "settings.json"
+    with pytest.raises(Exception):  # no such model
+        main(["tune", "--model", str(tmp_path / "no-model"), "--prompts", str(prompts), "--out", str(out)])
+    assert out.parent.is_dir()  # the settings are written after the whole calibration: no folder lost them
