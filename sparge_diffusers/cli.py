@@ -196,6 +196,16 @@ def _prepare_output_file(path: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
+def _prepare_output_folder(path: str) -> bool:
+    """Make the output folder before the model loads; False after printing why it cannot be made."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        print(f"--out {path}: cannot make the output folder ({e})", file=sys.stderr)
+        return False
+    return True
+
+
 def _settings(args: argparse.Namespace):
     from .pipelines import SpargeSettings
 
@@ -230,6 +240,8 @@ def generate_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    if not _prepare_output_folder(args.out):
+        return 2
     pipe = load_pipeline(args.model, args.device, args.dtype)
     report = generate(pipe, prompts, args.out, sparse=mode.sparse, settings=settings,
                       layer_settings=mode.settings_file, dense_steps=args.dense_steps, strict=args.strict,
@@ -260,6 +272,8 @@ def eval_command(args: argparse.Namespace) -> int:
         return 2
     if args.fid_real and not os.path.isdir(args.fid_real):
         print(f"--fid-real {args.fid_real}: no such folder", file=sys.stderr)
+        return 2
+    if not _prepare_output_folder(args.out):
         return 2
     # metric models first: a missing weights file fails before any generation
     lpips = LPIPS.from_files(args.lpips_weights) if args.lpips_weights else None

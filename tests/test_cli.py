@@ -94,6 +94,9 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
     assert "not a sparge-diffusers layer-settings file" in _error_of(
         evaluate + ["--attention", f"dense,sparge:{not_settings}"], capsys)
     assert "no such folder" in _error_of(evaluate + ["--fid-real", str(tmp_path / "no-images")], capsys)
+    a_file = str(prompts)
+    assert "cannot make the output folder" in _error_of(evaluate[:3] + ["--out", a_file] + evaluate[5:], capsys)
+    assert "cannot make the output folder" in _error_of(generate[:3] + ["--out", a_file] + generate[5:], capsys)
     assert "cannot read the prompts file" in _error_of(
         ["eval", "--model", model, "--out", str(tmp_path / "e"), "--prompts", str(tmp_path / "none.txt")], capsys)
     tune = ["tune", "--model", model, "--prompts", str(prompts)]
