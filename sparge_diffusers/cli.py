@@ -37,6 +37,12 @@ def bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown workload(s) {unknown}; choose from {list(table)}", file=sys.stderr)
         return 2
+    if args.json:
+        try:  # the file is written after every workload has run
+            _prepare_output_file(args.json, "--json")
+        except (ValueError, OSError) as e:
+            print(e, file=sys.stderr)
+            return 2
     if gpu:
         print(f"GPU: {torch.cuda.get_device_name()} - full-size workloads, Triton kernels vs cuDNN SDPA")
     else:
@@ -186,13 +192,13 @@ def tune_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare_output_file(path: str) -> None:
+def _prepare_output_file(path: str, option: str = "--out") -> None:
     """Make the folder a result file goes to, and refuse a path that is a folder: the file is written at the end."""
     from pathlib import Path
 
     out = Path(path)
     if out.is_dir():
-        raise ValueError(f"--out {path} is a folder; give the settings file's path (e.g. {out / 'settings.json'})")
+        raise ValueError(f"{option} {path} is a folder; give a file's path (e.g. {out / 'results.json'})")
     out.parent.mkdir(parents=True, exist_ok=True)
 
 

@@ -21,6 +21,15 @@ def test_bench_rejects_unknown_workload(capsys):
     assert "unknown workload" in capsys.readouterr().err
 
 
+def test_bench_checks_its_json_path_before_running(tmp_path, capsys):
+    assert main(["bench", "--cpu", "--quiet", "--workloads", "flux", "--json", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "is a folder" in captured.err and "flux" not in captured.out  # nothing ran
+    out = tmp_path / "new" / "bench.json"  # its folder is made first: the file is written after the run
+    assert main(["bench", "--cpu", "--quiet", "--workloads", "flux", "--json", str(out)]) == 0
+    assert strict_json_load(out)["workloads"][0]["workload"] == "flux"
+
+
 def test_tune_command_on_a_locally_saved_pipeline(tmp_path, capsys):
     import pytest
 
