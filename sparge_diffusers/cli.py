@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from . import __version__, sparge_attention
 from ._json import write_json
+from .pipelines.call_arguments import check_pipe_kwargs
 from .workloads import FULL, SMALL, cudnn_attention_fn, sampled_relative_l1
 
 
@@ -173,6 +174,7 @@ def tune_command(args: argparse.Namespace) -> int:
         return 2
     try:  # what would otherwise fail only after the model has loaded, or after the whole calibration
         ThresholdSearch(l1=args.l1, l2=args.l2, aggregate=args.aggregate)
+        check_pipe_kwargs(pipeline_kwargs(args), reserved=("prompt", "generator"))
         _prepare_output_file(args.out)
     except (ValueError, OSError) as e:
         print(e, file=sys.stderr)
@@ -243,6 +245,7 @@ def generate_command(args: argparse.Namespace) -> int:
         return 2
     try:
         settings = _settings(args)  # before loading the model
+        check_pipe_kwargs(pipeline_kwargs(args))
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
@@ -275,6 +278,11 @@ def eval_command(args: argparse.Namespace) -> int:
         return 2
     modes = _modes_or_none(args.attention)
     if modes is None:
+        return 2
+    try:
+        check_pipe_kwargs(pipeline_kwargs(args))
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     if args.fid_real and not os.path.isdir(args.fid_real):
         print(f"--fid-real {args.fid_real}: no such folder", file=sys.stderr)

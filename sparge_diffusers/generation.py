@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ._json import write_json
+from .pipelines.call_arguments import check_pipe_kwargs
 
 __all__ = ["generate", "run_pipeline", "save_output"]
 
@@ -58,6 +59,7 @@ def run_pipeline(pipe: Any, prompt: str, seed: int, pipe_kwargs: dict,
     """
     device = getattr(pipe, "device", torch.device("cpu"))
     generator = torch.Generator(device=device).manual_seed(seed)
+    check_pipe_kwargs(pipe_kwargs)
     kwargs = dict(pipe_kwargs)
     if on_step is not None and _takes_step_callback(pipe) and "callback_on_step_end" not in kwargs:
         def step_end(_pipe, _step, _timestep, callback_kwargs):
@@ -141,6 +143,7 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
     """
     from .pipelines import apply, installed_processor
 
+    check_pipe_kwargs(pipe_kwargs)
     if installed_processor(pipe) is not None:  # its dense runs would run it, its sparse runs would nest in it
         raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("
                          "pipe.transformer)); generate applies its own from its arguments")

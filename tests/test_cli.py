@@ -95,6 +95,7 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
     generate = ["generate", "--model", model, "--out", str(tmp_path / "g"), "--prompt", "a cat"]
     assert "must be at least 0" in _error_of(generate + ["--dense-steps", "-1"], capsys)
     assert "must be at least 1" in _error_of(generate + ["--steps", "0"], capsys)
+    assert "pipe_kwargs sets prompt" in _error_of(generate + ["--pipe-arg", "prompt=a dog"], capsys)
     assert "expected an integer" in _error_of(generate + ["--fps", "x"], capsys)
     assert "not found" in _error_of(generate + ["--attention", f"sparge:{tmp_path / 'missing.json'}"], capsys)
     assert "not a sparge-diffusers layer-settings file" in _error_of(
@@ -103,6 +104,7 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
     assert "not a sparge-diffusers layer-settings file" in _error_of(
         evaluate + ["--attention", f"dense,sparge:{not_settings}"], capsys)
     assert "no such folder" in _error_of(evaluate + ["--fid-real", str(tmp_path / "no-images")], capsys)
+    assert "pipe_kwargs sets output_type" in _error_of(evaluate + ["--pipe-arg", "output_type=np"], capsys)
     a_file = str(prompts)
     assert "cannot make the output folder" in _error_of(evaluate[:3] + ["--out", a_file] + evaluate[5:], capsys)
     assert "cannot make the output folder" in _error_of(generate[:3] + ["--out", a_file] + generate[5:], capsys)
@@ -112,6 +114,8 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
     assert "need 0 < l1 <= l2" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--l1", "0.1", "--l2",
                                                     "0.05"], capsys)
     assert "positive finite" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--l1", "nan"], capsys)
+    assert "pipe_kwargs sets generator" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--pipe-arg",
+                                                             "generator=1"], capsys)
     assert "is a folder" in _error_of(tune + ["--out", str(tmp_path)], capsys)
 
 

@@ -403,3 +403,47 @@ def test_tune_on_gpu_with_the_triton_kernels():
     tuned = tune(model, [cuda(latents(0)), cuda(latents(1))], grid=GRID, progress=False)
     assert set(tuned.layers) == {"transformer_blocks.0.attn", "single_transformer_blocks.0.attn"}
     assert all(m["within_budget"] and m["calls"] == 2 and m["l1"] < 0.06 for m in tuned.measured.values())
+
+
+def test_generate_evaluate_and_tune_refuse_pipe_kwargs_they_set_themselves(tmp_path):
+    """A prompt, generator or output_type in pipe_kwargs clashed with the call's own ("got multiple values") after
+    the model had loaded, and return_dict=False returned a tuple the runner could not read."""
+    from sparge_diffusers import tune
+    from sparge_diffusers.eval import AttentionMode, evaluate
+    from sparge_diffusers.generation import generate
+    from tiny_pipes import TinyImagePipeline
+
+    pipe = TinyImagePipeline()
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    for kwargs in ({"prompt": "a dog"}, {"generator": None}, {"output_type": "np"}, {"return_dict": False}):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=f"pipe_kwargs sets {name}"):
+            generate(pipe, ["a cat"], tmp_path / "g", pipe_kwargs=kwargs, progress=False)
+        with pytest.raises(ValueError, match=f"pipe_kwargs sets {name}"):
+            evaluate(pipe, ["a cat"], [AttentionMode("dense", False)], tmp_path / "e", pipe_kwargs=kwargs,
+                     progress=False)
+    for kwargs in ({"prompt": "a dog"}, {"generator": None}):
+        with pytest.raises(ValueError, match=f"pipe_kwargs sets {next(iter(kwargs))}"):
+            tune(pipe, ["a cat"], pipe_kwargs=kwargs, progress=False)
+    assert calls == []
+
+
+def test_tune_skips_the_vae_decode(tmp_path):
+    """Calibration needs the transformer's calls only: the pipeline returns latents unless pipe_kwargs asks
+    otherwise (a video VAE's decode costs seconds per calibration run)."""
+    pytest.importorskip("transformers")
+    import diffusers
+    from sparge_diffusers import tune
+    from tiny_pipes import save_tiny_cogvideox_pipeline
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(save_tiny_cogvideox_pipeline(tmp_path / "pipe"))
+    decodes = []
+    decode = pipe.vae.decode
+    pipe.vae.decode = lambda *a, **k: (decodes.append(1), decode(*a, **k))[1]
+    kwargs = dict(num_inference_steps=1, height=64, width=64, num_frames=9, guidance_scale=1.0)
+    tuned = tune(pipe, ["a cat"], pipe_kwargs=kwargs, progress=False)
+    assert decodes == [] and tuned.layers
+    assert tuned.calibration["pipe_kwargs"] == kwargs  # the settings file records what the caller gave
+    tune(pipe, ["a cat"], pipe_kwargs={**kwargs, "output_type": "np"}, progress=False)
+    assert decodes  # asked for

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from .._json import write_json
-from ..generation import device_name, run_pipeline, to_uint8
+from ..generation import check_pipe_kwargs, device_name, run_pipeline, to_uint8
 from ._images import check_unit_images
 from .clip import ClipModel, clip_score, clip_temp, clipsim
 from .distribution import fid
@@ -100,6 +100,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
         raise ValueError(f"evaluate needs one or more modes with distinct names, got {names}")
     if not prompts:
         raise ValueError("evaluate needs at least one prompt")
+    check_pipe_kwargs(pipe_kwargs)
     if installed_processor(pipe) is not None:  # the dense mode would run it
         raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("
                          "pipe.transformer)); evaluate applies each mode's own")

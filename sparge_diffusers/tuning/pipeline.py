@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from ..pipelines.call_arguments import check_pipe_kwargs
 from ..pipelines.processor import SpargeProcessor, SpargeSettings, install
 from ..pipelines.settings_file import LayerSettingsFile
 from .search import Aggregate, ThresholdGrid, ThresholdSearch
@@ -108,9 +109,12 @@ def tune(
         A :class:`LayerSettingsFile`; ``.save(path)`` writes it, ``apply(pipe, layer_settings=path)`` uses it.
     """
     transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
-    runs = _calibration_runs(pipe_or_transformer, calibration, dict(pipe_kwargs or {}), seed)
+    check_pipe_kwargs(pipe_kwargs, reserved=("prompt", "generator"))
     if pipe_kwargs and not hasattr(pipe_or_transformer, "transformer"):
         raise ValueError("pipe_kwargs are pipeline call arguments; pass the pipeline")
+    # only the transformer's calls matter: latents skip the VAE's decoding (seconds per video) unless asked for
+    call_kwargs = {"output_type": "latent", **(pipe_kwargs or {})}
+    runs = _calibration_runs(pipe_or_transformer, calibration, call_kwargs, seed)
     make_search = lambda: ThresholdSearch(l1=l1, l2=l2, grid=grid, per_head=per_head, aggregate=aggregate)  # noqa: E731
     make_search()  # checks the budget and aggregate before any model call
     processor = _CalibrationProcessor(settings=SpargeSettings(permutation=permutation), make_search=make_search)
