@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import save_report  # noqa: E402
+from predict_breakdown import stage_one_inputs  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -33,7 +34,6 @@ import triton.language as tl  # noqa: E402
 from sparge_diffusers import block_sparse_attention, compact_block_mask, predict_block_mask, sparge_attention  # noqa: E402
 from sparge_diffusers import _launch  # noqa: E402
 from sparge_diffusers.kernels import attention_hopper, predict  # noqa: E402
-from sparge_diffusers.kernels._inputs import check_attention_inputs, resolve_scale  # noqa: E402
 
 WARMUP, ROUNDS, CALLS = 20, 5, 40
 AB_REPEATS = 3
@@ -62,17 +62,11 @@ def part_entry_points(q: torch.Tensor, k: torch.Tensor) -> dict:
     """What one sparge_attention call is made of, each timed alone: stage 1's three launches with their output
     allocations, the Hopper kernel's zeroed tail-order buffer, and the yardsticks a call pays per allocation and
     per launch (``torch.empty``, ``torch.zeros``, a Triton kernel that does nothing, launched as ours are)."""
-    shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=False)
-    scale = resolve_scale(None, shape.head_dim)
-    theta = torch.full((shape.heads,), 0.6, device=q.device)
-    tau = torch.full((shape.heads,), 0.98, device=q.device)
-    (q_means, q_sim), (k_means, k_sim) = predict.qk_block_statistics_triton(q, k)
-    scores = predict.compressed_scores_triton(q_means, k_means, shape, scale)
+    shape, scale, (q_means, q_sim), (k_means, k_sim), scores, topcdf = stage_one_inputs(q, k, causal=False)
     return {
         "  stage 1: statistics": lambda: predict.qk_block_statistics_triton(q, k),
         "  stage 1: scores": lambda: predict.compressed_scores_triton(q_means, k_means, shape, scale),
-        "  stage 1: topcdf": lambda: predict.topcdf_block_mask_triton(
-            scores, q_sim, k_sim, shape, is_causal=False, simthreshd1=theta, cdfthreshd=tau, attention_sink=False),
+        "  stage 1: topcdf": lambda: predict.topcdf_block_mask_triton(scores, q_sim, k_sim, shape, **topcdf),
         "  tail schedule": lambda: attention_hopper.new_tail_schedule(shape, q.device, with_counter=True),
         "  torch.empty": lambda: torch.empty(shape.batch, shape.heads, shape.q_blocks, shape.head_dim,
                                              device=q.device, dtype=torch.float32),

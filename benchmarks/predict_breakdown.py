@@ -37,15 +37,22 @@ TOPCDF_SETTINGS = ((1, 4), (2, 4), (4, 4), (4, 8))  # (rows, warps) around the d
 GRAPH_REP_MS = 20
 
 
-def stage_one_parts(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[dict, list[str]]:
-    """The callables to time, and the names of the launches stage 1 makes (its default settings), in order."""
+def stage_one_inputs(q: torch.Tensor, k: torch.Tensor, causal: bool):
+    """(shape, scale, Q's block means and similarities, K's, the compressed scores, TopCdf's keyword arguments at
+    the default thresholds): what each of stage 1's launchers takes, made once by the launchers before it."""
     shape = check_attention_inputs(q, k, None, tensor_layout="HND", is_causal=causal)
     scale = resolve_scale(None, shape.head_dim)
     theta = torch.full((shape.heads,), 0.6, device=q.device)
     tau = torch.full((shape.heads,), 0.98, device=q.device)
-    (q_means, q_sim), (k_means, k_sim) = P.qk_block_statistics_triton(q, k)
-    scores = P.compressed_scores_triton(q_means, k_means, shape, scale)
+    q_stats, k_stats = P.qk_block_statistics_triton(q, k)
+    scores = P.compressed_scores_triton(q_stats[0], k_stats[0], shape, scale)
     topcdf = dict(is_causal=causal, simthreshd1=theta, cdfthreshd=tau, attention_sink=False)
+    return shape, scale, q_stats, k_stats, scores, topcdf
+
+
+def stage_one_parts(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[dict, list[str]]:
+    """The callables to time, and the names of the launches stage 1 makes (its default settings), in order."""
+    shape, scale, (q_means, q_sim), (k_means, k_sim), scores, topcdf = stage_one_inputs(q, k, causal)
 
     def separate():
         (qm, qs), (km, ks) = P.block_statistics_triton(q, BLOCK_Q), P.block_statistics_triton(k, BLOCK_K)
