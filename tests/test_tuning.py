@@ -447,3 +447,27 @@ def test_tune_skips_the_vae_decode(tmp_path):
     assert tuned.calibration["pipe_kwargs"] == kwargs  # the settings file records what the caller gave
     tune(pipe, ["a cat"], pipe_kwargs={**kwargs, "output_type": "np"}, progress=False)
     assert decodes  # asked for
+
+
+def test_evaluate_checks_every_modes_settings_file_before_generating(tmp_path):
+    """A settings file tuned for another model failed only when its mode came, after the modes before it had run."""
+    from sparge_diffusers.eval import AttentionMode, evaluate
+    from sparge_diffusers.pipelines import LayerSettingsFile, SpargeSettings
+    from tiny_pipes import TinyImagePipeline
+
+    pipe = TinyImagePipeline()
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    other = tmp_path / "sd3.json"
+    LayerSettingsFile("SD3Transformer2DModel", {"transformer_blocks.0.attn": SpargeSettings()}).save(other)
+    modes = [AttentionMode("dense", False), AttentionMode("sparge:sd3", True, str(other))]
+    with pytest.raises(ValueError, match="tuned for SD3Transformer2DModel, not FluxTransformer2DModel"):
+        evaluate(pipe, ["a cat"], modes, tmp_path / "e", progress=False)
+    assert calls == []
+    unknown = tmp_path / "unknown.json"
+    LayerSettingsFile("FluxTransformer2DModel", {"transformer_blocks.7.attn": SpargeSettings()}).save(unknown)
+    with pytest.raises(ValueError, match="lacks"):
+        evaluate(pipe, ["a cat"], [AttentionMode("dense", False), AttentionMode("sparge:unknown", True,
+                                                                                  str(unknown))],
+                 tmp_path / "e", progress=False)
+    assert calls == []

@@ -15,6 +15,7 @@ import csv
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -93,7 +94,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
     dense set and, when ``real_images`` (N, 3, H, W) are given (the paper: COCO images of the captions used
     as prompts), with those. DOVER's technical / aesthetic / fused scores of each video need ``dover``.
     """
-    from ..pipelines import apply, installed_processor
+    from ..pipelines import SpargeProcessor, install, installed_processor
 
     names = [m.name for m in modes]
     if not names or len(set(names)) != len(names):  # outputs are kept by name: a repeat would overwrite
@@ -106,6 +107,13 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
                          "pipe.transformer)); evaluate applies each mode's own")
     if real_images is not None:
         check_unit_images(real_images, "real_images")  # before any generation, not after it
+    # every mode's processor made and checked against the model first: a settings file for another model failed
+    # only when its mode came, after the modes before it had run (their coverage warnings come at installation)
+    processors = {mode.name: SpargeProcessor(layer_settings=mode.settings_file or {}) for mode in modes if mode.sparse}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for processor in processors.values():
+            processor.check_model(getattr(pipe, "transformer", pipe))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pipe_kwargs = dict(pipe_kwargs or {})
@@ -117,7 +125,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
     sparsity: dict[str, dict[str, float]] = {}
     with tqdm(total=len(modes) * len(prompts), desc="eval", unit="sample", disable=not progress) as bar:
         for mode in modes:
-            processor = apply(pipe, layer_settings=mode.settings_file or {}) if mode.sparse else None
+            processor = install(pipe, processors[mode.name]) if mode.sparse else None
             try:
                 outputs[mode.name], seconds[mode.name] = [], []
                 for i, prompt in enumerate(prompts):

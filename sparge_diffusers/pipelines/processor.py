@@ -324,14 +324,19 @@ class SpargeProcessor:
         if wrong:
             raise ValueError(f"settings must be SpargeSettings (per layer too); not so for {wrong[:3]}")
 
-    def bind(self, transformer: torch.nn.Module) -> "SpargeProcessor":
-        """Learn the module names (for per-layer settings and stats) and count denoising steps."""
+    def check_model(self, transformer: torch.nn.Module) -> None:
+        """Raise ValueError where :meth:`bind` would (a settings file tuned for another model class, layer settings
+        naming layers the model lacks), without binding or installing anything."""
         names = [name for name, _ in _attention_modules(transformer)]
         if self._settings_file is not None:
             self._settings_file.check_model(transformer, names, self.strict)
         unknown = set(self.layer_settings) - set(names)
         if unknown:
             raise ValueError(f"layer_settings name layers the model does not have: {sorted(unknown)[:5]}")
+
+    def bind(self, transformer: torch.nn.Module) -> "SpargeProcessor":
+        """Learn the module names (for per-layer settings and stats) and count denoising steps."""
+        self.check_model(transformer)
         for name, module in _attention_modules(transformer):
             self._names[id(module)] = name
         if self._hook is not None:
