@@ -131,11 +131,16 @@ def _modes_or_none(text: str):
     return modes
 
 
+def _device(device: str | None) -> str:
+    """--device, by default CUDA if present, else the CPU."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_pipeline(model: str, device: str | None, dtype: str | None):
     """``DiffusionPipeline.from_pretrained`` on the chosen device (CUDA if present) and dtype."""
     from diffusers import DiffusionPipeline
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device(device)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     torch_dtype = dtypes[dtype or ("bf16" if device.startswith("cuda") else "fp32")]
     pipe = DiffusionPipeline.from_pretrained(model, dtype=torch_dtype)
@@ -289,13 +294,16 @@ def eval_command(args: argparse.Namespace) -> int:
         return 2
     if not _prepare_output_folder(args.out):
         return 2
-    # metric models first: a missing weights file fails before any generation
-    lpips = LPIPS.from_files(args.lpips_weights) if args.lpips_weights else None
-    dover = DoverScorer(args.dover_weights) if args.dover_weights else None
+    try:  # metric models first: a bad spec or missing weights file fails before the pipeline loads
+        lpips = LPIPS.from_files(args.lpips_weights) if args.lpips_weights else None
+        dover = DoverScorer(args.dover_weights) if args.dover_weights else None
+        clip = load_clip(args.clip, _device(args.device)) if args.clip else None
+    except (ValueError, OSError, ImportError) as e:
+        print(e, file=sys.stderr)
+        return 2
     pipe = load_pipeline(args.model, args.device, args.dtype)
     if dover is not None:
         dover.to(pipe.device)
-    clip = load_clip(args.clip, pipe.device) if args.clip else None
     real = None
     if args.fid_real:
         from .eval.run import load_images

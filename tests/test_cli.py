@@ -105,6 +105,8 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
         evaluate + ["--attention", f"dense,sparge:{not_settings}"], capsys)
     assert "no such folder" in _error_of(evaluate + ["--fid-real", str(tmp_path / "no-images")], capsys)
     assert "pipe_kwargs sets output_type" in _error_of(evaluate + ["--pipe-arg", "output_type=np"], capsys)
+    assert "CLIP model spec" in _error_of(evaluate + ["--clip", "clip-vit"], capsys)  # was loaded after the pipeline
+    assert "alexnet" in _error_of(evaluate + ["--lpips-weights", str(tmp_path / "none.pth")], capsys).lower()
     a_file = str(prompts)
     assert "cannot make the output folder" in _error_of(evaluate[:3] + ["--out", a_file] + evaluate[5:], capsys)
     assert "cannot make the output folder" in _error_of(generate[:3] + ["--out", a_file] + generate[5:], capsys)
