@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ._json import write_json
-from .pipelines.call_arguments import check_pipe_kwargs
+from .pipelines.call_arguments import check_pipe_kwargs, prompt_list
 
 __all__ = ["generate", "run_pipeline", "save_output"]
 
@@ -112,7 +112,7 @@ def save_output(frames: torch.Tensor, stem: str | Path, fps: int = 8) -> tuple[l
     return [gif, mp4], None
 
 
-def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: bool = True,
+def generate(pipe: Any, prompts: str | Sequence[str], out_dir: str | Path, *, sparse: bool = True,
              settings: Any = None, layer_settings: str | Path | dict | None = None, dense_steps: int = 0,
              strict: bool = False, seed: int = 0, pipe_kwargs: dict | None = None, fps: int = 8,
              compile: bool = False, warmup: bool = False, progress: bool = True) -> dict:
@@ -120,7 +120,8 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
 
     Args:
         pipe: a diffusers pipeline (Flux, SD3, CogVideoX or Mochi for the sparse path).
-        prompts: one pipeline call per prompt (one output, or several with ``num_images_per_prompt``).
+        prompts: one pipeline call per prompt (one output, or several with ``num_images_per_prompt``); a str is
+            one prompt.
         out_dir: created if missing.
         sparse: run SpargeAttn (:func:`sparge_diffusers.apply`), or the model's own dense attention.
         settings: a :class:`~sparge_diffusers.pipelines.SpargeSettings` for every layer (layers a settings file
@@ -143,6 +144,7 @@ def generate(pipe: Any, prompts: Sequence[str], out_dir: str | Path, *, sparse: 
     """
     from .pipelines import apply, installed_processor
 
+    prompts = prompt_list(prompts, "generate")
     check_pipe_kwargs(pipe_kwargs)
     if installed_processor(pipe) is not None:  # its dense runs would run it, its sparse runs would nest in it
         raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("

@@ -471,3 +471,22 @@ def test_evaluate_checks_every_modes_settings_file_before_generating(tmp_path):
                                                                                   str(unknown))],
                  tmp_path / "e", progress=False)
     assert calls == []
+
+
+def test_generate_and_evaluate_take_one_prompt_as_a_str_and_refuse_other_prompts(tmp_path):
+    """generate(pipe, "a cat") iterated the string: five outputs, one per character."""
+    from sparge_diffusers.eval import AttentionMode, evaluate
+    from sparge_diffusers.generation import generate
+    from tiny_pipes import TinyImagePipeline
+
+    pipe = TinyImagePipeline()
+    report = generate(pipe, "a cat", tmp_path / "g", sparse=False, progress=False)
+    assert [row["prompt"] for row in report["outputs"]] == ["a cat"]
+    report = evaluate(pipe, "a cat", [AttentionMode("dense", False)], tmp_path / "e", progress=False)
+    assert [row["prompt"] for row in report["samples"]] == ["a cat"]
+    for prompts, message in (([], "at least one prompt"), (["a cat", None], "item 1 is a NoneType"),
+                             (b"a cat", "takes a list of prompts"), (7, "takes a list of prompts")):
+        with pytest.raises(ValueError, match=message):
+            generate(pipe, prompts, tmp_path / "g", sparse=False, progress=False)
+        with pytest.raises(ValueError, match=message):
+            evaluate(pipe, prompts, [AttentionMode("dense", False)], tmp_path / "e", progress=False)

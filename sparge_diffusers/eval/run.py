@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from .._json import write_json
-from ..generation import check_pipe_kwargs, device_name, run_pipeline, to_uint8
+from ..generation import device_name, run_pipeline, to_uint8
+from ..pipelines.call_arguments import check_pipe_kwargs, prompt_list
 from ._images import check_unit_images
 from .clip import ClipModel, clip_score, clip_temp, clipsim
 from .distribution import fid
@@ -81,7 +82,7 @@ def _mean(values: list[float]) -> float | None:
     return math.inf if any(math.isinf(v) for v in finite) else sum(finite) / len(finite)
 
 
-def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], out_dir: str | os.PathLike, *,
+def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionMode], out_dir: str | os.PathLike, *,
              seed: int = 0, pipe_kwargs: dict | None = None, clip: ClipModel | None = None,
              lpips: LPIPS | None = None, fid_feature: torch.nn.Module | None = None,
              inception_weights: str | None = None, real_images: torch.Tensor | None = None,
@@ -99,8 +100,7 @@ def evaluate(pipe: Any, prompts: Sequence[str], modes: Sequence[AttentionMode], 
     names = [m.name for m in modes]
     if not names or len(set(names)) != len(names):  # outputs are kept by name: a repeat would overwrite
         raise ValueError(f"evaluate needs one or more modes with distinct names, got {names}")
-    if not prompts:
-        raise ValueError("evaluate needs at least one prompt")
+    prompts = prompt_list(prompts, "evaluate")
     check_pipe_kwargs(pipe_kwargs)
     if installed_processor(pipe) is not None:  # the dense mode would run it
         raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("

@@ -1,4 +1,5 @@
-"""Checks on the extra pipeline call arguments (``pipe_kwargs``) that generate, evaluate and tune pass through."""
+"""Checks on what generate, evaluate and tune pass to pipeline calls: the prompts and the extra call arguments
+(``pipe_kwargs``)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,19 @@ def check_pipe_kwargs(pipe_kwargs: dict | None, reserved: Sequence[str] = RUN_PI
     if clash:
         raise ValueError(f"pipe_kwargs sets {', '.join(clash)}, which this call sets itself (the prompts and seeds "
                          f"are arguments of their own; outputs are read as tensors)")
+
+
+def prompt_list(prompts: str | Sequence[str], caller: str) -> list[str]:
+    """``prompts`` as a non-empty list of strings; one string is one prompt (iterated, it would have been one prompt
+    per character)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"{caller} takes a list of prompts (or one prompt as a str), got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError(f"{caller} needs at least one prompt")
+    wrong = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if wrong:
+        raise ValueError(f"{caller}: prompts must be strings; item {wrong[0]} is a {type(prompts[wrong[0]]).__name__}")
+    return prompts
