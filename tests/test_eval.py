@@ -180,6 +180,10 @@ def test_clip_metrics_on_known_answers(tiny_clip):
         clip_score(frames[:3], prompts[:2], tiny_clip)
     with pytest.raises(ValueError, match="two frames"):
         clip_temp(frames[:1], tiny_clip)
+    with pytest.raises(ValueError, match="one str per image"):  # was one prompt per character
+        clip_score(frames[:5], "a cat", tiny_clip)
+    with pytest.raises(ValueError, match="takes one prompt"):
+        clipsim(frames, ["a red car"], tiny_clip)
 
 
 def test_clip_preprocess_resizes_and_crops():

@@ -63,6 +63,9 @@ class ClipModel:
 
 def clip_score(images: torch.Tensor, prompts: list[str], model: ClipModel) -> float:
     """Mean of 100 * max(cos(image, its prompt), 0) (the torchmetrics / Hessel et al. definition)."""
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        # a str would be read as one prompt per character (five images against "a cat")
+        raise ValueError("clip_score takes a list of prompts, one str per image")
     if len(images) != len(prompts):
         raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
     cos = (model.encode_images(images) * model.encode_texts(prompts)).sum(-1)
@@ -71,6 +74,8 @@ def clip_score(images: torch.Tensor, prompts: list[str], model: ClipModel) -> fl
 
 def clipsim(frames: torch.Tensor, prompt: str, model: ClipModel) -> float:
     """CLIPSIM: the mean cosine similarity of each frame with the prompt."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"clipsim takes one prompt (a str) for the video's frames, got {type(prompt).__name__}")
     return float((model.encode_images(frames) @ model.encode_texts([prompt])[0]).mean())
 
 
