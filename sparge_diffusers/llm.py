@@ -582,6 +582,9 @@ def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, 
         raise ImportError(f"sparge_diffusers.llm needs transformers >= 4.53 (AttentionInterface and "
                           f"AttentionMaskInterface): {e}") from e
 
+    if attention is not None and settings:  # they would be ignored: the function has its own
+        raise ValueError(f"register takes a SpargeLLMAttention or its settings, not both (got attention and "
+                         f"{sorted(settings)})")
     attention = attention or SpargeLLMAttention(**settings)
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, sdpa_mask)

@@ -756,3 +756,11 @@ def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
                                          fullgraph=True)
                 for _ in range(3):  # reduce-overhead records its graph on the first calls, then replays it
                     assert torch.equal(compiled(q[:, :, chunk], k, v), eager), (attention.method, chunk, mode)
+
+
+def test_register_refuses_a_function_and_settings_together():
+    """The settings were dropped without a word: the registered function kept its own."""
+    function = SpargeLLMAttention(cdfthreshd=0.9)
+    with pytest.raises(ValueError, match="not both"):
+        register("sparge_test_both", function, cdfthreshd=0.5)
+    assert register("sparge_test_both", function) is function
