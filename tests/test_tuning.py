@@ -364,6 +364,35 @@ def test_processor_options_are_checked_when_made(options, message):
     with pytest.raises(ValueError, match=message):
         SpargeProcessor(**options)
     assert SpargeProcessor(settings=None).settings == SpargeSettings()  # None: the defaults, as apply() takes it
+    processor = SpargeProcessor()
+    (name, value), = options.items()
+    with pytest.raises(ValueError, match=message):  # and when set later (processor.settings = ... is documented)
+        setattr(processor, name, value)
+    assert processor == SpargeProcessor()  # unchanged
+
+
+def test_processor_options_set_later_are_checked_and_read_as_when_made(tmp_path):
+    """A dict or a path assigned to settings / layer_settings after construction failed at the model's first
+    attention call; layer settings naming layers the bound model lacks were never used."""
+    from sparge_diffusers.pipelines import LayerSettingsFile, SpargeProcessor, SpargeSettings, apply
+
+    model, latents = tiny_flux(8)
+    processor = apply(model)
+    with pytest.raises(ValueError, match="settings must be SpargeSettings, got dict"):
+        processor.settings = {"cdfthreshd": 0.9}
+    with pytest.raises(ValueError, match="does not have"):
+        processor.layer_settings = {"transformer_blocks.7.attn": SpargeSettings()}
+    path = tmp_path / "flux.json"
+    LayerSettingsFile("FluxTransformer2DModel", {"transformer_blocks.0.attn": SpargeSettings(dense=True)}).save(path)
+    processor.layer_settings = str(path)  # read as SpargeProcessor(layer_settings=path) reads it
+    assert processor.layer_settings == {"transformer_blocks.0.attn": SpargeSettings(dense=True)}
+    processor.settings = None
+    assert processor.settings == SpargeSettings()
+    with torch.no_grad():
+        model(**latents(0))
+    assert "transformer_blocks.0.attn" not in processor.sparsity_by_layer()  # dense by the file's setting
+    assert processor.sparsity_by_layer()
+    processor.detach(model)
 
 
 def test_detach_restores_native_processors():

@@ -243,6 +243,9 @@ def _sdpa_answered_by(seam: _SparseSDPA):
                 F.scaled_dot_product_attention = _displaced
 
 
+_CHECKED_OPTIONS = ("settings", "layer_settings", "dense_steps")
+
+
 @dataclass
 class SpargeProcessor:
     """A diffusers attention processor that computes attention with SpargeAttn.
@@ -308,21 +311,42 @@ class SpargeProcessor:
                                      compare=False)
 
     def __post_init__(self):
-        if self.settings is None:
-            self.settings = SpargeSettings()
-        if isinstance(self.layer_settings, (str, os.PathLike)):
-            self.layer_settings = LayerSettingsFile.load(self.layer_settings)
-        if isinstance(self.layer_settings, LayerSettingsFile):
-            self._settings_file = self.layer_settings
-            self.layer_settings = dict(self._settings_file.layers)
-        # checked here: a negative count ran no warm-up without a word, a string failed at the first step
-        if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, numbers.Integral) \
-                or self.dense_steps < 0:
-            raise ValueError(f"dense_steps must be an int >= 0, got {self.dense_steps!r}")
-        wrong = [n for n, s in {"settings": self.settings, **self.layer_settings}.items()
-                 if not isinstance(s, SpargeSettings)]
-        if wrong:
-            raise ValueError(f"settings must be SpargeSettings (per layer too); not so for {wrong[:3]}")
+        for name in _CHECKED_OPTIONS:
+            object.__setattr__(self, name, self._checked_option(name, getattr(self, name)))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the options are checked when set later too (processor.settings = ... is the documented way to change
+        # them): a dict or a path there failed at the model's first attention call, dense_steps = -1 ran no warm-up
+        if name in _CHECKED_OPTIONS and "_settings_file" in self.__dict__:  # (during __init__: __post_init__)
+            value = self._checked_option(name, value)
+        object.__setattr__(self, name, value)
+
+    def _checked_option(self, name: str, value: Any) -> Any:
+        """``value`` for the option ``name``, checked, in the form the processor reads (a settings file loaded)."""
+        if name == "settings":
+            value = SpargeSettings() if value is None else value
+            if not isinstance(value, SpargeSettings):
+                raise ValueError(f"settings must be SpargeSettings, got {type(value).__name__}")
+        elif name == "layer_settings":
+            if isinstance(value, (str, os.PathLike)):
+                value = LayerSettingsFile.load(value)
+            settings_file = value if isinstance(value, LayerSettingsFile) else None
+            value = dict(settings_file.layers) if settings_file is not None else value
+            if not isinstance(value, dict):
+                raise ValueError(f"layer_settings must be a dict, a settings file's path or a LayerSettingsFile, "
+                                 f"got {type(value).__name__}")
+            wrong = [n for n, s in value.items() if not isinstance(s, SpargeSettings)]
+            if wrong:
+                raise ValueError(f"settings must be SpargeSettings (per layer too); not so for {wrong[:3]}")
+            bound = set(self.__dict__.get("_names", {}).values())  # the layers of the model it is bound to
+            unknown = sorted(set(value) - bound) if bound else []
+            if unknown:
+                raise ValueError(f"layer_settings name layers the model does not have: {unknown[:5]}")
+            object.__setattr__(self, "_settings_file", settings_file)
+        elif isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:  # dense_steps
+            # a negative count ran no warm-up without a word, a string failed at the first step
+            raise ValueError(f"dense_steps must be an int >= 0, got {value!r}")
+        return value
 
     def check_model(self, transformer: torch.nn.Module) -> None:
         """Raise ValueError where :meth:`bind` would (a settings file tuned for another model class, layer settings
