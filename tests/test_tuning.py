@@ -328,6 +328,11 @@ def test_settings_are_checked_when_made(settings, message):
     with pytest.raises(ValueError, match=message):
         SpargeSettings(**settings)
     SpargeSettings(pvthreshd=None), SpargeSettings(pvthreshd=float("inf"), simthreshd1=[0.5, -1.0, 1.0])
+    one = SpargeSettings()
+    (name, value), = settings.items()
+    with pytest.raises(ValueError, match=message):  # and when set later: it failed at the first attention call
+        setattr(one, name, value)
+    assert one == SpargeSettings()
 
 
 def test_tune_generate_and_evaluate_refuse_a_model_that_already_runs_a_processor(tmp_path):

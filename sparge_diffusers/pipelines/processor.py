@@ -56,10 +56,20 @@ class SpargeSettings:
 
     def __post_init__(self):
         # checked when made (or read from a settings file), not at the model's first attention call
-        for name in THRESHOLD_RANGES:
-            check_threshold_values(name, getattr(self, name))
-        if self.permutation is not None and self.permutation not in ORDERS:
-            raise ValueError(f"unknown permutation {self.permutation!r}; choose from {sorted(ORDERS)} or None")
+        for name in (*THRESHOLD_RANGES, "permutation"):
+            self._check(name, getattr(self, name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in THRESHOLD_RANGES or name == "permutation":  # set later (settings.cdfthreshd = ...): checked too
+            self._check(name, value)
+        object.__setattr__(self, name, value)
+
+    @staticmethod
+    def _check(name: str, value: Any) -> None:
+        if name in THRESHOLD_RANGES:
+            check_threshold_values(name, value)
+        elif value is not None and value not in ORDERS:
+            raise ValueError(f"unknown permutation {value!r}; choose from {sorted(ORDERS)} or None")
 
 
 def infer_token_grid(
