@@ -524,3 +524,20 @@ def test_generate_and_evaluate_take_one_prompt_as_a_str_and_refuse_other_prompts
             generate(pipe, prompts, tmp_path / "g", sparse=False, progress=False)
         with pytest.raises(ValueError, match=message):
             evaluate(pipe, prompts, [AttentionMode("dense", False)], tmp_path / "e", progress=False)
+
+
+def test_tune_calls_other_pipelines_as_given(tmp_path):
+    """Only diffusers pipelines are asked for latents: a wrapper's call keeps the arguments it was given."""
+    from sparge_diffusers import tune
+    from tiny_pipes import TinyImagePipeline
+
+    inner = TinyImagePipeline()
+
+    class Wrapper:  # a pipeline-like callable without output_type
+        transformer = inner.transformer
+
+        def __call__(self, prompt, generator):
+            return inner(prompt, generator, "pt")
+
+    tuned = tune(Wrapper(), ["a cat"], progress=False)
+    assert tuned.layers and tuned.calibration["pipe_kwargs"] == {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -71,6 +72,21 @@ def _calibration_runs(model: Any, calibration: Sequence[Any] | Callable, pipe_kw
     return runs
 
 
+def _returns_latents_when_asked(model: Any) -> bool:
+    """Whether ``model`` is a diffusers pipeline whose call takes ``output_type`` (diffusers' pipelines return their
+    latents for ``output_type="latent"``); other callables are called as given."""
+    try:
+        from diffusers import DiffusionPipeline
+    except ImportError:
+        return False
+    if not isinstance(model, DiffusionPipeline):
+        return False
+    try:
+        return "output_type" in inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def tune(
     pipe_or_transformer: Any,
     calibration: Sequence[str] | Sequence[dict] | Callable[[Any], Any],
@@ -112,8 +128,10 @@ def tune(
     check_pipe_kwargs(pipe_kwargs, reserved=("prompt", "generator"))
     if pipe_kwargs and not hasattr(pipe_or_transformer, "transformer"):
         raise ValueError("pipe_kwargs are pipeline call arguments; pass the pipeline")
-    # only the transformer's calls matter: latents skip the VAE's decoding (seconds per video) unless asked for
-    call_kwargs = {"output_type": "latent", **(pipe_kwargs or {})}
+    call_kwargs = dict(pipe_kwargs or {})
+    if _returns_latents_when_asked(pipe_or_transformer):
+        # only the transformer's calls matter: latents skip the VAE's decoding (seconds per video) unless asked for
+        call_kwargs = {"output_type": "latent", **call_kwargs}
     runs = _calibration_runs(pipe_or_transformer, calibration, call_kwargs, seed)
     make_search = lambda: ThresholdSearch(l1=l1, l2=l2, grid=grid, per_head=per_head, aggregate=aggregate)  # noqa: E731
     make_search()  # checks the budget and aggregate before any model call
