@@ -170,9 +170,8 @@ def read_prompts(path: str) -> list[str]:
 
 
 def tune_command(args: argparse.Namespace) -> int:
-    from .tuning.pipeline import tune
-
     from .tuning import ThresholdGrid, ThresholdSearch
+    from .tuning.pipeline import tune
 
     prompts = read_prompts(args.prompts)
     if not prompts:
