@@ -253,6 +253,10 @@ PREFILL_METHODS: dict[str, PrefillMethod] = {
 }
 
 
+_CHECKED_OPTIONS = ("method", "pbs_segment", "s2o_segment", "min_padded_tokens", "top_k", "block_size",
+                    *THRESHOLD_RANGES)
+
+
 @dataclass
 class SpargeLLMAttention:
     """A transformers attention function (``AttentionInterface``) computing causal prefill sparsely (SpargeAttn by
@@ -322,29 +326,42 @@ class SpargeLLMAttention:
     sparse_calls: int = 0  # calls answered by sparge_attention (the rest went to SDPA); a padded batch counts one
 
     def __post_init__(self):
-        if self.method not in PREFILL_METHODS:
-            raise ValueError(f"method must be one of {sorted(PREFILL_METHODS)}, got {self.method!r}")
-        if self.pbs_segment is not None and (not isinstance(self.pbs_segment, int) or self.pbs_segment <= 0
-                                             or self.pbs_segment % 64):
-            raise ValueError(f"pbs_segment must be None or a positive multiple of 64, got {self.pbs_segment!r}")
-        if self.pbs_segment is not None and self.method != "sparge":
-            raise ValueError(f"pbs_segment pairs the key permutation with SpargeAttn's stage 1 (method='sparge'), "
-                             f"not method={self.method!r}")
-        if not isinstance(self.s2o_segment, int) or self.s2o_segment <= 0 or self.s2o_segment % 128:
-            raise ValueError(f"s2o_segment must be a positive multiple of 128, got {self.s2o_segment!r}")
-        if not isinstance(self.min_padded_tokens, int) or self.min_padded_tokens < 0:
-            raise ValueError(f"min_padded_tokens must be an int >= 0, got {self.min_padded_tokens!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top_k must be a positive int, got {self.top_k!r}")
-        if self.block_size not in (32, 64, 128):
-            raise ValueError(f"block_size must be 32, 64 or 128, got {self.block_size!r}")
-        for name in THRESHOLD_RANGES:  # checked here, not at the model's first prefill
-            check_threshold_values(name, getattr(self, name))
+        self._check_options(self._options())  # here, not at the model's first prefill
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
         self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its left padding)
         self._handle = next(_HANDLES)  # how the masked-prefill operator finds this function at run time
         _LIVE_FUNCTIONS[self._handle] = self
+
+    def _options(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _CHECKED_OPTIONS}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # an option set later is checked too (attention.method = "bogus" failed inside the model's forward)
+        if name in _CHECKED_OPTIONS and "_handle" in self.__dict__:  # (during __init__: __post_init__ checks)
+            self._check_options({**self._options(), name: value})
+        object.__setattr__(self, name, value)
+
+    @staticmethod
+    def _check_options(options: dict[str, Any]) -> None:
+        method, pbs_segment, s2o_segment = options["method"], options["pbs_segment"], options["s2o_segment"]
+        if method not in PREFILL_METHODS:
+            raise ValueError(f"method must be one of {sorted(PREFILL_METHODS)}, got {method!r}")
+        if pbs_segment is not None and (not isinstance(pbs_segment, int) or pbs_segment <= 0 or pbs_segment % 64):
+            raise ValueError(f"pbs_segment must be None or a positive multiple of 64, got {pbs_segment!r}")
+        if pbs_segment is not None and method != "sparge":
+            raise ValueError(f"pbs_segment pairs the key permutation with SpargeAttn's stage 1 (method='sparge'), "
+                             f"not method={method!r}")
+        if not isinstance(s2o_segment, int) or s2o_segment <= 0 or s2o_segment % 128:
+            raise ValueError(f"s2o_segment must be a positive multiple of 128, got {s2o_segment!r}")
+        if not isinstance(options["min_padded_tokens"], int) or options["min_padded_tokens"] < 0:
+            raise ValueError(f"min_padded_tokens must be an int >= 0, got {options['min_padded_tokens']!r}")
+        if not isinstance(options["top_k"], int) or options["top_k"] < 1:
+            raise ValueError(f"top_k must be a positive int, got {options['top_k']!r}")
+        if options["block_size"] not in (32, 64, 128):
+            raise ValueError(f"block_size must be 32, 64 or 128, got {options['block_size']!r}")
+        for name in THRESHOLD_RANGES:
+            check_threshold_values(name, options[name])
 
     def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None, kwargs: dict

@@ -764,3 +764,22 @@ def test_register_refuses_a_function_and_settings_together():
     with pytest.raises(ValueError, match="not both"):
         register("sparge_test_both", function, cdfthreshd=0.5)
     assert register("sparge_test_both", function) is function
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("method", "bogus", "method must be one of"),  # was a KeyError inside the model's forward
+    ("cdfthreshd", 2.0, r"cdfthreshd values must lie in \[0.0, 1.0\]"),
+    ("min_padded_tokens", -5, "min_padded_tokens must be an int >= 0"),  # acted as 0 without a word
+    ("pbs_segment", 100, "positive multiple of 64"),
+    ("block_size", 48, "block_size must be 32, 64 or 128"),
+])
+def test_options_set_later_are_checked(name, value, message):
+    attention = SpargeLLMAttention()
+    with pytest.raises(ValueError, match=message):
+        setattr(attention, name, value)
+    assert getattr(attention, name) == getattr(SpargeLLMAttention(), name)  # unchanged
+    attention.cdfthreshd = 0.5  # a valid value is taken
+    attention.method = "s2o"
+    with pytest.raises(ValueError, match="pairs the key permutation"):  # checked with the other options
+        attention.pbs_segment = 128
+    assert (attention.cdfthreshd, attention.method, attention.pbs_segment) == (0.5, "s2o", None)
