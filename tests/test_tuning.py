@@ -541,3 +541,14 @@ def test_tune_calls_other_pipelines_as_given(tmp_path):
 
     tuned = tune(Wrapper(), ["a cat"], progress=False)
     assert tuned.layers and tuned.calibration["pipe_kwargs"] == {}
+
+
+def test_attention_modes_are_consistent():
+    """A sparse mode named 'dense' became every mode's exact reference (PSNR inf against itself)."""
+    from sparge_diffusers.eval import AttentionMode
+
+    with pytest.raises(ValueError, match="cannot be sparse"):
+        AttentionMode("dense", True)
+    with pytest.raises(ValueError, match="sparse modes only"):
+        AttentionMode("baseline", False, "tuned.json")
+    AttentionMode("dense", False), AttentionMode("sparge:tuned", True, "tuned.json")

@@ -36,11 +36,18 @@ from .video import sharpness, temporal_flicker
 
 @dataclass(frozen=True)
 class AttentionMode:
-    """One way of running the model's attention: dense (native) or SpargeAttn, optionally with a settings file."""
+    """One way of running the model's attention: dense (native) or SpargeAttn, optionally with a settings file.
+    The mode named ``"dense"`` is the reference of the fidelity metrics, so it must be the dense one."""
 
     name: str
     sparse: bool
     settings_file: str | None = None
+
+    def __post_init__(self):
+        if self.name == "dense" and self.sparse:  # its sparse outputs would be every mode's "exact" reference
+            raise ValueError("the mode named 'dense' is the fidelity reference: it cannot be sparse")
+        if self.settings_file and not self.sparse:
+            raise ValueError(f"mode {self.name!r}: a settings file applies to sparse modes only")
 
 
 def parse_modes(text: str) -> list[AttentionMode]:
