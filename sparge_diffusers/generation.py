@@ -146,6 +146,10 @@ def generate(pipe: Any, prompts: str | Sequence[str], out_dir: str | Path, *, sp
 
     prompts = prompt_list(prompts, "generate")
     check_pipe_kwargs(pipe_kwargs)
+    sparse_only = {"settings": settings is not None, "layer_settings": layer_settings is not None,
+                   "dense_steps": dense_steps != 0, "strict": strict}
+    if not sparse and any(sparse_only.values()):  # they would be ignored: the dense run installs nothing
+        raise ValueError(f"{', '.join(k for k, given in sparse_only.items() if given)} apply to sparse=True only")
     if installed_processor(pipe) is not None:  # its dense runs would run it, its sparse runs would nest in it
         raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("
                          "pipe.transformer)); generate applies its own from its arguments")

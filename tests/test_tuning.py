@@ -552,3 +552,15 @@ def test_attention_modes_are_consistent():
     with pytest.raises(ValueError, match="sparse modes only"):
         AttentionMode("baseline", False, "tuned.json")
     AttentionMode("dense", False), AttentionMode("sparge:tuned", True, "tuned.json")
+
+
+def test_generate_refuses_sparse_options_for_a_dense_run(tmp_path):
+    """generate(..., sparse=False, settings=...) ran dense and dropped the settings without a word."""
+    from sparge_diffusers.generation import generate
+    from sparge_diffusers.pipelines import SpargeSettings
+    from tiny_pipes import TinyImagePipeline
+
+    pipe = TinyImagePipeline()
+    for options in (dict(settings=SpargeSettings()), dict(dense_steps=2), dict(layer_settings={}), dict(strict=True)):
+        with pytest.raises(ValueError, match="apply to sparse=True only"):
+            generate(pipe, ["a cat"], tmp_path / "g", sparse=False, progress=False, **options)
