@@ -288,6 +288,15 @@ def eval_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    from .eval.run import requested_metrics_problem
+
+    problem = requested_metrics_problem(len(prompts), [m.name for m in modes], lpips=bool(args.lpips_weights),
+                                        fid=bool(args.fid_weights), real=bool(args.fid_real),
+                                        spelled={"lpips": "--lpips-weights", "fid": "--fid-weights",
+                                                 "real": "--fid-real"})
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if args.fid_real and not os.path.isdir(args.fid_real):
         print(f"--fid-real {args.fid_real}: no such folder", file=sys.stderr)
         return 2

@@ -103,7 +103,15 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
     evaluate = ["eval", "--model", model, "--out", str(tmp_path / "e"), "--prompts", str(prompts)]
     assert "not a sparge-diffusers layer-settings file" in _error_of(
         evaluate + ["--attention", f"dense,sparge:{not_settings}"], capsys)
-    assert "no such folder" in _error_of(evaluate + ["--fid-real", str(tmp_path / "no-images")], capsys)
+    fid = ["--fid-weights", str(tmp_path / "inception.pth")]
+    assert "needs at least two prompts" in _error_of(evaluate + fid, capsys)  # one prompt: FID was left out
+    assert "--fid-real is for FID: give --fid-weights too" in _error_of(
+        evaluate + ["--fid-real", str(tmp_path)], capsys)
+    assert "list 'dense' among the modes" in _error_of(
+        evaluate + ["--attention", "sparge", "--lpips-weights", str(tmp_path / "a.pth")], capsys)
+    prompts.write_text("a cat\na dog\n")
+    assert "no such folder" in _error_of(evaluate + fid + ["--fid-real", str(tmp_path / "no-images")], capsys)
+    prompts.write_text("a cat\n")
     assert "pipe_kwargs sets output_type" in _error_of(evaluate + ["--pipe-arg", "output_type=np"], capsys)
     assert "CLIP model spec" in _error_of(evaluate + ["--clip", "clip-vit"], capsys)  # was loaded after the pipeline
     assert "alexnet" in _error_of(evaluate + ["--lpips-weights", str(tmp_path / "none.pth")], capsys).lower()

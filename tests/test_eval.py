@@ -360,3 +360,36 @@ def test_eval_command_on_gpu(tmp_path, capsys):
     assert report["device"] != "cpu" and "sparge" in report["sparsity_by_layer"]
     sparge = report["summary"]["sparge"]
     assert sparge["identical_to_dense"] == 1 or sparge["psnr"] > 20  # identical: PSNR infinite, null in the file
+
+
+def test_evaluate_refuses_metrics_it_could_not_compute_and_warns_of_skipped_ones(tmp_path):
+    """Asked-for metrics were left out of the report without a word: FID with one prompt, real images without FID
+    weights, LPIPS without the dense mode; FID of videos and DOVER of images are skipped with a warning."""
+    pytest.importorskip("diffusers")
+    from sparge_diffusers.eval import AttentionMode, evaluate
+
+    pipe = TinyImagePipeline()
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    dense, sparse = AttentionMode("dense", False), AttentionMode("sparge", True)
+    cases = [(dict(prompts=["a cat"], modes=[dense], fid_feature=torch.nn.Identity()), "at least two prompts"),
+             (dict(prompts=["a cat", "a dog"], modes=[dense], real_images=images(2)), "real_images is for FID"),
+             (dict(prompts=["a cat"], modes=[sparse], lpips=object()), "list 'dense' among the modes")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            evaluate(pipe, out_dir=tmp_path / "e", progress=False, **kwargs)
+    assert calls == []  # refused before generating
+    with pytest.warns(UserWarning, match="DOVER"):
+        report = evaluate(pipe, ["a cat"], [dense], tmp_path / "e", dover=object(), progress=False)
+    assert report["kind"] == "image"
+
+    class VideoPipeline:  # three random frames per call
+        transformer = torch.nn.Linear(1, 1)
+
+        def __call__(self, prompt, generator, output_type):
+            return type("Output", (), {"frames": torch.rand(1, 3, 3, 16, 16, generator=generator)})()
+
+    with pytest.warns(UserWarning, match="FID"):
+        report = evaluate(VideoPipeline(), ["a cat", "a dog"], [dense], tmp_path / "v", fid_feature=torch.nn.Identity(),
+                          progress=False)
+    assert report["kind"] == "video" and "fid_vs_dense" not in report["summary"]["dense"]

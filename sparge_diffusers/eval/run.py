@@ -68,6 +68,20 @@ def parse_modes(text: str) -> list[AttentionMode]:
     return modes
 
 
+def requested_metrics_problem(n_prompts: int, mode_names: Sequence[str], *, lpips: bool, fid: bool, real: bool,
+                              spelled: dict[str, str] | None = None) -> str | None:
+    """Why a metric asked of :func:`evaluate` could not be computed (None if each can): checked before generating.
+    ``spelled``: how the message names the lpips / fid / real arguments (the command line's options)."""
+    name = {"lpips": "lpips", "fid": "fid_feature or inception_weights", "real": "real_images", **(spelled or {})}
+    if real and not fid:
+        return f"{name['real']} is for FID: give {name['fid']} too"
+    if fid and n_prompts < 2:
+        return f"FID ({name['fid']}) compares sets of images: it needs at least two prompts, got {n_prompts}"
+    if lpips and "dense" not in mode_names:
+        return f"LPIPS ({name['lpips']}) is measured against the 'dense' mode's outputs: list 'dense' among the modes"
+    return None
+
+
 def load_images(folder: str | os.PathLike, size: tuple[int, int]) -> torch.Tensor:
     """Every .png/.jpg/.jpeg/.webp image of a folder as (N, 3, H, W) in [0, 1], resized to ``size`` (H, W)."""
     from PIL import Image
@@ -114,6 +128,10 @@ def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionM
                          "pipe.transformer)); evaluate applies each mode's own")
     if real_images is not None:
         check_unit_images(real_images, "real_images")  # before any generation, not after it
+    problem = requested_metrics_problem(len(prompts), names, lpips=lpips is not None,
+                                        fid=bool(fid_feature or inception_weights), real=real_images is not None)
+    if problem:  # a metric asked for would have been left out of the report without a word
+        raise ValueError(problem)
     # every mode's processor made and checked against the model first: a settings file for another model failed
     # only when its mode came, after the modes before it had run (their coverage warnings come at installation)
     processors = {mode.name: SpargeProcessor(layer_settings=mode.settings_file or {}) for mode in modes if mode.sparse}
@@ -173,6 +191,10 @@ def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionM
                     row.update(dover(x))
             samples.append(row)
 
+    skipped = [what for what, asked in (("FID (an image metric)", is_video and (fid_feature or inception_weights)),
+                                        ("DOVER (a video metric)", not is_video and dover is not None)) if asked]
+    for what in skipped:
+        warnings.warn(f"evaluate: {what} skipped for these {'videos' if is_video else 'images'}", stacklevel=2)
     metric_names = [k for k in samples[0] if k not in ("mode", "prompt_index", "prompt", "seed")]
     summary = {}
     for mode in modes:
