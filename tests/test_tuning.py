@@ -564,3 +564,20 @@ def test_generate_refuses_sparse_options_for_a_dense_run(tmp_path):
     for options in (dict(settings=SpargeSettings()), dict(dense_steps=2), dict(layer_settings={}), dict(strict=True)):
         with pytest.raises(ValueError, match="apply to sparse=True only"):
             generate(pipe, ["a cat"], tmp_path / "g", sparse=False, progress=False, **options)
+
+
+def test_per_head_settings_of_another_head_count_are_refused_when_installed(tmp_path):
+    """A settings file tuned on a model variant with other head counts passed the class and layer-name checks and
+    failed at the first attention call, inside the model's forward."""
+    from sparge_diffusers.pipelines import LayerSettingsFile, SpargeSettings, apply, installed_processor
+
+    model, _ = tiny_flux(8)  # 2 heads per layer
+    path = tmp_path / "other.json"
+    LayerSettingsFile("FluxTransformer2DModel", {"transformer_blocks.0.attn": SpargeSettings(
+        cdfthreshd=[0.9, 0.9, 0.9])}).save(path)
+    with pytest.raises(ValueError, match="transformer_blocks.0.attn: cdfthreshd has 3 values.*2 heads"):
+        apply(model, layer_settings=path)
+    with pytest.raises(ValueError, match="simthreshd1 has 4 values"):
+        apply(model, SpargeSettings(simthreshd1=[0.5] * 4))
+    assert installed_processor(model) is None
+    apply(model, SpargeSettings(simthreshd1=[0.5, -1.0], cdfthreshd=[0.9])).detach(model)  # one per head, or one

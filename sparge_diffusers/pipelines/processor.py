@@ -367,6 +367,13 @@ class SpargeProcessor:
         unknown = set(self.layer_settings) - set(names)
         if unknown:
             raise ValueError(f"layer_settings name layers the model does not have: {sorted(unknown)[:5]}")
+        for name, module in _attention_modules(transformer):  # per-head lists: checked here, not at the first call
+            heads, settings = getattr(module, "heads", None), self.layer_settings.get(name, self.settings)
+            for field_name in THRESHOLD_RANGES if isinstance(heads, int) else ():
+                values = getattr(settings, field_name)
+                if isinstance(values, (list, tuple)) and len(values) not in (1, heads):
+                    raise ValueError(f"{name}: {field_name} has {len(values)} values, one per head of another "
+                                     f"model? The layer has {heads} heads (give one value or {heads})")
 
     def bind(self, transformer: torch.nn.Module) -> "SpargeProcessor":
         """Learn the module names (for per-layer settings and stats) and count denoising steps."""
