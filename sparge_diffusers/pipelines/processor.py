@@ -360,7 +360,7 @@ class SpargeProcessor:
 
     def check_model(self, transformer: torch.nn.Module) -> None:
         """Raise ValueError where :meth:`bind` would (a settings file tuned for another model class, layer settings
-        naming layers the model lacks), without binding or installing anything."""
+        naming layers the model lacks, per-head thresholds of another head count), binding and installing nothing."""
         names = [name for name, _ in _attention_modules(transformer)]
         if self._settings_file is not None:
             self._settings_file.check_model(transformer, names, self.strict)
