@@ -387,6 +387,9 @@ def test_processor_options_set_later_are_checked_and_read_as_when_made(tmp_path)
         processor.settings = {"cdfthreshd": 0.9}
     with pytest.raises(ValueError, match="does not have"):
         processor.layer_settings = {"transformer_blocks.7.attn": SpargeSettings()}
+    with pytest.raises(ValueError, match="cdfthreshd has 3 values"):  # the layers have 2 heads
+        processor.settings = SpargeSettings(cdfthreshd=[0.9] * 3)
+    assert processor.settings == SpargeSettings() and processor.layer_settings == {}  # left as they were
     path = tmp_path / "flux.json"
     LayerSettingsFile("FluxTransformer2DModel", {"transformer_blocks.0.attn": SpargeSettings(dense=True)}).save(path)
     processor.layer_settings = str(path)  # read as SpargeProcessor(layer_settings=path) reads it
@@ -398,6 +401,7 @@ def test_processor_options_set_later_are_checked_and_read_as_when_made(tmp_path)
     assert "transformer_blocks.0.attn" not in processor.sparsity_by_layer()  # dense by the file's setting
     assert processor.sparsity_by_layer()
     processor.detach(model)
+    processor.layer_settings = {"transformer_blocks.7.attn": SpargeSettings()}  # detached: for another model
 
 
 def test_detach_restores_native_processors():

@@ -28,6 +28,7 @@ Backend = Literal["auto", "triton", "reference"]
 PerHead = Union[float, int, Sequence[float], torch.Tensor]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_CALL_DTYPES = KERNEL_DTYPES + (torch.float32,)  # float32 runs the reference on the CPU
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 
 
@@ -197,7 +198,7 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # head counts that do not divide) is left to the kernel call's error, as SDPA would raise too.
     plain = (query.dim() == key.dim() == value.dim() == 4 and key.shape == value.shape
              and query.shape[0] == key.shape[0] and query.numel() > 0 and key.numel() > 0
-             and query.dtype in KERNEL_DTYPES + (torch.float32,)
+             and query.dtype in _CALL_DTYPES
              and (not is_causal or causal_variant is not None or query.shape[2] == key.shape[2]))
     if not plain:
         try:

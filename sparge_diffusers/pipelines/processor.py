@@ -28,6 +28,7 @@ import numbers
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,6 +306,7 @@ class SpargeProcessor:
     _warned: set = field(default_factory=set, repr=False)
     _settings_file: LayerSettingsFile | None = field(default=None, repr=False)
     _hook: Any = field(default=None, repr=False)
+    _bound: Any = field(default=None, repr=False, compare=False)  # weakref to the model bind() last saw
     _stats_missed: bool = field(default=False, repr=False)
     # The step count as CPU tensors, for compiled models: a graph updates them in place and hands the flag to
     # the attention operator, which reads it at run time (a Python int would be a guard: a recompile per step).
@@ -326,10 +328,21 @@ class SpargeProcessor:
 
     def __setattr__(self, name: str, value: Any) -> None:
         # the options are checked when set later too (processor.settings = ... is the documented way to change
-        # them): a dict or a path there failed at the model's first attention call, dense_steps = -1 ran no warm-up
-        if name in _CHECKED_OPTIONS and "_settings_file" in self.__dict__:  # (during __init__: __post_init__)
-            value = self._checked_option(name, value)
-        object.__setattr__(self, name, value)
+        # them): a dict or a path there failed at the model's first attention call, dense_steps = -1 ran no warm-up,
+        # and settings the bound model cannot take (unknown layers, other head counts) went unnoticed
+        if name not in _CHECKED_OPTIONS or "_bound" not in self.__dict__:  # (during __init__: __post_init__)
+            object.__setattr__(self, name, value)
+            return
+        before = {n: self.__dict__[n] for n in ("settings", "layer_settings", "_settings_file")}
+        object.__setattr__(self, name, self._checked_option(name, value))
+        model = self._bound() if self._bound is not None else None
+        if model is not None and name != "dense_steps":
+            try:
+                self.check_model(model)
+            except ValueError:
+                for n, v in before.items():
+                    object.__setattr__(self, n, v)
+                raise
 
     def _checked_option(self, name: str, value: Any) -> Any:
         """``value`` for the option ``name``, checked, in the form the processor reads (a settings file loaded)."""
@@ -348,10 +361,6 @@ class SpargeProcessor:
             wrong = [n for n, s in value.items() if not isinstance(s, SpargeSettings)]
             if wrong:
                 raise ValueError(f"settings must be SpargeSettings (per layer too); not so for {wrong[:3]}")
-            bound = set(self.__dict__.get("_names", {}).values())  # the layers of the model it is bound to
-            unknown = sorted(set(value) - bound) if bound else []
-            if unknown:
-                raise ValueError(f"layer_settings name layers the model does not have: {unknown[:5]}")
             object.__setattr__(self, "_settings_file", settings_file)
         elif isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:  # dense_steps
             # a negative count ran no warm-up without a word, a string failed at the first step
@@ -378,6 +387,7 @@ class SpargeProcessor:
     def bind(self, transformer: torch.nn.Module) -> "SpargeProcessor":
         """Learn the module names (for per-layer settings and stats) and count denoising steps."""
         self.check_model(transformer)
+        self._bound = weakref.ref(transformer)
         for name, module in _attention_modules(transformer):
             self._names[id(module)] = name
         if self._hook is not None:
@@ -394,6 +404,7 @@ class SpargeProcessor:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._bound = None
 
     def _on_forward(self, module, args, kwargs):
         """Count denoising steps and note the token grid of this call (for token permutations).
