@@ -185,6 +185,18 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
         state.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host-side grid sizes. Triton 3.9 makes ``triton.cdiv`` and ``triton.next_power_of_2``
+    constexpr functions, whose calls from Python cost ~1.5 us each (argument unwrapping); a call of
+    sparge_attention makes about ten."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1 (as ``triton.next_power_of_2``, without its host cost)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _globals_unchanged(fn) -> bool:
     """Triton's own check that the globals a kernel read at compile time still hold their values (it raises
     where they changed; the normal path then says so)."""

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import attention_hopper
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, wide_offsets
-from .._launch import launch, tensor_descriptor
+from .._launch import cdiv, launch, next_power_of_2, tensor_descriptor
 
 LOG2E = 1.4426950408889634
 
@@ -351,7 +351,7 @@ def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_caus
     launch(_block_mask_to_index_kernel, (nq, B * H),
         m, index, count, n_full, *tail_kernel_args(tail, count), H, nq, nk, shape.kv_len, shape.causal_offset,
         shape.last_query_position, *m.stride(),
-        NK_PAD=max(triton.next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+        NK_PAD=max(next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         KEY_SEGMENT=key_segment, RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
     )
     return index, count, n_full
@@ -402,7 +402,7 @@ def use_tma_io(qh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, is_
         return TMA_IO_OVERRIDE
     if is_causal or not qh.is_cuda or torch.cuda.get_device_capability(qh.device) < (9, 0):
         return False
-    if shape.head_dim != triton.next_power_of_2(shape.head_dim):
+    if shape.head_dim != next_power_of_2(shape.head_dim):
         return False
     size = qh.element_size()
     return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(st * size % 16 == 0 for st in t.stride()[:-1])
@@ -460,7 +460,7 @@ def sparse_attention_triton(
     B, H = shape.batch, shape.heads
     nq = shape.q_blocks
     block_n = dense_block_n(shape.head_dim) if index is None and pvthreshd is None else BLOCK_K
-    nk = triton.cdiv(shape.kv_len, block_n)
+    nk = cdiv(shape.kv_len, block_n)
     return_counts = return_counts and pvthreshd is not None
     unused = _placeholder(qh.device, torch.int32)
     pv_count = torch.empty(B, H, nq, device=qh.device, dtype=torch.int32) if return_counts else unused
@@ -475,7 +475,7 @@ def sparse_attention_triton(
         scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
         shape.last_query_position, *kpos_strides,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
-        HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=block_n,
+        HEAD_DIM=shape.head_dim, D_PAD=next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,
         RETURN_COUNTS=return_counts, PAIR_TILES=pair_tiles(shape.head_dim, index is not None, pvthreshd is not None),
         TMA_IO=tma_io, PERMUTED_KEYS=key_positions is not None, WIDE=wide_offsets(qh, kh, vh, out_h),

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 from ._inputs import (Backend, CausalVariant, TensorLayout, check_attention_inputs, check_kernel_dtype, pick_backend,
                       resolve_scale, to_hnd)
 from .attention import LOG2E
@@ -215,14 +215,14 @@ def select_key_blocks_triton(qh: torch.Tensor, kh: torch.Tensor, out: torch.Tens
     top_k = out.shape[-1]
     means = block_mean_keys(kh, block_size).to(qh.dtype)  # the scores are a tensor-core product, as on the GPU
     n_blocks = means.shape[2]
-    group_pad = triton.next_power_of_2(group)
+    group_pad = next_power_of_2(group)
     block_q = max(1, SELECT_ROWS // group_pad)
-    k_pad = max(16, triton.next_power_of_2(top_k))
+    k_pad = max(16, next_power_of_2(top_k))
     config = SELECT_LAUNCH if SELECT_LAUNCH is not None else {"num_warps": 4, "num_stages": 2}
-    launch(_select_key_blocks_kernel, (triton.cdiv(Nq, block_q), B * HK),
+    launch(_select_key_blocks_kernel, (cdiv(Nq, block_q), B * HK),
            qh, means, out, scale * LOG2E, Nq, HK, group, n_blocks, top_k, sink_blocks, local_blocks, causal_offset,
            *qh.stride(), *means.stride()[:3], *out.stride()[:3],
-           HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), GROUP_PAD=group_pad, BLOCK_Q=block_q,
+           HEAD_DIM=D, D_PAD=max(16, next_power_of_2(D)), GROUP_PAD=group_pad, BLOCK_Q=block_q,
            CHUNK=SELECT_CHUNK, K_PAD=k_pad, LOG_K=k_pad.bit_length() - 1, BLOCK_SIZE=block_size,
            IS_CAUSAL=is_causal, KEY32=n_blocks <= KEY32_MAX_BLOCKS,
            IDX_BITS=max(1, (n_blocks - 1).bit_length()), FORCED=FORCED_IMPORTANCE, **config)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, wide_offsets
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 from . import attention_hopper
 from .attention import LOG2E, _key_block_flags, _record_tail_tiles, tail_kernel_args
 
@@ -208,12 +208,12 @@ def block_statistics_triton(x: torch.Tensor, block_size: int, num_warps: int = S
     ``num_warps``: 2 is fastest on an H100 for every block shape we use, or within 2% (predict-breakdown-H100.txt).
     """
     B, H, N, D = x.shape
-    nb = triton.cdiv(N, block_size)
+    nb = cdiv(N, block_size)
     means = torch.empty(B, H, nb, D, device=x.device, dtype=torch.float32)
     sim = torch.empty(B, H, nb, device=x.device, dtype=torch.float32)
     launch(_block_mean_similarity_kernel, (nb, B * H),
         x, means, sim, N, H, *x.stride(),
-        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK=block_size, CHUNK=_chunk(block_size),
+        HEAD_DIM=D, D_PAD=next_power_of_2(D), BLOCK=block_size, CHUNK=_chunk(block_size),
         WIDE=wide_offsets(x), num_warps=num_warps,
     )
     return means, sim
@@ -227,7 +227,7 @@ def qk_block_statistics_triton(qh: torch.Tensor, kh: torch.Tensor, num_warps: in
     """
     B, H, N_q, D = qh.shape
     H_kv, N_kv = kh.shape[1], kh.shape[2]
-    nq, nk = triton.cdiv(N_q, BLOCK_Q), triton.cdiv(N_kv, BLOCK_K)
+    nq, nk = cdiv(N_q, BLOCK_Q), cdiv(N_kv, BLOCK_K)
     q_means = torch.empty(B, H, nq, D, device=qh.device, dtype=torch.float32)
     q_sim = torch.empty(B, H, nq, device=qh.device, dtype=torch.float32)
     k_means = torch.empty(B, H_kv, nk, D, device=qh.device, dtype=torch.float32)
@@ -235,7 +235,7 @@ def qk_block_statistics_triton(qh: torch.Tensor, kh: torch.Tensor, num_warps: in
     q_programs = B * H * nq
     launch(_qk_block_statistics_kernel, (q_programs + B * H_kv * nk,),
         qh, kh, q_means, q_sim, k_means, k_sim, N_q, N_kv, H, H_kv, nq, nk, q_programs, *qh.stride(), *kh.stride(),
-        HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+        HEAD_DIM=D, D_PAD=next_power_of_2(D), BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         CHUNK=min(_chunk(BLOCK_Q), _chunk(BLOCK_K)), WIDE=wide_offsets(qh, kh), num_warps=num_warps,
     )
     return (q_means, q_sim), (k_means, k_sim)
@@ -248,9 +248,9 @@ def compressed_scores_triton(q_means: torch.Tensor, k_means: torch.Tensor, shape
     nq, nk = shape.q_blocks, shape.k_blocks
     scores = torch.empty(shape.batch, shape.heads, nq, nk, device=q_means.device, dtype=torch.float32)
     tile = 64
-    launch(_compressed_scores_kernel, (triton.cdiv(nq, tile), triton.cdiv(nk, tile), shape.batch * shape.heads),
+    launch(_compressed_scores_kernel, (cdiv(nq, tile), cdiv(nk, tile), shape.batch * shape.heads),
         q_means, k_means, scores, shape.heads, shape.heads // shape.kv_heads, nq, nk, scale * LOG2E,
-        HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), TILE=tile, num_warps=4)
+        HEAD_DIM=shape.head_dim, D_PAD=next_power_of_2(shape.head_dim), TILE=tile, num_warps=4)
     return scores
 
 
@@ -259,7 +259,7 @@ TOPCDF_NUM_WARPS = 4  # topcdf_block_mask_triton's default
 
 def topcdf_width(nk: int) -> int:
     """Key blocks one TopCdf program row holds: nk padded to a power of two, at least 16."""
-    return max(triton.next_power_of_2(nk), 16)
+    return max(next_power_of_2(nk), 16)
 
 
 def topcdf_rows(nk: int) -> int:
@@ -288,7 +288,7 @@ def topcdf_block_mask_triton(
     n_full = torch.empty_like(count)
     nk_pad = topcdf_width(nk)
     rows = topcdf_rows(nk) if rows is None else rows
-    grid = (triton.cdiv(nq, rows), shape.batch * shape.heads)
+    grid = (cdiv(nq, rows), shape.batch * shape.heads)
     launch(_topcdf_block_mask_kernel, grid,
         scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
         shape.heads, shape.heads // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset,

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible, wide_offsets
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 from . import attention
 from .attention import (LOG2E, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile, _store_output,
                         _walk_blocks)
@@ -214,7 +214,7 @@ def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.T
     the Triton scores (tf32x3 products, scaled by log2 e) may break near-ties differently.
     """
     use_triton = backend == "triton" or (backend == "auto" and q_means.is_cuda)
-    if not use_triton or triton.next_power_of_2(shape.k_blocks) > MAX_SORTED_BLOCKS:
+    if not use_triton or next_power_of_2(shape.k_blocks) > MAX_SORTED_BLOCKS:
         group = shape.heads // shape.kv_heads
         km = k_means.repeat_interleave(group, dim=1) if group > 1 else k_means
         scores = (q_means.float() @ km.float().transpose(-1, -2)) * scale  # (B, H, nq, nk)
@@ -231,7 +231,7 @@ def _visit_order_triton(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.
     B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
     index = torch.empty(B, H, nq, nk, device=scores.device, dtype=torch.int32)
     n_unmasked, n_forced, count = (torch.empty(B, H, nq, device=scores.device, dtype=torch.int32) for _ in range(3))
-    nk_pad = max(triton.next_power_of_2(nk), 16)
+    nk_pad = max(next_power_of_2(nk), 16)
     launch(_visit_order_kernel, (nq, B * H),
         scores.contiguous(), q_sim.contiguous(), k_sim.contiguous(), simthreshd1, index, n_unmasked, n_forced,
         count, H, H // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset, shape.last_query_position, segment,
@@ -305,7 +305,7 @@ def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: Vi
         tau if tau is not None else unused_f, pvthreshd if pvthreshd is not None else unused_f,
         visited, pv_count, scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
-        HEAD_DIM=shape.head_dim, D_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_K,
+        HEAD_DIM=shape.head_dim, D_PAD=next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_K,
         IS_CAUSAL=is_causal, PV_SKIP=pvthreshd is not None, EARLY_STOP=tau is not None,
         RETURN_COUNTS=return_counts, CHECK_EVERY=check_every, WIDE=wide_offsets(qh, kh, vh, out_h),
         **_launch_config(shape.head_dim),

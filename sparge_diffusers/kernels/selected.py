@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 from .api import _check_out, new_output
 from .attention import LOG2E
 from .stats import SparsityStats
@@ -174,7 +174,7 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     # work items: block j has ceil(count_j / QUERY_CHUNK) of them; sum <= P / QUERY_CHUNK + NB bounds the grid
     n_chunks = (counts.long() + QUERY_CHUNK - 1) // QUERY_CHUNK
     chunk_end = n_chunks.cumsum(-1)
-    items = triton.cdiv(pairs, QUERY_CHUNK) + n_blocks
+    items = cdiv(pairs, QUERY_CHUNK) + n_blocks
     c = torch.arange(items, device=device).expand(B * HK, items).contiguous()
     block = torch.searchsorted(chunk_end, c, right=True)  # (BH, C) in [0, NB]; NB = past the last item
     safe = block.clamp(max=n_blocks - 1)
@@ -293,7 +293,7 @@ def selected_attention_triton(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tens
     pairs = index.query_list.shape[1]
     n_items = index.chunk_block.shape[1]
     n_blocks = index.block_start.shape[1] - 1
-    d_pad = triton.next_power_of_2(shape.head_dim)
+    d_pad = next_power_of_2(shape.head_dim)
     o_part = torch.empty(BH, pairs, group, shape.head_dim, device=qh.device, dtype=qh.dtype)
     lse_part = torch.empty(BH, pairs, group, device=qh.device, dtype=torch.float32)
     # H100, Llama-3.1-8B's 32K prefill shape (benchmarks/fsa.py's inputs), prebuilt index: 4 warps against 8 took
@@ -308,7 +308,7 @@ def selected_attention_triton(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tens
            HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_M=BLOCK_M, BLOCK_N=index.block_size,
            QUERY_CHUNK=QUERY_CHUNK, IS_CAUSAL=index.is_causal, **config)
     n_rows = index.slot.shape[1]
-    launch(_merge_kernel, (triton.cdiv(n_rows, BLOCK_R), shape.batch * shape.heads),
+    launch(_merge_kernel, (cdiv(n_rows, BLOCK_R), shape.batch * shape.heads),
            o_part, lse_part, index.slot, out_h, shape.heads, group, n_rows, index.q_start, pairs, index.slot.shape[-1],
            *out_h.stride(), HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_R=BLOCK_R, **MERGE_LAUNCH)
 

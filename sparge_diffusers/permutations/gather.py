@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -67,8 +67,8 @@ def _records_grad(x: torch.Tensor) -> bool:
 def _launch_gather(xh: torch.Tensor, index: torch.Tensor, oh: torch.Tensor, index_strides: tuple[int, int]) -> None:
     """One launch over (B, H, N, D) views ``xh`` and ``oh``; ``index_strides`` = (0, 0) for one index of all heads."""
     B, H, N, D = xh.shape
-    rows = max(1, min(64, 8192 // triton.next_power_of_2(D)))
-    launch(_gather_rows_kernel, (triton.cdiv(N, rows), B * H),
+    rows = max(1, min(64, 8192 // next_power_of_2(D)))
+    launch(_gather_rows_kernel, (cdiv(N, rows), B * H),
         xh, index, oh, N, H, xh.stride(0), xh.stride(1), xh.stride(2), oh.stride(0), oh.stride(1), oh.stride(2),
-        D=D, D_PAD=triton.next_power_of_2(D), ROWS=rows, stride_ib=index_strides[0], stride_ih=index_strides[1],
+        D=D, D_PAD=next_power_of_2(D), ROWS=rows, stride_ib=index_strides[0], stride_ih=index_strides[1],
         num_warps=4)

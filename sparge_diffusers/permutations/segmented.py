@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch
+from .._launch import cdiv, launch, next_power_of_2
 from .gather import gather_rows_per_head
 
 # Queries of the last block: PBS-Attn's proxy for every query's attention.
@@ -160,8 +160,8 @@ def _importance_triton(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int
                          f"it, got D = {D} (use backend='torch')")
     chunk = IMPORTANCE_KEY_CHUNK
     n_rows = (H // HK) * rows
-    n_rows_pad = triton.cdiv(n_rows, _PASS1_ROWS) * _PASS1_ROWS  # (a multiple of _PASS2_ROWS too)
-    n_chunks = triton.cdiv(N, chunk)
+    n_rows_pad = cdiv(n_rows, _PASS1_ROWS) * _PASS1_ROWS  # (a multiple of _PASS2_ROWS too)
+    n_chunks = cdiv(N, chunk)
     qk_scale = scale * _LOG2E
     m = torch.empty(B * HK, n_chunks, n_rows_pad, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
@@ -170,10 +170,10 @@ def _importance_triton(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int
     launch(_last_rows_lse_kernel, (n_chunks, B * HK, n_rows_pad // _PASS1_ROWS), q, k, m, l, *common, n_rows_pad,
            chunk, qk_scale, *strides, D=D, ROWS_TILE=_PASS1_ROWS, BLOCK_N=_PASS1_KEYS, num_warps=_PASS1_WARPS)
     lse = torch.empty(B * HK, n_rows_pad, device=q.device, dtype=torch.float32)
-    launch(_combine_lse_kernel, (triton.cdiv(n_rows_pad, 256), B * HK), m, l, lse, n_chunks, n_rows_pad, BLOCK=256,
+    launch(_combine_lse_kernel, (cdiv(n_rows_pad, 256), B * HK), m, l, lse, n_chunks, n_rows_pad, BLOCK=256,
            num_warps=4)
     out = torch.empty(B, HK, N, device=q.device, dtype=torch.float32)
-    launch(_key_importance_kernel, (triton.cdiv(N, _PASS2_KEYS), B * HK), q, k, lse, out, *common, n_rows_pad,
+    launch(_key_importance_kernel, (cdiv(N, _PASS2_KEYS), B * HK), q, k, lse, out, *common, n_rows_pad,
            qk_scale, *strides, D=D, ROWS_TILE=_PASS2_ROWS, BLOCK_N=_PASS2_KEYS, num_warps=_PASS2_WARPS)
     return out
 
@@ -294,8 +294,8 @@ def segmented_key_order(importance: torch.Tensor, segment: int) -> torch.Tensor:
             and 0 < importance.numel() // n < 65536 and not torch.compiler.is_compiling()):
         scores = importance.contiguous()
         order = torch.empty(importance.shape, device=importance.device, dtype=torch.int64)
-        launch(_segment_argsort_kernel, (triton.cdiv(n, segment), scores.numel() // n), scores, order, n,
-               SEGMENT=segment, SEGMENT_PAD=triton.next_power_of_2(segment), num_warps=4)
+        launch(_segment_argsort_kernel, (cdiv(n, segment), scores.numel() // n), scores, order, n,
+               SEGMENT=segment, SEGMENT_PAD=next_power_of_2(segment), num_warps=4)
         return order
     pad = -n % segment
     padded = torch.nn.functional.pad(importance.float(), (0, pad), value=-math.inf)  # padding sorts last
