@@ -186,9 +186,9 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for host-side grid sizes. Triton 3.9 makes ``triton.cdiv`` and ``triton.next_power_of_2``
-    constexpr functions, whose calls from Python cost ~1.5 us each (argument unwrapping); a call of
-    sparge_attention makes about ten."""
+    """ceil(a / b) for host-side grid sizes. Triton (3.6 and 3.9) makes ``triton.cdiv`` and
+    ``triton.next_power_of_2`` constexpr functions, whose calls from Python cost 2-3 us each on the H100 host
+    (argument unwrapping; host-time-H100.txt, session 44); a sparge_attention call made nine."""
     return -(-a // b)
 
 

@@ -331,7 +331,7 @@ def test_kernels_run_on_their_tensors_device_whichever_is_current():
 
 
 def test_host_grid_helpers_equal_tritons():
-    # cdiv / next_power_of_2 stand in for Triton's (constexpr functions in Triton 3.9, ~1.5 us per host call)
+    # cdiv / next_power_of_2 stand in for Triton's (constexpr functions, 2-3 us per host call on the H100 host)
     import triton
 
     from sparge_diffusers._launch import cdiv, next_power_of_2
