@@ -199,9 +199,9 @@ def run_model(name, graph=False, compiled=False):
             row["dense_compiled_ms"], row["dense_compile_s"] = compiled_ms(model, inputs)
         for label, settings in {"default": SpargeSettings(),
                                 "aggressive": SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9)}.items():
-            processor = apply(model, settings)
+            processor = apply(model, settings, collect_stats=True)  # sparsity from this first step
             out = step()
-            processor.collect_stats = False
+            processor.collect_stats = False  # timed as users run it (the default)
             ms = timed(step)
             sp = [s["sparsity"] for s in processor.stats]
             row["settings"][label] = {"step_ms": ms, "step_kernel_ms": kernel_ms(step), "speedup": dense_ms / ms,

@@ -161,7 +161,9 @@ def generate(pipe: Any, prompts: str | Sequence[str], out_dir: str | Path, *, sp
     processor = None
     if sparse:
         options = {"layer_settings": layer_settings} if layer_settings is not None else {}
-        processor = apply(pipe, settings, dense_steps=dense_steps, strict=strict, **options)
+        # statistics for the report's sparsity columns (compiled calls record none)
+        processor = apply(pipe, settings, dense_steps=dense_steps, strict=strict, collect_stats=not compile,
+                          **options)
     transformer = getattr(pipe, "transformer", None)
     if compile:
         if transformer is None:

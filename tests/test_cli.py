@@ -59,7 +59,7 @@ def test_tune_command_on_a_locally_saved_pipeline(tmp_path, capsys):
     import diffusers
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(model)
-    processor = apply(pipe, layer_settings=out)
+    processor = apply(pipe, layer_settings=out, collect_stats=True)
     pipe.set_progress_bar_config(disable=True)
     pipe("a dog", num_inference_steps=2, height=64, width=64, num_frames=9, guidance_scale=1.0, output_type="np")
     assert set(processor.sparsity_by_layer()) == set(tuned.layers)

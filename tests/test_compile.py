@@ -52,7 +52,7 @@ def test_compiled_model_is_one_graph_and_matches_the_eager_sparse_step(name, bac
     torch.manual_seed(7)
     model, inputs = MODELS[name]()
     native = run(model, inputs)
-    processor = apply(model, SPARSE, dense_steps=1)
+    processor = apply(model, SPARSE, dense_steps=1, collect_stats=True)
     run(model, inputs)  # the dense warm-up step
     inputs = dict(inputs, timestep=inputs["timestep"] * 0.5)  # a later step: a lower timestep
     eager = run(model, inputs)  # eager sparse; also gives Flux its token grid (read from img_ids)
@@ -88,7 +88,7 @@ def test_compiled_model_runs_the_dense_warm_up_steps(name, backend, generation):
     model, inputs = MODELS[name]()
     timesteps = generation * 2  # two generations of four steps
     native = _steps(model, inputs, timesteps)
-    processor = apply(model, SPARSE, dense_steps=2)
+    processor = apply(model, SPARSE, dense_steps=2, collect_stats=True)
     eager = _steps(model, inputs, timesteps)
     processor.enabled = False
     assert all(torch.equal(e, n) for e, n in zip(eager[:2] + eager[4:6], native[:2] + native[4:6]))
@@ -123,7 +123,7 @@ def test_regional_compilation_neither_recompiles_per_step_nor_skips_the_warm_up(
     model, inputs = MODELS["flux"]()
     timesteps = [9, 7, 5, 3] * 2
     native = _steps(model, inputs, timesteps)
-    processor = apply(model, SPARSE, dense_steps=2)
+    processor = apply(model, SPARSE, dense_steps=2, collect_stats=True)
     eager = _steps(model, inputs, timesteps)
     torch._dynamo.reset()
     model.compile_repeated_blocks(backend="aot_eager", fullgraph=True)
@@ -222,7 +222,7 @@ def _on_gpu(model, inputs):
 def test_compiled_model_on_gpu_matches_the_eager_sparse_step(name, mode):
     torch.manual_seed(10)
     model, inputs = _on_gpu(*MODELS[name]())
-    processor = apply(model, SPARSE)
+    processor = apply(model, SPARSE, collect_stats=True)
     eager = run(model, inputs)
     assert max(s["sparsity"] for s in processor.stats) > 0
     processor.enabled = False

@@ -83,7 +83,7 @@ def test_pipeline_call_with_processor_matches_dense(name):
     kw.update(num_inference_steps=2, output_type="np")
     dense = getattr(pipe(**kw, generator=torch.Generator().manual_seed(0)), field)
     processor = apply(pipe, SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, permutation="hilbert"),
-                      dense_steps=1)
+                      dense_steps=1, collect_stats=True)
     sparse = getattr(pipe(**kw, generator=torch.Generator().manual_seed(0)), field)
     assert abs(dense - sparse).max() < 1e-4
     assert processor.grid == grid
@@ -110,7 +110,8 @@ def test_mochi_with_its_inverted_sigmas_warms_up_then_runs_sparse():
     kw.update(num_inference_steps=3, output_type="np")
     seen = []
     pipe.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(float(k["timestep"][0])), with_kwargs=True)
-    processor = apply(pipe, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None), dense_steps=1)
+    processor = apply(pipe, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None), dense_steps=1,
+                      collect_stats=True)
     pipe(**kw, generator=torch.Generator().manual_seed(0))
     assert seen == sorted(seen) and seen[0] < seen[-1], seen  # rising timesteps
     first = [s["step"] for s in processor.stats]  # Mochi's processor calls SDPA once per prompt of the batch
@@ -130,7 +131,8 @@ def test_flux_true_cfg_runs_both_forwards_of_a_warm_up_step_densely():
               negative_prompt_embeds=torch.randn(1, 16, 32), negative_pooled_prompt_embeds=torch.randn(1, 16))
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
-    processor = apply(pipe, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None), dense_steps=1)
+    processor = apply(pipe, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None), dense_steps=1,
+                      collect_stats=True)
     getattr(pipe(**kw, generator=torch.Generator().manual_seed(0)), field)
     assert len(calls) == 6, "two forwards per step"
     per_step = {}

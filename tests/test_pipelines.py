@@ -93,7 +93,7 @@ def test_keeping_every_block_matches_native_processors(name):
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
     native = run(model, inputs)
-    processor = apply(model, KEEP_ALL)
+    processor = apply(model, KEEP_ALL, collect_stats=True)
     out = run(model, inputs)
     assert processor.stats, "the sparse path must have run"
     assert all(s["sparsity"] == 0 for s in processor.stats)
@@ -103,12 +103,42 @@ def test_keeping_every_block_matches_native_processors(name):
     assert torch.equal(run(model, inputs), native), "switching back to dense gives native results exactly"
 
 
+def test_statistics_are_off_by_default_and_reading_none_warns(monkeypatch):
+    """The default processor recorded one statistics object per sparse call (host time per call, and records that
+    grew for as long as a process generated). Collection is now opt-in: by default nothing is recorded, the
+    sparse path's call asks for no statistics, and reading them says why there are none."""
+    from sparge_diffusers.pipelines import processor as processor_module
+
+    torch.manual_seed(1)
+    model, inputs = flux()
+    asked = []
+    real = processor_module.sparge_attention
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("return_sparsity", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(processor_module, "sparge_attention", spy)
+    processor = apply(model, AGGRESSIVE)
+    run(model, inputs)
+    run(model, inputs)
+    assert asked and not any(asked), "the sparse path ran, asking for no statistics"
+    assert processor.recorded_calls == 0
+    with pytest.warns(UserWarning, match="collect_stats=True"):
+        assert processor.sparsity_by_layer() == {}
+    processor.collect_stats = True
+    run(model, inputs)
+    assert processor.recorded_calls == len(model.attn_processors) and any(asked)
+    processor.reset_stats()
+    assert processor.recorded_calls == 0
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sparse_run_reports_stats_and_bounded_error(name):
     torch.manual_seed(1)
     model, inputs = MODELS[name]()
     native = run(model, inputs)
-    processor = apply(model, AGGRESSIVE)
+    processor = apply(model, AGGRESSIVE, collect_stats=True)
     out = run(model, inputs)
     assert torch.isfinite(out).all()
     by_layer = processor.sparsity_by_layer()
@@ -129,7 +159,7 @@ def test_set_attn_processor_works_where_the_model_has_it(name):
     torch.manual_seed(2)
     model, inputs = MODELS[name]()
     native = run(model, inputs)
-    processor = SpargeProcessor(settings=KEEP_ALL)
+    processor = SpargeProcessor(settings=KEEP_ALL, collect_stats=True)
     model.set_attn_processor(processor)
     assert relative_l1(run(model, inputs), native) < 1e-5
     assert len({s["layer"] for s in processor.stats}) == len(model.attn_processors)
@@ -140,12 +170,12 @@ def test_a_second_processor_is_refused_until_the_first_is_detached():
     its own settings while the second recorded nothing (and warned that the layers ran dense)."""
     torch.manual_seed(3)
     model, inputs = flux()
-    first = apply(model, AGGRESSIVE)
+    first = apply(model, AGGRESSIVE, collect_stats=True)
     with pytest.raises(ValueError, match="already runs a SpargeProcessor"):
         apply(model, KEEP_ALL)
     assert install(model, first) is first  # the same processor again: nothing changes
     first.detach(model)
-    second = apply(model, KEEP_ALL)
+    second = apply(model, KEEP_ALL, collect_stats=True)
     run(model, inputs)
     assert second.stats and first.stats == []
     second.detach(model)
@@ -215,7 +245,7 @@ def test_ip_adapter_layers_run_sparse_and_keep_their_image_prompt(name, permutat
     processors = dict(model.attn_processors)
     keys = set(model.state_dict())
     layers = {n.removesuffix(".processor") for n in processors if not n.startswith("image_proj.")}
-    processor = apply(model, dataclasses.replace(KEEP_ALL, permutation=permutation))
+    processor = apply(model, dataclasses.replace(KEEP_ALL, permutation=permutation), collect_stats=True)
     out = run_with_image_prompt(model, inputs, ip_kwargs)
     assert relative_l1(out, native) < 1e-5
     assert set(processor.sparsity_by_layer()) == layers, "every layer of the blocks runs sparse, none else"
@@ -237,7 +267,7 @@ def test_ip_adapter_layers_on_gpu_after_moving_the_model_run_sparse_with_their_i
     8 keys: shorter than one key block)."""
     torch.manual_seed(4)
     model, inputs, _, ip_kwargs = IP_ADAPTER_MODELS[name]()
-    processor = apply(model, KEEP_ALL)
+    processor = apply(model, KEEP_ALL, collect_stats=True)
     model = model.to("cuda", torch.bfloat16)
     inputs = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() and not k.endswith("_ids") else v.dtype)
               for k, v in inputs.items()}
@@ -261,7 +291,7 @@ def test_set_attn_processor_over_an_ip_adapter_raises_instead_of_ignoring_the_im
     prompt. Such a call now raises, pointing to apply(); calls without an image prompt still run."""
     torch.manual_seed(5)
     model, inputs, before, ip_kwargs = IP_ADAPTER_MODELS[name]()
-    model.set_attn_processor(SpargeProcessor(settings=KEEP_ALL))
+    model.set_attn_processor(SpargeProcessor(settings=KEEP_ALL, collect_stats=True))
     with pytest.raises(ValueError, match="apply"):
         run_with_image_prompt(model, inputs, ip_kwargs)
     if name == "flux":  # FluxIPAdapterAttnProcessor itself fails without an image prompt; the default one runs
@@ -272,7 +302,8 @@ def test_per_layer_settings_and_dense_warmup():
     torch.manual_seed(3)
     model, inputs = sd3()
     layer = "transformer_blocks.1.attn"
-    processor = apply(model, AGGRESSIVE, layer_settings={layer: SpargeSettings(dense=True)}, dense_steps=1)
+    processor = apply(model, AGGRESSIVE, layer_settings={layer: SpargeSettings(dense=True)}, dense_steps=1,
+                      collect_stats=True)
     run(model, inputs)
     assert processor.stats == [], "step 1 is a dense warm-up step"
     run(model, later_step(inputs))
@@ -295,7 +326,7 @@ def test_forwards_that_repeat_a_timestep_are_one_step(timesteps):
     model, inputs = sd3()
     calls = [dict(inputs, timestep=torch.full_like(inputs["timestep"], t)) for t in timesteps]
     native = [run(model, call) for call in calls]
-    processor = apply(model, AGGRESSIVE, dense_steps=1)
+    processor = apply(model, AGGRESSIVE, dense_steps=1, collect_stats=True)
     outs = [run(model, call) for call in calls]
     assert all(torch.equal(outs[i], native[i]) for i in (0, 1)), "both forwards of step 1 are dense"
     assert all(torch.equal(outs[i], native[i]) for i in (5, 6)), "and so are the new generation's"
@@ -364,7 +395,7 @@ def test_a_training_step_falls_back_to_sdpa_with_its_gradients():
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     native_loss, native_grads = loss_and_grads()
-    processor = apply(model, KEEP_ALL)
+    processor = apply(model, KEEP_ALL, collect_stats=True)
     with pytest.warns(UserWarning, match="requires grad.*no backward pass"):
         loss, grads = loss_and_grads()
     assert not processor.stats, "no sparse call under autograd"
@@ -383,7 +414,8 @@ def test_token_grid_is_inferred_and_permutation_keeps_native_results(name, grid)
     torch.manual_seed(4)
     model, inputs = MODELS[name]()
     native = run(model, inputs)
-    processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, permutation="hilbert"))
+    processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, permutation="hilbert"),
+                      collect_stats=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="SpargeProcessor")  # no fallback may happen silently here
         out = run(model, inputs)
@@ -400,7 +432,7 @@ def test_capture_reads_nothing_from_the_gpu_and_keeps_eager_state(monkeypatch):
     torch.manual_seed(5)
     model, inputs = flux()
     settings = SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.3, pvthreshd=None, permutation="hilbert")
-    processor = apply(model, settings, dense_steps=1)
+    processor = apply(model, settings, dense_steps=1, collect_stats=True)
     run(model, inputs)
     inputs = later_step(inputs)
     eager = run(model, inputs)
@@ -434,7 +466,8 @@ def test_cuda_graph_replay_matches_the_eager_sparse_step(name):
     static = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() and not k.endswith("_ids") else v.dtype)
               for k, v in inputs.items()}
     # with a token permutation: its index tensors must come from the eager warm-up's cache, not a copy
-    processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, permutation="hilbert"))
+    processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, permutation="hilbert"),
+                      collect_stats=True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: compiles the kernels and fills the per-head threshold caches
@@ -475,13 +508,13 @@ def test_a_native_processor_that_never_calls_sdpa_is_reported_not_silently_dense
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # diffusers: attention backends are experimental
             model.set_attention_backend("flex")
-        processor = apply(model, AGGRESSIVE)
+        processor = apply(model, AGGRESSIVE, collect_stats=True)
         with pytest.warns(UserWarning, match="made no F.scaled_dot_product_attention call.*'flex'"):
             out = run(model, inputs)
         assert processor.stats == []
         assert relative_l1(out, native) < 1e-5  # flex attention, dense: the native result
         processor.detach(model)
-        strict = apply(model, AGGRESSIVE, strict=True)
+        strict = apply(model, AGGRESSIVE, strict=True, collect_stats=True)
         with pytest.raises(ValueError, match="strict=True"):
             run(model, inputs)
         assert strict.stats == []
@@ -545,7 +578,7 @@ def test_processor_call_routes_eagerly_and_restores_sdpa():
     torch.manual_seed(1)
     model, inputs = MODELS["sd3"]()
     native = run(model, inputs)
-    processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None))
+    processor = apply(model, SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None), collect_stats=True)
     original = F.scaled_dot_product_attention
     out = run(model, inputs)
     assert F.scaled_dot_product_attention is original

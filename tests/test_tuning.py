@@ -208,7 +208,7 @@ def test_tune_tiny_model_matches_brute_force(tmp_path):
 
     loaded = LayerSettingsFile.load(path)
     assert loaded.layers == tuned.layers and loaded.measured == json.loads(json.dumps(tuned.measured))
-    processor = apply(model, layer_settings=str(path))
+    processor = apply(model, layer_settings=str(path), collect_stats=True)
     with torch.no_grad():
         model(**latents(0))
     by_layer = processor.sparsity_by_layer()
@@ -382,7 +382,7 @@ def test_processor_options_set_later_are_checked_and_read_as_when_made(tmp_path)
     from sparge_diffusers.pipelines import LayerSettingsFile, SpargeProcessor, SpargeSettings, apply
 
     model, latents = tiny_flux(8)
-    processor = apply(model)
+    processor = apply(model, collect_stats=True)
     with pytest.raises(ValueError, match="settings must be SpargeSettings, got dict"):
         processor.settings = {"cdfthreshd": 0.9}
     with pytest.raises(ValueError, match="does not have"):
@@ -411,7 +411,7 @@ def test_detach_restores_native_processors():
 
     model, latents = tiny_flux(8)
     natives = {n: type(m.processor) for n, m in model.named_modules() if hasattr(m, "processor")}
-    processor = apply(model)
+    processor = apply(model, collect_stats=True)
     processor.detach(model)
     assert {n: type(m.processor) for n, m in model.named_modules() if hasattr(m, "processor")} == natives
     assert not model._forward_pre_hooks

@@ -134,7 +134,8 @@ def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionM
         raise ValueError(problem)
     # every mode's processor made and checked against the model first: a settings file for another model failed
     # only when its mode came, after the modes before it had run (their coverage warnings come at installation)
-    processors = {mode.name: SpargeProcessor(layer_settings=mode.settings_file or {}) for mode in modes if mode.sparse}
+    processors = {mode.name: SpargeProcessor(layer_settings=mode.settings_file or {}, collect_stats=True)
+                  for mode in modes if mode.sparse}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for processor in processors.values():

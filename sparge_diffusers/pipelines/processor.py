@@ -277,7 +277,10 @@ class SpargeProcessor:
             with the previous forward's timestep belongs to the same step, as in pipelines that call the
             transformer twice per step, e.g. Flux's true CFG; under ``torch.compile`` the graph counts on CPU
             tensors and the attention operator reads the count at run time).
-        collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read).
+        collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read). Off by
+            default, as SDPA records nothing: each recorded call costs host time (~0.03 ms at the Flux shape on
+            the H100 machine, benchmarks/host_time.py) and a small reduction on the GPU, and the records (one per
+            sparse call, 1596 for a 28-step Flux image) stay until :meth:`reset_stats`.
         strict: raise instead of falling back to native attention when a call cannot run sparse.
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
 
@@ -294,7 +297,7 @@ class SpargeProcessor:
     settings: SpargeSettings = field(default_factory=SpargeSettings)
     layer_settings: dict[str, SpargeSettings] | str | os.PathLike | LayerSettingsFile = field(default_factory=dict)
     dense_steps: int = 0
-    collect_stats: bool = True
+    collect_stats: bool = False
     strict: bool = False
     native: Any = None
     enabled: bool = True
@@ -584,7 +587,11 @@ class SpargeProcessor:
 
     @property
     def stats(self) -> list[dict]:
-        """One record per sparse attention call: layer, step and the SparsityStats figures (eager calls only)."""
+        """One record per sparse attention call: layer, step and the SparsityStats figures (eager calls with
+        ``collect_stats`` on only)."""
+        if not self._records and not self.collect_stats:
+            warnings.warn("SpargeProcessor: no statistics recorded: collection is off by default; set "
+                          "collect_stats=True (or processor.collect_stats = True) before the run", stacklevel=2)
         if self._stats_missed:
             warnings.warn("SpargeProcessor: calls made by a torch.compile'd model record no statistics; run a step "
                           "without torch.compile to read them", stacklevel=2)
@@ -611,7 +618,8 @@ def apply(pipe_or_transformer: Any, settings: SpargeSettings | None = None, **op
 
     Sets one :class:`SpargeProcessor` on every attention module (through ``set_processor``, which also
     works for Mochi, whose transformer lacks ``set_attn_processor`` in diffusers 0.42), binds it to the
-    model, and returns it: read ``.stats`` after a run, set ``.enabled = False`` to switch back to dense.
+    model, and returns it: with ``collect_stats=True`` read ``.stats`` after a run; set ``.enabled = False`` to switch
+    back to dense.
     ``options`` are SpargeProcessor's fields (layer_settings, dense_steps, strict, ...).
     """
     return install(pipe_or_transformer, SpargeProcessor(settings=settings or SpargeSettings(), **options))
