@@ -165,6 +165,32 @@ def test_set_attn_processor_works_where_the_model_has_it(name):
     assert len({s["layer"] for s in processor.stats}) == len(model.attn_processors)
 
 
+def test_a_processor_reused_on_another_model_keeps_nothing_of_a_dead_one():
+    """The processor keys each attention module's layer name and native processor by id(), and CPython hands a
+    dead module's id to new objects: reused after its first model was deleted (an eval loop over checkpoints), it
+    gave the next model's modules a dead module's entries. Measured before the fix: an SD3 model's module got
+    Flux's FluxAttnProcessor (AttributeError: no 'head_dim'), a Flux module SD3's JointAttnProcessor2_0 (no
+    'to_out'); a stale layer name would pick another layer's settings. A dead module's entries now go with it."""
+    import gc
+
+    processor = SpargeProcessor(settings=KEEP_ALL)
+    for make, install_with_apply in ((sd3, False), (flux, True), (cogvideox, False)):
+        torch.manual_seed(4)
+        model, inputs = make()
+        native = run(model, inputs)
+        if install_with_apply:  # apply()'s path: names bound, natives taken from the model
+            install(model, processor)
+        else:  # diffusers' own call: natives made at the first call
+            model.set_attn_processor(processor)
+        assert relative_l1(run(model, inputs), native) < 1e-5
+        assert processor._natives and (processor._names or not install_with_apply)
+        if install_with_apply:
+            processor.detach(model)
+        del model
+        gc.collect()
+        assert processor._natives == {} and processor._names == {}, "a dead module's entries stay"
+
+
 def test_a_second_processor_is_refused_until_the_first_is_detached():
     """A second apply() wrapped the first processor as the layers' native one: the first answered every call with
     its own settings while the second recorded nothing (and warned that the layers ran dense)."""

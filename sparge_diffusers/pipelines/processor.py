@@ -306,6 +306,8 @@ class SpargeProcessor:
     _records: list = field(default_factory=list, repr=False)
     _names: dict[int, str] = field(default_factory=dict, repr=False)
     _natives: dict[int, Any] = field(default_factory=dict, repr=False)
+    # ids of the modules with entries above, each watched by a weakref.finalize that drops them (_track)
+    _tracked: set = field(default_factory=set, repr=False, compare=False)
     _warned: set = field(default_factory=set, repr=False)
     _settings_file: LayerSettingsFile | None = field(default=None, repr=False)
     _hook: Any = field(default=None, repr=False)
@@ -395,11 +397,23 @@ class SpargeProcessor:
         self.check_model(transformer)
         self._bound = weakref.ref(transformer)
         for name, module in _attention_modules(transformer):
+            self._track(module)
             self._names[id(module)] = name
         if self._hook is not None:
             self._hook.remove()
         self._hook = transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         return self
+
+    def _track(self, module: torch.nn.Module) -> None:
+        """Drop ``module``'s entries in ``_names`` and ``_natives`` when it is garbage collected. They are keyed
+        by id(), and CPython hands a dead module's id to new objects: a processor reused on a second model (say a
+        Flux model deleted, then an SD3 one given the same processor) gave its attention modules a dead module's
+        native processor (FluxAttnProcessor on SD3's Attention: AttributeError) and layer name (another layer's
+        settings)."""
+        key = id(module)
+        if key not in self._tracked:
+            self._tracked.add(key)
+            weakref.finalize(module, _forget_module, (self._names, self._natives), self._tracked, key).atexit = False
 
     def detach(self, transformer: torch.nn.Module) -> None:
         """Undo :func:`apply`: give every attention module back the processor it had, remove the step hook."""
@@ -562,7 +576,10 @@ class SpargeProcessor:
             kwargs["image_rotary_emb"] = image_rotary_emb
         native = self.native or self._natives.get(id(attn))
         if native is None:
-            native = self._natives[id(attn)] = _native_processor(attn, encoder_hidden_states is None)
+            native = _native_processor(attn, encoder_hidden_states is None)
+            if not compiling():  # kept only where a finalizer can be registered (compiled calls rebuild it)
+                self._track(attn)
+                self._natives[id(attn)] = native
         if ip_hidden_states is not None or ip_adapter_masks is not None or temb is not None:
             kwargs.update(_ip_adapter_arguments(native, attn, dict(ip_hidden_states=ip_hidden_states,
                                                                    ip_adapter_masks=ip_adapter_masks, temb=temb)))
@@ -623,6 +640,13 @@ def apply(pipe_or_transformer: Any, settings: SpargeSettings | None = None, **op
     ``options`` are SpargeProcessor's fields (layer_settings, dense_steps, strict, ...).
     """
     return install(pipe_or_transformer, SpargeProcessor(settings=settings or SpargeSettings(), **options))
+
+
+def _forget_module(tables: tuple[dict, ...], tracked: set, key: int) -> None:
+    """A dead module's entries (``SpargeProcessor._track``)."""
+    for table in tables:
+        table.pop(key, None)
+    tracked.discard(key)
 
 
 def install(pipe_or_transformer: Any, processor: SpargeProcessor) -> SpargeProcessor:
