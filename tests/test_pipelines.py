@@ -165,6 +165,34 @@ def test_set_attn_processor_works_where_the_model_has_it(name):
     assert len({s["layer"] for s in processor.stats}) == len(model.attn_processors)
 
 
+def test_set_attn_processor_with_per_layer_settings_or_warm_up_steps_needs_bind():
+    """set_attn_processor tells the processor nothing of the model. Per-layer settings are found by layer name and
+    warm-up steps counted by bind's hook, so through that call alone every layer silently ran the processor's
+    default settings (a tuned file ignored) and, with dense_steps, every step stayed dense. Such a processor now
+    refuses the first call until bound; bound, both apply."""
+    torch.manual_seed(5)
+    model, inputs = flux()
+    per_layer = {"transformer_blocks.0.attn": AGGRESSIVE}
+    for options, message in (({"layer_settings": per_layer}, "with layer_settings was called"),
+                             ({"dense_steps": 1}, "with dense_steps=1 was called")):
+        processor = SpargeProcessor(settings=KEEP_ALL, collect_stats=True, **options)
+        model.set_attn_processor(processor)
+        with pytest.raises(ValueError, match=message + ".*processor.bind"):
+            run(model, inputs)
+        processor.bind(model)
+        run(model, inputs)
+        run(model, later_step(inputs, 0.5))
+        by_layer = {(s["layer"], s["step"]): s["sparsity"] for s in processor.stats}
+        if "layer_settings" in options:
+            assert by_layer[("transformer_blocks.0.attn", 1)] > 0.3  # the aggressive layer's own setting
+            assert by_layer[("single_transformer_blocks.0.attn", 1)] == 0
+        else:
+            assert {step for _, step in by_layer} == {2}, "step 1 dense, step 2 sparse"
+        processor.detach(model)
+    model.set_attn_processor(SpargeProcessor(settings=KEEP_ALL))  # one setting for every layer: no bind needed
+    run(model, inputs)
+
+
 def test_a_processor_reused_on_another_model_keeps_nothing_of_a_dead_one():
     """The processor keys each attention module's layer name and native processor by id(), and CPython hands a
     dead module's id to new objects: reused after its first model was deleted (an eval loop over checkpoints), it

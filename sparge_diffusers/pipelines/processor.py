@@ -262,7 +262,9 @@ class SpargeProcessor:
     """A diffusers attention processor that computes attention with SpargeAttn.
 
     Use ``transformer.set_attn_processor(SpargeProcessor())`` where the model has that method (Flux, SD3,
-    CogVideoX), or :func:`sparge_diffusers.apply` for any of the four models (Mochi has none in 0.42).
+    CogVideoX), or :func:`sparge_diffusers.apply` for any of the four models (Mochi has none in 0.42). With
+    ``layer_settings`` or ``dense_steps``, follow ``set_attn_processor`` with :meth:`bind` (``apply`` does both):
+    an unbound processor with either refuses its first call rather than ignore them.
 
     Args:
         settings: thresholds for every layer.
@@ -414,6 +416,19 @@ class SpargeProcessor:
         if key not in self._tracked:
             self._tracked.add(key)
             weakref.finalize(module, _forget_module, (self._names, self._natives), self._tracked, key).atexit = False
+
+    def _check_unbound_call(self, attn: torch.nn.Module) -> None:
+        """A call from a module :meth:`bind` never saw (``set_attn_processor`` tells the processor nothing of the
+        model): fine for one setting for every layer, but per-layer settings are found by layer name and dense
+        warm-up steps by the bound model's step hook. Without them every layer silently ran ``settings`` (a tuned
+        file ignored) and, with ``dense_steps``, every step stayed dense (the count never moved)."""
+        needs = [what for what, given in (("layer_settings", bool(self.layer_settings)),
+                                          (f"dense_steps={self.dense_steps}", bool(self.dense_steps))) if given]
+        if needs:
+            raise ValueError(f"SpargeProcessor with {' and '.join(needs)} was called by a {type(attn).__name__} of a "
+                             "model it was not bound to (set_attn_processor does not tell it the model's layer names "
+                             "or steps): call processor.bind(pipe.transformer) after set_attn_processor, or use "
+                             "sparge_diffusers.apply(pipe, ...), which does both")
 
     def detach(self, transformer: torch.nn.Module) -> None:
         """Undo :func:`apply`: give every attention module back the processor it had, remove the step hook."""
@@ -583,7 +598,10 @@ class SpargeProcessor:
         if ip_hidden_states is not None or ip_adapter_masks is not None or temb is not None:
             kwargs.update(_ip_adapter_arguments(native, attn, dict(ip_hidden_states=ip_hidden_states,
                                                                    ip_adapter_masks=ip_adapter_masks, temb=temb)))
-        layer = self._names.get(id(attn), f"<unbound {type(attn).__name__} {id(attn):x}>")
+        layer = self._names.get(id(attn))
+        if layer is None:
+            self._check_unbound_call(attn)
+            layer = f"<unbound {type(attn).__name__} {id(attn):x}>"
         settings = self.layer_settings.get(layer, self.settings)
         # compiling() first: a compiled region that read self.step would guard on it and recompile every step
         # (regional compilation: compile_repeated_blocks compiles the blocks, and the step hook runs eagerly)
