@@ -193,6 +193,23 @@ def test_set_attn_processor_with_per_layer_settings_or_warm_up_steps_needs_bind(
     run(model, inputs)
 
 
+def test_a_processor_bound_to_one_model_refuses_to_bind_another_until_detached():
+    """bind() moved the step hook to the second model while the first still ran the processor: the first model's
+    dense_steps then followed the second model's steps (all dense or all sparse, silently)."""
+    first, inputs = flux()
+    second, _ = flux()
+    processor = apply(first, KEEP_ALL, dense_steps=1)
+    second.set_attn_processor(processor)
+    with pytest.raises(ValueError, match="still runs a FluxTransformer2DModel"):
+        processor.bind(second)
+    with pytest.raises(ValueError, match="still runs a FluxTransformer2DModel"):
+        install(second, processor)
+    processor.bind(first)  # the model it is bound to: fine
+    processor.detach(first)
+    install(second, processor)
+    run(second, inputs)
+
+
 def test_a_processor_reused_on_another_model_keeps_nothing_of_a_dead_one():
     """The processor keys each attention module's layer name and native processor by id(), and CPython hands a
     dead module's id to new objects: reused after its first model was deleted (an eval loop over checkpoints), it

@@ -396,6 +396,12 @@ class SpargeProcessor:
 
     def bind(self, transformer: torch.nn.Module) -> "SpargeProcessor":
         """Learn the module names (for per-layer settings and stats) and count denoising steps."""
+        earlier = self._bound() if self._bound is not None else None
+        if earlier is not None and earlier is not transformer and installed_processor(earlier) is self:
+            # its step hook would move here, so the first model's dense_steps would follow the second's steps
+            raise ValueError(f"this SpargeProcessor still runs a {type(earlier).__name__} it is bound to: one "
+                             "processor counts one model's steps; call .detach(...) on that model first, or give this "
+                             "model a SpargeProcessor of its own")
         self.check_model(transformer)
         self._bound = weakref.ref(transformer)
         for name, module in _attention_modules(transformer):
