@@ -280,7 +280,7 @@ class SpargeProcessor:
             transformer twice per step, e.g. Flux's true CFG; under ``torch.compile`` the graph counts on CPU
             tensors and the attention operator reads the count at run time).
         collect_stats: record sparsity per layer and step in ``self.stats`` (kept on the GPU until read). Off by
-            default, as SDPA records nothing: each recorded call costs host time (~0.03 ms at the Flux shape on
+            default, as SDPA records nothing: each recorded call costs host time (0.02-0.08 ms at the Flux shape on
             the H100 machine, benchmarks/host_time.py) and a small reduction on the GPU, and the records (one per
             sparse call, 1596 for a 28-step Flux image) stay until :meth:`reset_stats`.
         strict: raise instead of falling back to native attention when a call cannot run sparse.
