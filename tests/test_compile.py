@@ -312,3 +312,20 @@ def test_compiled_model_on_gpu_builds_the_permutation_while_tracing():
     compiled = run(torch.compile(model, fullgraph=True), inputs).clone()
     assert len(orders._PERMUTATIONS) == 1
     assert relative_l1(compiled, run(model, inputs)) < 2e-2
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_set_attn_processor_alone_compiles_as_one_graph(name):
+    """Through set_attn_processor alone (no apply, no eager call first) the processor makes each module's native
+    processor while Dynamo traces: rebuilt per trace rather than cached (a cache entry needs a finalizer, which is
+    registered in eager calls only); one graph, no recompile, the native result."""
+    from sparge_diffusers.pipelines import SpargeProcessor
+
+    torch.manual_seed(7)
+    model, inputs = MODELS[name]()
+    native = run(model, inputs)
+    processor = SpargeProcessor(settings=SpargeSettings(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None))
+    model.set_attn_processor(processor)
+    first, second, _ = _compile_and_run(model, inputs, "aot_eager")
+    assert relative_l1(first, native) < 1e-5 and torch.equal(first, second)
+    assert processor._natives == {}, "natives made while tracing are not kept"
