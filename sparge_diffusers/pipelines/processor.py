@@ -423,18 +423,17 @@ class SpargeProcessor:
             self._tracked.add(key)
             weakref.finalize(module, _forget_module, (self._names, self._natives), self._tracked, key).atexit = False
 
-    def _check_unbound_call(self, attn: torch.nn.Module) -> None:
-        """A call from a module :meth:`bind` never saw (``set_attn_processor`` tells the processor nothing of the
-        model): fine for one setting for every layer, but per-layer settings are found by layer name and dense
-        warm-up steps by the bound model's step hook. Without them every layer silently ran ``settings`` (a tuned
-        file ignored) and, with ``dense_steps``, every step stayed dense (the count never moved)."""
+    def _refuse_unbound_call(self, attn: torch.nn.Module) -> None:
+        """Raise for a call from a module :meth:`bind` never saw (``set_attn_processor`` tells the processor
+        nothing of the model) when the processor has per-layer settings, found by layer name, or dense warm-up
+        steps, counted by the bound model's step hook. Without bind, every layer silently ran ``settings`` (a
+        tuned file ignored) and, with ``dense_steps``, every step stayed dense (the count never moved)."""
         needs = [what for what, given in (("layer_settings", bool(self.layer_settings)),
                                           (f"dense_steps={self.dense_steps}", bool(self.dense_steps))) if given]
-        if needs:
-            raise ValueError(f"SpargeProcessor with {' and '.join(needs)} was called by a {type(attn).__name__} of a "
-                             "model it was not bound to (set_attn_processor does not tell it the model's layer names "
-                             "or steps): call processor.bind(pipe.transformer) after set_attn_processor, or use "
-                             "sparge_diffusers.apply(pipe, ...), which does both")
+        raise ValueError(f"SpargeProcessor with {' and '.join(needs)} was called by a {type(attn).__name__} of a "
+                         "model it was not bound to (set_attn_processor does not tell it the model's layer names "
+                         "or steps): call processor.bind(pipe.transformer) after set_attn_processor, or use "
+                         "sparge_diffusers.apply(pipe, ...), which does both")
 
     def detach(self, transformer: torch.nn.Module) -> None:
         """Undo :func:`apply`: give every attention module back the processor it had, remove the step hook."""
@@ -606,7 +605,8 @@ class SpargeProcessor:
                                                                    ip_adapter_masks=ip_adapter_masks, temb=temb)))
         layer = self._names.get(id(attn))
         if layer is None:
-            self._check_unbound_call(attn)
+            if self.layer_settings or self.dense_steps:  # these need the layer names and the step hook
+                self._refuse_unbound_call(attn)
             layer = f"<unbound {type(attn).__name__} {id(attn):x}>"
         settings = self.layer_settings.get(layer, self.settings)
         # compiling() first: a compiled region that read self.step would guard on it and recompile every step
