@@ -354,7 +354,8 @@ def _add_generation_args(p: argparse.ArgumentParser, prompt_text: bool = False, 
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: each subcommand with its options and the function that runs it."""
     parser = argparse.ArgumentParser(prog="sparge-diffusers", description="Sparse attention for diffusion "
                                      "transformers and long-context prefill (SpargeAttn in Triton).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -411,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
                    "DOVER's package: pip install git+https://github.com/VQAssessment/DOVER.git)")
     e.add_argument("--fid-real", help="folder of real images (e.g. the COCO images of the captions) for FID")
     e.set_defaults(func=eval_command)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

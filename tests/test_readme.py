@@ -1,0 +1,142 @@
+"""The README against the code: its two commands, its Python examples and its command lines.
+
+Users copy these; a renamed function, a dropped keyword or CLI option must fail here, not on their machine. The
+examples need a GPU and weights to run, so they are checked statically: each block compiles, every name it imports
+from the package exists, every attribute it reads from the package exists, and every keyword it passes to one of
+the package's functions or classes is a parameter of it. Command lines go through the real argument parser.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from sparge_diffusers.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def fenced_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+
+
+def command_lines(block: str) -> list[str]:
+    """The block's commands, backslash continuations joined, ``&&`` chains split, trailing comments dropped."""
+    joined = block.replace("\\\n", " ")
+    return [part.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")
+            for part in line.split("  #")[0].split("&&")]
+
+
+def test_readme_starts_with_the_run_and_test_commands_and_ci_runs_the_test_command():
+    first, second = fenced_blocks("bash")[:2]
+    assert README.index(first) < README.index("## ")  # before the first section
+    assert "sparge-diffusers bench" in first and "pip install" in first
+    install, test = (part.strip() for part in second.strip().split("&&"))
+    assert install.startswith("pip install torch==2.13.0") and test.startswith("pytest")
+    ci = [line.removeprefix("python3 -m ") for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.startswith("python3 -m ")]
+    assert ci == [install.replace("pip install", "pip install -q", 1), test]  # CI's pip is only quieter
+
+
+def _package_objects(tree: ast.AST) -> dict[str, object]:
+    """Names a block binds to the package's modules and objects (``import``, ``from ... import``); the package's
+    own name too, as the fragments use it without importing it."""
+    bound: dict[str, object] = {"sparge_diffusers": importlib.import_module("sparge_diffusers")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("sparge_diffusers"):
+                    top = alias.name.split(".")[0]
+                    module = importlib.import_module(alias.name)
+                    bound[alias.asname or top] = module if alias.asname else importlib.import_module(top)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sparge_diffusers"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"the README imports {alias.name} from {node.module}"
+                bound[alias.asname or alias.name] = getattr(module, alias.name)
+    return bound
+
+
+def _resolve(node: ast.AST, bound: dict[str, object]) -> object | None:
+    """The package object an expression such as ``sparge_diffusers.llm.register`` names (None: not ours)."""
+    if isinstance(node, ast.Name):
+        return bound.get(node.id)
+    if isinstance(node, ast.Attribute):
+        owner = _resolve(node.value, bound)
+        if owner is None:
+            return None
+        if inspect.ismodule(owner) and not hasattr(owner, node.attr):  # a submodule not imported yet
+            try:
+                importlib.import_module(f"{owner.__name__}.{node.attr}")
+            except ImportError:
+                pass
+        assert hasattr(owner, node.attr), f"the README reads {ast.unparse(node)}, which does not exist"
+        return getattr(owner, node.attr)
+    return None
+
+
+@pytest.mark.parametrize("index", range(len(fenced_blocks("python"))))
+def test_readme_python_example_uses_names_and_keywords_that_exist(index):
+    block = fenced_blocks("python")[index]
+    tree = ast.parse(block)  # a syntax error fails here
+    bound = _package_objects(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            _resolve(node, bound)
+        if not isinstance(node, ast.Call):
+            continue
+        target = _resolve(node.func, bound)
+        if target is None or not callable(target):
+            continue
+        params = inspect.signature(target).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            continue
+        for keyword in node.keywords:
+            assert keyword.arg is None or keyword.arg in params, (
+                f"the README passes {keyword.arg}= to {ast.unparse(node.func)}, which takes {list(params)}")
+
+
+def test_readme_python_examples_exist():
+    assert len(fenced_blocks("python")) >= 8  # the parametrised test above would pass vacuously on none
+
+
+def readme_command_lines() -> list[str]:
+    return [line for block in fenced_blocks("bash") for line in command_lines(block)
+            if line.startswith("sparge-diffusers ")]
+
+
+def test_readme_shows_each_subcommand():
+    shown = {shlex.split(line)[1] for line in readme_command_lines()}
+    assert shown >= {"bench", "tune", "generate", "eval"}
+
+
+@pytest.mark.parametrize("line", readme_command_lines())
+def test_readme_command_line_parses(line):
+    args = build_parser().parse_args(shlex.split(line)[1:])  # argparse exits (SystemExit) on an unknown option
+    assert callable(args.func)
+
+
+def heading_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_point_at_headings_and_files_that_exist():
+    outside_code = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", README, flags=re.S))
+    anchors = {heading_anchor(h) for h in re.findall(r"^#+ (.+)$", outside_code, re.M)}
+    targets = re.findall(r"\]\(([^)\s]+)\)", outside_code)
+    assert targets
+    for target in targets:
+        if target.startswith(("http://", "https://")):
+            continue
+        if target.startswith("#"):
+            assert target[1:] in anchors, f"the README links to {target}, no such heading"
+        else:
+            assert (ROOT / target.split("#")[0]).exists(), f"the README links to {target}, no such file"
