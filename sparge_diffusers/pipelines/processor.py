@@ -654,7 +654,7 @@ class SpargeProcessor:
         return {k: sum(v) / len(v) for k, v in out.items()}
 
 
-def apply(pipe_or_transformer: Any, settings: SpargeSettings | None = None, **options) -> SpargeProcessor:
+def apply(pipe_or_transformer: Any, settings: SpargeSettings | None = None, **options: Any) -> SpargeProcessor:
     """Make a diffusers pipeline or transformer (Flux, SD3, CogVideoX, Mochi) use SpargeAttn.
 
     Sets one :class:`SpargeProcessor` on every attention module (through ``set_processor``, which also
