@@ -3,7 +3,8 @@
 Users copy these; a renamed function, a dropped keyword or CLI option must fail here, not on their machine. The
 examples need a GPU and weights to run, so they are checked statically: each block compiles, every name it imports
 from the package exists, every attribute it reads from the package exists, and every keyword it passes to one of
-the package's functions or classes is a parameter of it. Command lines go through the real argument parser.
+the package's functions or classes is a parameter of it. Command lines go through the real argument parser. The
+benchmark tables of the issue (attention) and of the pipelines show the committed results files, cell by cell.
 """
 
 from __future__ import annotations
@@ -140,3 +141,86 @@ def test_readme_links_point_at_headings_and_files_that_exist():
             assert target[1:] in anchors, f"the README links to {target}, no such heading"
         else:
             assert (ROOT / target.split("#")[0]).exists(), f"the README links to {target}, no such file"
+
+
+SHAPE_KEYS = {"CogVideoX": "cogvideox", "Mochi": "mochi", "Flux": "flux", "Llama": "llama32k"}
+
+
+def table_after(header_start: str) -> list[list[str]]:
+    """The body rows (cells stripped) of the README table whose header row starts with ``header_start``."""
+    lines = README[README.index("\n" + header_start) + 1:].splitlines()
+    rows = []
+    for line in lines[2:]:  # past the header and the |---| line
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def assert_shown_as(cell: str, value: float, what: str) -> None:
+    """A table cell is ``value`` rounded to the cell's decimals."""
+    decimals = len(cell.split(".")[1]) if "." in cell else 0
+    assert abs(float(cell) - value) <= 0.5 * 10 ** -decimals + 1e-9, f"{what}: README {cell}, results {value:.6g}"
+
+
+def test_readme_attention_tables_are_the_committed_results():
+    """The issue's benchmark tables in the README show benchmarks/results/attention-H100.json, cell by cell."""
+    import json
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "attention-H100.json").read_text())["shapes"]
+    key_of = lambda name: next(v for k, v in SHAPE_KEYS.items() if name.startswith(k))  # noqa: E731
+
+    dense_rows = table_after("| shape (B, H_q/H_kv, N, D) | cuDNN ms")
+    assert len(dense_rows) == 4
+    for name, cudnn, flash, ours, ratio, predict in dense_rows:
+        r = results[key_of(name)]
+        for cell, value, what in [(cudnn, r["dense"]["cudnn_ms"], "cuDNN ms"), (flash, r["dense"]["flash_ms"], "flash"),
+                                  (ours, r["dense"]["ours_ms"], "ours"), (ratio, r["dense"]["ours_vs_cudnn"], "ratio"),
+                                  (predict, 100 * r["predict"]["share_of_cudnn"], "prediction %")]:
+            assert_shown_as(cell, value, f"{name} {what}")
+
+    sparse_rows, shape = table_after("| shape | density | ours ms"), None
+    assert len(sparse_rows) == 12
+    for i, (name, density, ours, prebuilt, flex, flex_ours, flex_pre, speedup, ideal) in enumerate(sparse_rows):
+        shape = key_of(name) if name else shape
+        r = results[shape]["sparse"][i % 3]
+        ideal_ours, ideal_pre = ideal.split(" / ")
+        for cell, field in [(density, "actual_density"), (ours, "ours_ms"), (prebuilt, "ours_prebuilt_ms"),
+                            (flex, "flex_ms"), (flex_ours, "ours_vs_flex"), (flex_pre, "prebuilt_vs_flex"),
+                            (speedup, "speedup_vs_own_dense"), (ideal_ours, "speedup_over_ideal"),
+                            (ideal_pre, "prebuilt_speedup_over_ideal")]:
+            assert_shown_as(cell, r[field], f"{shape} at {density}: {field}")
+
+    whole_rows = table_after("| workload | sparsity | rel. L1")
+    assert len(whole_rows) == 4
+    for name, sparsity, l1, ours, cudnn, speedup in whole_rows:
+        r = results[key_of(name)]["structured_default"]
+        for cell, field in [(sparsity, "sparsity"), (l1, "relative_l1"), (ours, "ms"), (cudnn, "cudnn_ms"),
+                            (speedup, "speedup_vs_cudnn")]:
+            assert_shown_as(cell, r[field], f"{name} whole method: {field}")
+
+
+# Which run each row of the README's pipeline table shows (Flux and SD3 re-run in session 44).
+PIPELINE_ROWS = {"Flux": ("flux", "pipelines-H100-session44.json"), "SD3.5": ("sd3", "pipelines-H100-session44.json"),
+                 "CogVideoX": ("cogvideox", "pipelines-H100.json"), "Mochi": ("mochi", "pipelines-H100.json")}
+
+
+def test_readme_pipeline_table_is_the_committed_results():
+    import json
+
+    rows = table_after("| model (resolution) | tokens | dense step ms")
+    assert len(rows) == 4
+    for row in rows:
+        model, file = next(v for k, v in PIPELINE_ROWS.items() if row[0].startswith(k))
+        r = json.loads((ROOT / "benchmarks" / "results" / file).read_text())["models"][model]
+        d, a = r["settings"]["default"], r["settings"]["aggressive"]
+        expected = [[r["attention_shape"][2]], [r["dense_step_ms"], r["dense_step_kernel_ms"]],
+                    [100 * r["attention_share"]], [d["step_ms"], d["step_kernel_ms"], d["speedup"], d["sparsity"]],
+                    [a["step_ms"], a["step_kernel_ms"], a["speedup"], a["sparsity"], a["relative_l1_vs_dense_step"]],
+                    [r["dense_graph_ms"], d["graph_ms"], d["graph_speedup"], a["graph_ms"], a["graph_speedup"]]
+                    if "dense_graph_ms" in r else []]
+        for cell, values in zip(row[1:], expected):
+            shown = re.findall(r"\d+(?:\.\d+)?", cell)
+            assert len(shown) == len(values), f"{row[0]}: {cell!r}"
+            for number, value in zip(shown, values):
+                assert_shown_as(number, value, f"{row[0]} {cell!r}")
