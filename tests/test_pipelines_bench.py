@@ -37,9 +37,13 @@ def test_every_setting_runs_on_the_same_model_and_leaves_it_dense(monkeypatch):
         built.append(tiny_flux())
         return built[-1]
 
+    installed = []  # the setting installed at each timing, in order
+
     def timed(fn, reps=5, warmup=3):
         fn()
-        return 1.0
+        processor = installed_processor(built[0][0])
+        installed.append(None if processor is None else processor.settings.cdfthreshd)
+        return float(len(installed))
 
     monkeypatch.setattr(pipelines_bench, "build_on_gpu", build)
     monkeypatch.setattr(pipelines_bench, "timed", timed)
@@ -51,6 +55,13 @@ def test_every_setting_runs_on_the_same_model_and_leaves_it_dense(monkeypatch):
         assert 0.0 <= setting["relative_l1_vs_dense_step"] < 0.5
     assert row["attention_calls"] == 2 and row["attention_shape"][2] == 20 + 12 * 12
     assert installed_processor(built[0][0]) is None
+    # eager steps: rounds that take dense and the two settings in turn, each setting's fastest round reported
+    rounds = installed[-3 * pipelines_bench.EAGER_ROUNDS:]
+    assert rounds == [None, 0.98, 0.9] * pipelines_bench.EAGER_ROUNDS
+    assert row["dense_step_ms_rounds"] == [len(installed) - 3 * (pipelines_bench.EAGER_ROUNDS - r) + 1
+                                           for r in range(pipelines_bench.EAGER_ROUNDS)]
+    assert row["dense_step_ms"] == min(row["dense_step_ms_rounds"])
+    assert row["settings"]["aggressive"]["step_ms"] == min(row["settings"]["aggressive"]["step_ms_rounds"])
 
 
 def test_compile_dense_steps_parses_its_arguments(capsys):

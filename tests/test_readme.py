@@ -200,8 +200,9 @@ def test_readme_attention_tables_are_the_committed_results():
             assert_shown_as(cell, r[field], f"{name} whole method: {field}")
 
 
-# Which run each row of the README's pipeline table shows (Flux and SD3 re-run in session 44).
-PIPELINE_ROWS = {"Flux": ("flux", "pipelines-H100-session44.json"), "SD3.5": ("sd3", "pipelines-H100-session44.json"),
+# Which run each row of the README's pipeline table shows (Flux and SD3 re-run in session 45).
+PIPELINE_ROWS = {"Flux": ("flux", "pipelines-H100-session45-1.json"),
+                 "SD3.5": ("sd3", "pipelines-H100-session45-1.json"),
                  "CogVideoX": ("cogvideox", "pipelines-H100.json"), "Mochi": ("mochi", "pipelines-H100.json")}
 
 
