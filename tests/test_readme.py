@@ -1,4 +1,4 @@
-"""The README against the code: its two commands, its Python examples and its command lines.
+"""The README against the code and the results: its two commands, examples, command lines, links and tables.
 
 Users copy these; a renamed function, a dropped keyword or CLI option must fail here, not on their machine. The
 examples need a GPU and weights to run, so they are checked statically: each block compiles, every name it imports
