@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, s2o_attention, s2o_visit_order, sparge_attention
+from sparge_diffusers._json import write_json
 from sparge_diffusers.kernels import attention
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.predict import block_statistics_triton
@@ -189,6 +190,7 @@ def main(argv=None):
         for name in ("cogvideox", "llama32k"):
             results["tradeoff"][name] = tradeoff(name, FULL[name])
             print(name, "tradeoff done", flush=True)
+            checkpoint(results, args.out)
     for name in args.shapes.split(","):
         w = FULL[name]
         if "overhead" in parts:
@@ -196,7 +198,18 @@ def main(argv=None):
         if "timing" in parts:
             results["timing"][name] = timing(name, w)
         print(name, "overhead/timing done", flush=True)
+        checkpoint(results, args.out)
+    save_report(results, report_table(results), args.out)
 
+
+def checkpoint(results: dict, out: str | None) -> None:
+    """The results so far, written after each shape: a run stopped by a time limit keeps what it measured (a
+    later ``--parts``/``--shapes`` run on the same ``--out`` adds the rest)."""
+    if out:
+        write_json(out, results)
+
+
+def report_table(results: dict) -> str:
     lines = [f"# {results['device']}, torch {results['torch']}; structured inputs (sparge_diffusers.workloads.FULL)"]
     for name, r in results["tradeoff"].items():
         lines.append(f"## {name}: sweeps (sparsity / rel. L1 / MSE)")
@@ -230,7 +243,7 @@ def main(argv=None):
                      f"{r['topcdf_l1']:7.4f} {r['topcdf_vs_cudnn']:5.2f} {r['s2o_ms']:7.2f} {r['s2o_sparsity']:5.3f} "
                      f"{r['s2o_l1']:7.4f} {r['s2o_vs_cudnn']:5.2f} {r.get('s2o_order_ms', float('nan')):8.3f} "
                      f"{r.get('s2o_order_graph_ms', float('nan')):7.3f}")
-    save_report(results, "\n".join(lines), args.out)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
