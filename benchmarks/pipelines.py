@@ -144,6 +144,7 @@ def main(argv=None):
     compiled = set(filter(None, args.compile.split(",")))
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                "eager_rounds": args.eager_rounds, "models": {}}
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", "pipelines-H100.json")
     for name in args.models.split(","):
         try:
             results["models"][name] = run_model(name, graph=name in graphs, compiled=name in compiled,
@@ -151,9 +152,8 @@ def main(argv=None):
         except Exception as e:  # report and go on to the next model
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
         torch.cuda.empty_cache()
+        write_json(out, results)  # after every model: a run stopped by a time limit keeps the models it measured
     print_table(results)
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", "pipelines-H100.json")
-    write_json(out, results)
 
 
 def compiled_ms(model, inputs) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 """benchmarks/pipelines.py runs each model through dense, then every sparse setting, on one model (CPU, a tiny
 random-weight Flux, the reference path; the timings themselves need a GPU)."""
 
+import json
 import os
 import sys
 
@@ -77,3 +78,18 @@ def test_compile_dense_steps_parses_its_arguments(capsys):
         with pytest.raises(SystemExit) as e:
             compile_dense_steps.parse_args(bad)
         assert e.value.code == 2
+
+
+def test_a_run_stopped_after_a_model_keeps_that_model(tmp_path, monkeypatch):
+    def run_model(name, graph=False, compiled=False, rounds=3):
+        if name == "sd3":
+            raise KeyboardInterrupt  # a time limit's kill, after flux was measured
+        return {"measured": name}
+
+    monkeypatch.setattr(pipelines_bench, "run_model", run_model)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "pipelines.json"
+    with pytest.raises(KeyboardInterrupt):
+        pipelines_bench.main(["--models", "flux,sd3", "--out", str(out)])
+    assert json.loads(out.read_text())["models"] == {"flux": {"measured": "flux"}}
