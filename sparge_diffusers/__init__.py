@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from . import kernels
 from .kernels import *  # noqa: F401,F403  (the public API is the kernels' one for now)
 
-if TYPE_CHECKING:  # neither imports diffusers here; the functions below import them when called
+if TYPE_CHECKING:  # for the annotations only: importing pipelines here would import diffusers with the package
     from .pipelines import LayerSettingsFile, SpargeProcessor, SpargeSettings
 
 __version__ = "0.1.0"
