@@ -244,3 +244,18 @@ def test_readme_llm_prefill_table_is_the_committed_results():
             assert len(shown) == len(values), f"{row[0]}: {cell!r}"
             for number, value in zip(shown, values):
                 assert_shown_as(number, value, f"LLM prefill {row[0]} {cell!r}")
+
+
+def test_readme_pbs_table_is_the_committed_results():
+    import json
+
+    lengths = json.loads((ROOT / "benchmarks" / "results" / "pbs-H100.json").read_text())["lengths"]
+    rows = table_after("| N | tau | keys | density | rel. L1 | whole call ms")
+    assert len(rows) == 8
+    for n, tau, keys, density, l1, whole, cudnn_whole, prebuilt, flex_prebuilt in rows:
+        method = {"in order": "in_order", "PBS 256": "pbs256"}[keys]
+        cell = next(c for c in lengths[str(int(n.rstrip("K")) * 1024)]["cells"]
+                    if c["method"] == method and c["tau"] == float(tau))
+        for shown, field in [(density, "density"), (l1, "relative_l1"), (whole, "whole_ms"), (cudnn_whole,
+                             "cudnn_vs_whole"), (prebuilt, "prebuilt_ms"), (flex_prebuilt, "flex_vs_prebuilt")]:
+            assert_shown_as(shown, cell[field], f"PBS {n} tau {tau} {keys}: {field}")
