@@ -259,3 +259,18 @@ def test_readme_pbs_table_is_the_committed_results():
         for shown, field in [(density, "density"), (l1, "relative_l1"), (whole, "whole_ms"), (cudnn_whole,
                              "cudnn_vs_whole"), (prebuilt, "prebuilt_ms"), (flex_prebuilt, "flex_vs_prebuilt")]:
             assert_shown_as(shown, cell[field], f"PBS {n} tau {tau} {keys}: {field}")
+
+
+def test_readme_fsa_table_is_the_committed_results():
+    import json
+
+    cells = json.loads((ROOT / "benchmarks" / "results" / "fsa-H100.json").read_text())["cells"]
+    rows = table_after("| group | block × top_k | select ms")
+    assert len(rows) == 6
+    for group, block_top_k, *shown in rows:
+        block, top_k = (int(x) for x in block_top_k.split(" × "))
+        cell = next(c for c in cells if (c["group"], c["block"], c["top_k"]) == (int(group), block, top_k))
+        fields = ["select_ms", "select_reference_ms", "prebuilt_ms", "whole_ms", "whole_one_piece_ms",
+                  "query_outer_vs_prebuilt", "flex_vs_prebuilt", "cudnn_vs_prebuilt"]
+        for number, field in zip(shown, fields, strict=True):
+            assert_shown_as(number, cell[field], f"FSA group {group} {block_top_k}: {field}")
