@@ -274,3 +274,16 @@ def test_readme_fsa_table_is_the_committed_results():
                   "query_outer_vs_prebuilt", "flex_vs_prebuilt", "cudnn_vs_prebuilt"]
         for number, field in zip(shown, fields, strict=True):
             assert_shown_as(number, cell[field], f"FSA group {group} {block_top_k}: {field}")
+
+
+def test_readme_tuning_table_is_the_committed_results():
+    import json
+
+    mean = json.loads((ROOT / "benchmarks" / "results" / "tuning-H100.json").read_text())["mean"]
+    rows = table_after("| setting | sparsity | L1 mean | L1 max | ms | vs cuDNN")
+    configs = ["default", "tuned", "tuned-nopv", "matched", "matched-nopv"]
+    assert len(rows) == len(configs)
+    for (setting, *shown), config in zip(rows, configs):
+        fields = ["sparsity", "l1", "l1_max", "ms", "speedup_vs_cudnn"]
+        for number, field in zip(shown, fields, strict=True):
+            assert_shown_as(number.rstrip("×"), mean[config][field], f"tuning {setting}: {field}")
