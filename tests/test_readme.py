@@ -287,3 +287,17 @@ def test_readme_tuning_table_is_the_committed_results():
         fields = ["sparsity", "l1", "l1_max", "ms", "speedup_vs_cudnn"]
         for number, field in zip(shown, fields, strict=True):
             assert_shown_as(number.rstrip("×"), mean[config][field], f"tuning {setting}: {field}")
+
+
+def test_readme_permutations_table_is_the_committed_results():
+    import json
+
+    workloads = json.loads((ROOT / "benchmarks" / "results" / "permutations-H100.json").read_text())["workloads"]
+    rows = table_after("| order | CogVideoX Sim-q / Sim-k | L1 | sparsity")
+    assert [row[0] for row in rows] == ["random", "rowmajor", "colmajor", "timemajor", "hilbert"]
+    for order, *cells in rows:
+        for workload, (sims, l1, sparsity) in zip(["cogvideox", "mochi"], [cells[:3], cells[3:]], strict=True):
+            r = workloads[workload]["orders"][order]
+            sim_q, sim_k = sims.split(" / ")
+            for number, field in [(sim_q, "sim_q"), (sim_k, "sim_k"), (l1, "relative_l1"), (sparsity, "sparsity")]:
+                assert_shown_as(number, r[field], f"permutations {workload} {order}: {field}")
