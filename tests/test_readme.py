@@ -301,3 +301,36 @@ def test_readme_permutations_table_is_the_committed_results():
             sim_q, sim_k = sims.split(" / ")
             for number, field in [(sim_q, "sim_q"), (sim_k, "sim_k"), (l1, "relative_l1"), (sparsity, "sparsity")]:
                 assert_shown_as(number, r[field], f"permutations {workload} {order}: {field}")
+
+
+def test_readme_chunked_prefill_tables_are_the_committed_results():
+    import json
+
+    cases = {str(c["C"]): c for c in
+             json.loads((ROOT / "benchmarks" / "results" / "chunked-prefill-H100.json").read_text())["cases"]}
+    rows = table_after("| C | ours dense ms | SDPA-LR ms")
+    assert [row[0] for row in rows] == ["2048", "8192"]
+    for c, ours, sdpa_lr, cudnn_mask, flex, *ratios, ideal, flex_prebuilt in rows:
+        dense, sparse = cases[c]["dense"], cases[c]["sparse"]
+        expected = [(ours, dense["ours_ms"]), (sdpa_lr, dense["sdpa_lower_right_ms"]),
+                    (cudnn_mask, dense["cudnn_mask_ms"]), (flex, dense["flex_ms"])]
+        expected += [(shown, dense[name] / dense["ours_ms"])
+                     for shown, name in zip(ratios, ["sdpa_lower_right_ms", "cudnn_mask_ms", "flex_ms"], strict=True)]
+        expected += [(shown, s["prebuilt_speedup_over_ideal"]) for shown, s in zip(ideal.split(" / "), sparse,
+                                                                                   strict=True)]
+        low, high = flex_prebuilt.split("-")
+        flex_ratios = [s["flex_vs_prebuilt"] for s in sparse]
+        expected += [(low, min(flex_ratios)), (high, max(flex_ratios))]
+        for shown, value in expected:
+            assert_shown_as(shown, value, f"chunked prefill C = {c} (dense and masks)")
+
+    methods = {"SpargeAttn": None, "SpargeAttn, PBS 256": "pbs", "S2O": "s2o", "FSA (16 × 64 keys)": "fsa"}
+    rows = table_after("| C | method | sparsity | rel. L1 | ms | × SDPA-LR")
+    assert len(rows) == 8
+    for c, method, sparsity, l1, ms, x_sdpa, x_cudnn in rows:
+        s = cases[c]["structured_default"]
+        r = {"sparsity": s["sparsity"], "relative_l1": s["relative_l1"], "ms": s["whole_ms"]}
+        r = s[methods[method]] if methods[method] else r
+        for shown, value in [(sparsity.split()[0], r["sparsity"]), (l1, r["relative_l1"]), (ms, r["ms"]),
+                             (x_sdpa, s["sdpa_lower_right_ms"] / r["ms"]), (x_cudnn, s["cudnn_mask_ms"] / r["ms"])]:
+            assert_shown_as(shown, value, f"chunked prefill C = {c}, {method}")
