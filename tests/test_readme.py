@@ -334,3 +334,39 @@ def test_readme_chunked_prefill_tables_are_the_committed_results():
         for shown, value in [(sparsity.split()[0], r["sparsity"]), (l1, r["relative_l1"]), (ms, r["ms"]),
                              (x_sdpa, s["sdpa_lower_right_ms"] / r["ms"]), (x_cudnn, s["cudnn_mask_ms"] / r["ms"])]:
             assert_shown_as(shown, value, f"chunked prefill C = {c}, {method}")
+
+
+def test_readme_padded_batch_table_is_the_committed_results():
+    import json
+
+    batches = json.loads((ROOT / "benchmarks" / "results" / "padded-batch-H100.json").read_text())["batches"]
+    rows = table_after("| prompts × tokens | ours ms | SDPA + mask ms")
+    assert len(rows) == 5
+    for label, ours, sdpa_mask, flex, sdpa_over_ours, flex_over_ours in rows:
+        prompts, lengths = label.split(" × ")
+        shortest, longest = (int(x) for x in lengths.split("-"))
+        b = next(b for b in batches if (b["prompts"], b["shortest"], b["longest"]) == (int(prompts), shortest, longest))
+        for shown, value in [(ours, b["ms"]["ours"]), (sdpa_mask, b["ms"]["sdpa_mask"]), (flex, b["ms"]["flex"]),
+                             (sdpa_over_ours, b["sdpa_mask_over_ours"]), (flex_over_ours, b["flex_over_ours"])]:
+            assert_shown_as(shown, value, f"padded batch {label}")
+
+
+def test_readme_compiled_pipeline_table_is_the_committed_results():
+    import json
+
+    models = json.loads((ROOT / "benchmarks" / "results" / "pipelines-compile-H100.json").read_text())["models"]
+    rows = table_after("| model | dense ms | default ms (×, sparsity)")
+    assert len(rows) == 3
+    for name, dense, default, aggressive, compile_s in rows:
+        r = models[next(v for k, v in {"Flux": "flux", "SD3.5": "sd3", "CogVideoX": "cogvideox"}.items()
+                        if name.startswith(k))]
+        d, a = r["settings"]["default"], r["settings"]["aggressive"]
+        expected = [(dense, [r["dense_compiled_ms"]]),
+                    (default, [d["compiled_ms"], d["compiled_speedup"], d["sparsity"]]),
+                    (aggressive, [a["compiled_ms"], a["compiled_speedup"], a["sparsity"]]),
+                    (compile_s, [r["dense_compile_s"], d["compile_s"], a["compile_s"]])]
+        for cell, values in expected:
+            shown = re.findall(r"\d+(?:\.\d+)?", cell)
+            assert len(shown) == len(values), f"{name}: {cell!r}"
+            for number, value in zip(shown, values):
+                assert_shown_as(number, value, f"compiled {name} {cell!r}")
