@@ -370,3 +370,16 @@ def test_readme_compiled_pipeline_table_is_the_committed_results():
             assert len(shown) == len(values), f"{name}: {cell!r}"
             for number, value in zip(shown, values):
                 assert_shown_as(number, value, f"compiled {name} {cell!r}")
+
+
+def test_readme_s2o_overhead_table_is_the_committed_results_where_the_readme_says_so():
+    """The CogVideoX and Mochi columns (the README says the Flux and Llama-32K ones come from an unsaved run)."""
+    import json
+
+    overhead = json.loads((ROOT / "benchmarks" / "results" / "s2o-H100.json").read_text())["overhead"]
+    rows = table_after("| | CogVideoX | Mochi | Flux | Llama 32K causal |")
+    fields = ["B_over_A64", "B_over_A", "C_over_B", "D_over_C", "D_minus_C_over_A"]
+    assert [row[0].split(":")[0].split(" (")[0] for row in rows] == ["B / A64", "B / A", "C / B", "D / C", "(D - C) / A"]
+    for row, field in zip(rows, fields, strict=True):
+        for shown, shape in zip(row[1:3], ["cogvideox", "mochi"]):
+            assert_shown_as(shown.strip("+%"), 100 * overhead[shape][field], f"S2O overhead {shape}: {field}")
