@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import inspect
 import re
 import shlex
@@ -163,10 +164,16 @@ def assert_shown_as(cell: str, value: float, what: str) -> None:
     assert abs(float(cell) - value) <= 0.5 * 10 ** -decimals + 1e-9, f"{what}: README {cell}, results {value:.6g}"
 
 
+def assert_cell_shows(cell: str, values: list[float], what: str) -> None:
+    """A cell holding several numbers (e.g. "188.9 (180.5) / 0.97 / 0.000") shows ``values`` in order."""
+    shown = re.findall(r"\d+(?:\.\d+)?", cell)
+    assert len(shown) == len(values), f"{what}: {cell!r}"
+    for number, value in zip(shown, values):
+        assert_shown_as(number, value, f"{what} {cell!r}")
+
+
 def test_readme_attention_tables_are_the_committed_results():
     """The issue's benchmark tables in the README show benchmarks/results/attention-H100.json, cell by cell."""
-    import json
-
     results = json.loads((ROOT / "benchmarks" / "results" / "attention-H100.json").read_text())["shapes"]
     key_of = lambda name: next(v for k, v in SHAPE_KEYS.items() if name.startswith(k))  # noqa: E731
 
@@ -207,8 +214,6 @@ PIPELINE_ROWS = {"Flux": ("flux", "pipelines-H100-session45-1.json"),
 
 
 def test_readme_pipeline_table_is_the_committed_results():
-    import json
-
     rows = table_after("| model (resolution) | tokens | dense step ms")
     assert len(rows) == 4
     for row in rows:
@@ -221,15 +226,10 @@ def test_readme_pipeline_table_is_the_committed_results():
                     [r["dense_graph_ms"], d["graph_ms"], d["graph_speedup"], a["graph_ms"], a["graph_speedup"]]
                     if "dense_graph_ms" in r else []]
         for cell, values in zip(row[1:], expected):
-            shown = re.findall(r"\d+(?:\.\d+)?", cell)
-            assert len(shown) == len(values), f"{row[0]}: {cell!r}"
-            for number, value in zip(shown, values):
-                assert_shown_as(number, value, f"{row[0]} {cell!r}")
+            assert_cell_shows(cell, values, row[0])
 
 
 def test_readme_llm_prefill_table_is_the_committed_results():
-    import json
-
     results = json.loads((ROOT / "benchmarks" / "results" / "llm-prefill-H100.json").read_text())
     rows = table_after("| | SDPA | default | `simthreshd1=-1, cdfthreshd=0.9` |")
     assert [row[0].split()[0] for row in rows] == ["8K", "32K", "left-padded"]
@@ -240,15 +240,10 @@ def test_readme_llm_prefill_table_is_the_committed_results():
         if row[0].startswith("left-padded"):  # the padded row shows times and ratios only
             expected = [values[:2] for values in expected]
         for cell, values in zip(row[1:], expected):
-            shown = re.findall(r"\d+(?:\.\d+)?", cell)
-            assert len(shown) == len(values), f"{row[0]}: {cell!r}"
-            for number, value in zip(shown, values):
-                assert_shown_as(number, value, f"LLM prefill {row[0]} {cell!r}")
+            assert_cell_shows(cell, values, f"LLM prefill {row[0]}")
 
 
 def test_readme_pbs_table_is_the_committed_results():
-    import json
-
     lengths = json.loads((ROOT / "benchmarks" / "results" / "pbs-H100.json").read_text())["lengths"]
     rows = table_after("| N | tau | keys | density | rel. L1 | whole call ms")
     assert len(rows) == 8
@@ -262,8 +257,6 @@ def test_readme_pbs_table_is_the_committed_results():
 
 
 def test_readme_fsa_table_is_the_committed_results():
-    import json
-
     cells = json.loads((ROOT / "benchmarks" / "results" / "fsa-H100.json").read_text())["cells"]
     rows = table_after("| group | block × top_k | select ms")
     assert len(rows) == 6
@@ -277,8 +270,6 @@ def test_readme_fsa_table_is_the_committed_results():
 
 
 def test_readme_tuning_table_is_the_committed_results():
-    import json
-
     mean = json.loads((ROOT / "benchmarks" / "results" / "tuning-H100.json").read_text())["mean"]
     rows = table_after("| setting | sparsity | L1 mean | L1 max | ms | vs cuDNN")
     configs = ["default", "tuned", "tuned-nopv", "matched", "matched-nopv"]
@@ -290,8 +281,6 @@ def test_readme_tuning_table_is_the_committed_results():
 
 
 def test_readme_permutations_table_is_the_committed_results():
-    import json
-
     workloads = json.loads((ROOT / "benchmarks" / "results" / "permutations-H100.json").read_text())["workloads"]
     rows = table_after("| order | CogVideoX Sim-q / Sim-k | L1 | sparsity")
     assert [row[0] for row in rows] == ["random", "rowmajor", "colmajor", "timemajor", "hilbert"]
@@ -304,8 +293,6 @@ def test_readme_permutations_table_is_the_committed_results():
 
 
 def test_readme_chunked_prefill_tables_are_the_committed_results():
-    import json
-
     cases = {str(c["C"]): c for c in
              json.loads((ROOT / "benchmarks" / "results" / "chunked-prefill-H100.json").read_text())["cases"]}
     rows = table_after("| C | ours dense ms | SDPA-LR ms")
@@ -337,8 +324,6 @@ def test_readme_chunked_prefill_tables_are_the_committed_results():
 
 
 def test_readme_padded_batch_table_is_the_committed_results():
-    import json
-
     batches = json.loads((ROOT / "benchmarks" / "results" / "padded-batch-H100.json").read_text())["batches"]
     rows = table_after("| prompts × tokens | ours ms | SDPA + mask ms")
     assert len(rows) == 5
@@ -352,8 +337,6 @@ def test_readme_padded_batch_table_is_the_committed_results():
 
 
 def test_readme_compiled_pipeline_table_is_the_committed_results():
-    import json
-
     models = json.loads((ROOT / "benchmarks" / "results" / "pipelines-compile-H100.json").read_text())["models"]
     rows = table_after("| model | dense ms | default ms (×, sparsity)")
     assert len(rows) == 3
@@ -366,16 +349,11 @@ def test_readme_compiled_pipeline_table_is_the_committed_results():
                     (aggressive, [a["compiled_ms"], a["compiled_speedup"], a["sparsity"]]),
                     (compile_s, [r["dense_compile_s"], d["compile_s"], a["compile_s"]])]
         for cell, values in expected:
-            shown = re.findall(r"\d+(?:\.\d+)?", cell)
-            assert len(shown) == len(values), f"{name}: {cell!r}"
-            for number, value in zip(shown, values):
-                assert_shown_as(number, value, f"compiled {name} {cell!r}")
+            assert_cell_shows(cell, values, f"compiled {name}")
 
 
 def test_readme_s2o_overhead_table_is_the_committed_results_where_the_readme_says_so():
     """The CogVideoX and Mochi columns (the README says the Flux and Llama-32K ones come from an unsaved run)."""
-    import json
-
     overhead = json.loads((ROOT / "benchmarks" / "results" / "s2o-H100.json").read_text())["overhead"]
     rows = table_after("| | CogVideoX | Mochi | Flux | Llama 32K causal |")
     fields = ["B_over_A64", "B_over_A", "C_over_B", "D_over_C", "D_minus_C_over_A"]
