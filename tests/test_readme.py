@@ -4,7 +4,8 @@ Users copy these; a renamed function, a dropped keyword or CLI option must fail 
 examples need a GPU and weights to run, so they are checked statically: each block compiles, every name it imports
 from the package exists, every attribute it reads from the package exists, and every keyword it passes to one of
 the package's functions or classes is a parameter of it. Command lines go through the real argument parser. The
-benchmark tables of the issue (attention) and of the pipelines show the committed results files, cell by cell.
+benchmark tables show the committed results files, cell by cell (all but the S2O trade-off table, whose cells are
+interpolations written as text).
 """
 
 from __future__ import annotations
