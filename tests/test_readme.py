@@ -4,8 +4,8 @@ Users copy these; a renamed function, a dropped keyword or CLI option must fail 
 examples need a GPU and weights to run, so they are checked statically: each block compiles, every name it imports
 from the package exists, every attribute it reads from the package exists, and every keyword it passes to one of
 the package's functions or classes is a parameter of it. Command lines go through the real argument parser. The
-benchmark tables show the committed results files, cell by cell (all but the S2O trade-off table, whose cells are
-interpolations written as text).
+benchmark tables show the committed results files, cell by cell; the S2O trade-off table, whose cells are written
+as text ("1.26× at 0.049, 0.97-0.98× at 0.36-0.55"), number by number.
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def test_readme_links_point_at_headings_and_files_that_exist():
 
 
 SHAPE_KEYS = {"CogVideoX": "cogvideox", "Mochi": "mochi", "Flux": "flux", "Llama": "llama32k"}
+SHAPES = list(SHAPE_KEYS.values())  # the order of the README's columns and lists
 
 
 def table_after(header_start: str) -> list[list[str]]:
@@ -206,6 +207,45 @@ def test_readme_attention_tables_are_the_committed_results():
         for cell, field in [(sparsity, "sparsity"), (l1, "relative_l1"), (ours, "ms"), (cudnn, "cudnn_ms"),
                             (speedup, "speedup_vs_cudnn")]:
             assert_shown_as(cell, r[field], f"{name} whole method: {field}")
+
+
+def assert_range_shown(shown: str, values: list[float], what: str) -> None:
+    """``shown`` ("0.96-1.14") is the smallest and largest of ``values``, each at its decimals."""
+    lo, hi = shown.split("-")
+    assert_shown_as(lo, min(values), f"{what} (smallest)")
+    assert_shown_as(hi, max(values), f"{what} (largest)")
+
+
+def test_readme_attention_rerun_ranges_are_the_committed_reruns():
+    """The paragraph on re-runs names every attention-H100-session<N>.json and gives the ranges they span."""
+    reruns = {int(re.search(r"session(\d+)", p.name)[1]): json.loads(p.read_text())["shapes"]
+              for p in (ROOT / "benchmarks" / "results").glob("attention-H100-session*.json")}
+    text = README[README.index("re-runs after later changes"):]
+    text = " ".join(text[:text.index("\n\n")].split())  # the paragraph, line breaks as spaces
+    named = [int(n) for n in re.findall(r"\d+", text[text.index("sessions"):text.index("each saved as")])]
+    assert named == sorted(reruns), f"the README names sessions {named}, results hold {sorted(reruns)}"
+    shapes = [s for run in reruns.values() for s in run.values()]
+    on_sdpa = [s for s in shapes if "sdpa_default_ms" in s["dense"]]
+    at_01 = lambda key, field: [r[field] for run in reruns.values() for r in run[key]["sparse"]  # noqa: E731
+                                if r["density"] == 0.1]
+    tables = json.loads((ROOT / "benchmarks" / "results" / "attention-H100.json").read_text())["shapes"].values()
+    cudnn_over_ours = lambda shapes: [s["dense"]["cudnn_ms"] / s["dense"]["ours_ms"] for s in shapes]  # noqa: E731
+    flex_over_ours = lambda shapes: [r["ours_vs_flex"] for s in shapes for r in s["sparse"]]  # noqa: E731
+    expected = [("cuDNN/ours", cudnn_over_ours(shapes)), ("cuDNN/ours in the tables", cudnn_over_ours(tables)),
+                ("FlexAttention/ours", flex_over_ours(shapes)), ("Flex/ours in the tables", flex_over_ours(tables))]
+    expected += [(f"{key} per call", at_01(key, "speedup_over_ideal")) for key in SHAPES]
+    expected += [(f"{key} prebuilt", at_01(key, "prebuilt_speedup_over_ideal")) for key in SHAPES]
+    expected += [("SDPA/ours", [s["dense"]["sdpa_default_ms"] / s["dense"]["ours_ms"] for s in on_sdpa])]
+    expected += [(f"{key} stored (B, N, H, D)", [run[key]["dense"]["ours_vs_cudnn_nhd_stored"] for run in
+                                                 reruns.values() if "ours_vs_cudnn_nhd_stored" in run[key]["dense"]])
+                 for key in SHAPES]
+    ranges = re.findall(r"\d\.\d\d-\d\.\d\d", text)  # in the order the paragraph gives them
+    assert len(ranges) == len(expected), ranges
+    for shown, (what, values) in zip(ranges, expected):
+        assert_range_shown(shown, values, f"re-runs: {what}")
+    for key in SHAPES:  # "the whole method's sparsity and relative L1 unchanged in every one"
+        assert len({(round(run[key]["structured_default"]["sparsity"], 4),
+                     round(run[key]["structured_default"]["relative_l1"], 4)) for run in reruns.values()}) == 1
 
 
 # Which run each row of the README's pipeline table shows (Flux and SD3 re-run in session 45).
@@ -353,13 +393,66 @@ def test_readme_compiled_pipeline_table_is_the_committed_results():
             assert_cell_shows(cell, values, f"compiled {name}")
 
 
-def test_readme_s2o_overhead_table_is_the_committed_results_where_the_readme_says_so():
-    """The CogVideoX and Mochi columns (the README says the Flux and Llama-32K ones come from an unsaved run)."""
-    overhead = json.loads((ROOT / "benchmarks" / "results" / "s2o-H100.json").read_text())["overhead"]
+S2O_RESULTS = ROOT / "benchmarks" / "results" / "s2o-H100.json"
+
+
+def test_readme_s2o_overhead_table_is_the_committed_results():
+    overhead = json.loads(S2O_RESULTS.read_text())["overhead"]
     rows = table_after("| | CogVideoX | Mochi | Flux | Llama 32K causal |")
-    fields = ["B_over_A64", "B_over_A", "C_over_B", "D_over_C", "D_minus_C_over_A"]
+    fields = ["B_over_A64", "B_over_A_triton", "B_over_A", "C_over_B", "D_over_C", "D_minus_C_over_A"]
     labels = [row[0].split(":")[0].split(" (")[0] for row in rows]
-    assert labels == ["B / A64", "B / A", "C / B", "D / C", "(D - C) / A"]
+    assert labels == ["B / A64", "B / At", "B / A", "C / B", "D / C", "(D - C) / A"]
     for row, field in zip(rows, fields, strict=True):
-        for shown, shape in zip(row[1:3], ["cogvideox", "mochi"]):
+        for shown, shape in zip(row[1:], SHAPES, strict=True):
             assert_shown_as(shown.strip("+%"), 100 * overhead[shape][field], f"S2O overhead {shape}: {field}")
+
+
+def shows(shown_lo: str, shown_hi: str, value: float) -> bool:
+    """A shown number (or range) holds ``value``: equal at the shown decimals, or inside the range."""
+    return float(shown_lo) <= value <= float(shown_hi) or any(
+        abs(value - float(x)) <= 0.5 * 10 ** -len(x.split(".")[1]) + 1e-9 for x in {shown_lo, shown_hi})
+
+
+def assert_ratios_at_sparsities_shown(cell: str, matched: list[dict], ratio_field: str, what: str) -> None:
+    """A trade-off cell such as "1.26× at 0.049, 0.97-0.98× at 0.36-0.55" (or "0.74-0.87×": every matched point):
+    each item's sparsity (one or a range) picks matched points whose ratio it shows (one or a range), and every
+    matched point is shown by an item."""
+    items = re.findall(r"(\d+\.\d+)(?:-(\d+\.\d+))?×(?: at (\d+\.\d+)(?:-(\d+\.\d+))?)?", cell)
+    assert items, f"{what}: {cell!r}"
+    covered = set()
+    for r_lo, r_hi, s_lo, s_hi in items:
+        picked = [i for i, m in enumerate(matched) if not s_lo or shows(s_lo, s_hi or s_lo, m["sparsity"])]
+        assert picked, f"{what}: no matched point at sparsity {s_lo}-{s_hi} ({cell!r})"
+        for i in picked:
+            assert shows(r_lo, r_hi or r_lo, matched[i][ratio_field]), f"{what}: {cell!r} vs {matched[i]}"
+        covered.update(picked)
+    assert covered == set(range(len(matched))), f"{what}: {cell!r} leaves matched points out"
+
+
+def test_readme_s2o_tradeoff_table_is_the_committed_results():
+    tradeoff = json.loads(S2O_RESULTS.read_text())["tradeoff"]
+    rows = table_after("| | Llama-3.1-8B causal 32K | CogVideoX (B=2, H=30, N=17776, D=64) |")
+    assert [row[0] for row in rows] == ["TopCdf L1 / S2O L1 at matched sparsity",
+                                        "TopCdf MSE / S2O MSE at matched sparsity",
+                                        "sparsity at L1 = 0.05, TopCdf / S2O"]
+    for shape, (l1_cell, mse_cell, at_l1_cell) in zip(["llama32k", "cogvideox"], zip(*[row[1:] for row in rows])):
+        matched = tradeoff[shape]["matched_sparsity"]
+        assert_ratios_at_sparsities_shown(l1_cell, matched, "l1_ratio_topcdf_over_s2o", f"{shape} L1 ratio")
+        assert_ratios_at_sparsities_shown(mse_cell, matched, "mse_ratio_topcdf_over_s2o", f"{shape} MSE ratio")
+        at = next(m for m in tradeoff[shape]["matched_l1"] if m["l1"] == 0.05)
+        assert_cell_shows(at_l1_cell, [at["topcdf_sparsity"], at["s2o_sparsity"]], f"{shape} sparsity at L1 0.05")
+
+
+def test_readme_s2o_default_tau_figures_are_the_committed_results():
+    """The sentence after the overhead table: S2O's and TopCdf's speed over cuDNN at their defaults, S2O's
+    sparsity."""
+    timing = json.loads(S2O_RESULTS.read_text())["timing"]
+    sentence = README[README.index("At the default `tau` = 0.0005 against cuDNN"):]
+    sentence = sentence[:sentence.index(": the right `tau`")]
+    for name, shape in zip(["CogVideoX", "Mochi", "Flux", "Llama"], SHAPES, strict=True):
+        part = sentence[sentence.index(name):]
+        s2o, topcdf = re.findall(r"(\d+\.\d+)×", part)[:2]
+        assert_shown_as(s2o, timing[shape]["s2o_vs_cudnn"], f"S2O at the default tau, {name}")
+        assert_shown_as(topcdf, timing[shape]["topcdf_vs_cudnn"], f"TopCdf at its defaults, {name}")
+        sparsity = re.search(r"×\s+at\s+(?:sparsity\s+)?(\d+\.\d+)", part)[1]
+        assert_shown_as(sparsity, timing[shape]["s2o_sparsity"], f"S2O's sparsity at the default tau, {name}")
