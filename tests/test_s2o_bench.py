@@ -38,3 +38,15 @@ def test_a_run_stopped_after_a_shape_keeps_that_shape(tmp_path, monkeypatch):
         s2o_bench.main(["--parts", "overhead,timing", "--shapes", "flux,llama32k", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert set(saved["overhead"]) == {"flux"} and saved["timing"]["flux"] == committed["timing"]["flux"]
+
+
+def test_the_triton_dense_baselines_force_the_triton_kernel_and_restore_the_defaults():
+    """A (the dense mode as called) must stay the default dispatch after At / A64 are measured, even if one raises."""
+    attention, hopper = s2o_bench.attention, s2o_bench.attention_hopper
+    defaults = attention.dense_block_n(128), hopper.OVERRIDE
+    with s2o_bench.triton_dense_mode():
+        assert hopper.OVERRIDE is False and attention.dense_block_n(128) == defaults[0]
+    with pytest.raises(RuntimeError), s2o_bench.triton_dense_mode(s2o_bench.BLOCK_K):
+        assert hopper.OVERRIDE is False and attention.dense_block_n(128) == s2o_bench.BLOCK_K
+        raise RuntimeError("a failed measurement")
+    assert (attention.dense_block_n(128), hopper.OVERRIDE) == defaults
