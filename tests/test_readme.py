@@ -232,8 +232,8 @@ def test_readme_attention_rerun_ranges_are_the_committed_reruns():
     at_01 = lambda key, field: [r[field] for run in reruns.values() for r in run[key]["sparse"]  # noqa: E731
                                 if r["density"] == 0.1]
     tables = json.loads((ROOT / "benchmarks" / "results" / "attention-H100.json").read_text())["shapes"].values()
-    cudnn_over_ours = lambda shapes: [s["dense"]["cudnn_ms"] / s["dense"]["ours_ms"] for s in shapes]  # noqa: E731
-    flex_over_ours = lambda shapes: [r["ours_vs_flex"] for s in shapes for r in s["sparse"]]  # noqa: E731
+    cudnn_over_ours = lambda results: [s["dense"]["cudnn_ms"] / s["dense"]["ours_ms"] for s in results]  # noqa: E731
+    flex_over_ours = lambda results: [r["ours_vs_flex"] for s in results for r in s["sparse"]]  # noqa: E731
     expected = [("cuDNN/ours", cudnn_over_ours(shapes)), ("cuDNN/ours in the tables", cudnn_over_ours(tables)),
                 ("FlexAttention/ours", flex_over_ours(shapes)), ("Flex/ours in the tables", flex_over_ours(tables))]
     expected += [(f"{key} per call", at_01(key, "speedup_over_ideal")) for key in SHAPES]
