@@ -6,15 +6,17 @@
    TopCdf's at matched sparsity and the sparsity of each at matched L1 (linear interpolation along each sweep).
 2. Overhead decomposition with no skipping (S2O appendix B): A our dense mode as a call gets it (on Hopper at
    D = 128 the Gluon kernel of attention_hopper, elsewhere the Triton kernel), At the Triton kernel's dense mode
-   (128-key tiles at D > 64), the code the S2O walk is built on, and A64 the same contiguous walk in the mask's
-   64-key tiles, which the S2O kernel uses; B the S2O kernel walking every block in ascending order through the
-   index (indexed loads), C the same in ranked order, D with the early-stop check on (tau = 0, never stops;
+   (128-key tiles at D > 64), the code the Triton S2O walk is built on, and A64 the same contiguous walk in the
+   mask's 64-key tiles, which that walk uses; B the Triton S2O walk over every block in ascending order through
+   the index (indexed loads), C the same in ranked order, D with the early-stop check on (tau = 0, never stops;
    every 16 ranked tiles, the default, and every tile, every 4 and every 64 tiles for comparison). Each as a
    share of the previous variant; B/A64 isolates the indexed loads from the tile width and from the Gluon
-   kernel, B/A is what a user sees. Kernel times: medians of CUDA-graph replays.
+   kernel. Then the walk as s2o_attention runs it (on Hopper the Gluon walk of s2o_hopper, "G"): GB, GC, GD as
+   B, C, D (and GD4, every 4 tiles); GD/A is what a user sees. Kernel times: medians of CUDA-graph replays.
 3. Time at the default tau (0.0005, tested every 16 ranked tiles) against the TopCdf path (default
-   settings) and cuDNN SDPA, with sparsity and L1, at the core benchmark shapes; and the time to build the
-   visiting order (block statistics, compressed scores, sort), per call and in CUDA-graph replays.
+   settings) and cuDNN SDPA, with sparsity and L1, at the core benchmark shapes, the walk as called and the
+   Triton walk; and the time to build the visiting order (block statistics, compressed scores, sort), per call
+   and in CUDA-graph replays.
 
 Usage: python benchmarks/s2o.py [--out results.json] [--parts overhead,timing]   (needs a GPU)
 With --parts, the other parts are kept from an existing --out file.
@@ -33,7 +35,7 @@ import torch
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, s2o_attention, s2o_visit_order, sparge_attention
 from sparge_diffusers._json import write_json
-from sparge_diffusers.kernels import attention, attention_hopper
+from sparge_diffusers.kernels import attention, attention_hopper, s2o_hopper
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.predict import block_statistics_triton
 from sparge_diffusers.kernels.s2o import VisitOrder
@@ -119,6 +121,24 @@ def triton_dense_mode(key_tile: int | None = None):
         attention.dense_block_n, attention_hopper.OVERRIDE = saved
 
 
+@contextlib.contextmanager
+def triton_walk():
+    """S2O's walk on the Triton kernel (the Hopper Gluon walk forbidden)."""
+    saved = s2o_hopper.OVERRIDE
+    s2o_hopper.OVERRIDE = False
+    try:
+        yield
+    finally:
+        s2o_hopper.OVERRIDE = saved
+
+
+def walk_kernel(q, k, v, causal: bool, check_every: int = 16) -> str:
+    """Which kernel runs s2o_attention's walk for these inputs: "gluon" (s2o_hopper) or "triton"."""
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal)
+    return "gluon" if s2o_hopper.usable(q, k, v, q, shape, pv_test=False, early_stop=True,
+                                        check_every=check_every) else "triton"
+
+
 def overhead(name, w):
     q, k, v = w.make("cuda", 0)
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=w.causal)
@@ -134,9 +154,18 @@ def overhead(name, w):
            "D_ranked_with_check": lambda: s2o_attention(q, k, v, tau=0.0, order=order, **kw),
            **{key: (lambda every=every: s2o_attention(q, k, v, tau=0.0, order=order, check_every=every, **kw))
               for key, every in (("D1_check_every_tile", 1), ("D4_check_every_4", 4), ("D64_check_every_64", 64))}}
-    t = {}
+    walk = {"GB_indexed_ascending": lambda: s2o_attention(q, k, v, tau=None, order=ascending, **kw),
+            "GC_indexed_ranked": lambda: s2o_attention(q, k, v, tau=None, order=order, **kw),
+            "GD_ranked_with_check": lambda: s2o_attention(q, k, v, tau=0.0, order=order, **kw),
+            "GD4_check_every_4": lambda: s2o_attention(q, k, v, tau=0.0, order=order, check_every=4, **kw)}
+    t = {"walk_kernel": walk_kernel(q, k, v, w.causal)}
     for _ in range(3):  # interleaved rounds, fastest kept: single medians drift by 2-3% between variants
-        for key, fn in fns.items():
+        t["A_dense"] = min(t.get("A_dense", float("inf")), bench_graph(fns["A_dense"]))
+        with triton_walk():
+            for key, fn in fns.items():
+                if key != "A_dense":
+                    t[key] = min(t.get(key, float("inf")), bench_graph(fn))
+        for key, fn in walk.items():
             t[key] = min(t.get(key, float("inf")), bench_graph(fn))
         for key, tile in (("A_triton_dense", None), ("A64_dense_64key_tiles", BLOCK_K)):
             with triton_dense_mode(tile):
@@ -154,6 +183,12 @@ def overhead(name, w):
     t["D1_over_C"] = t["D1_check_every_tile"] / t["C_indexed_ranked"] - 1
     t["D4_over_C"] = t["D4_check_every_4"] / t["C_indexed_ranked"] - 1
     t["D64_over_C"] = t["D64_check_every_64"] / t["C_indexed_ranked"] - 1
+    t["GB_over_A"] = t["GB_indexed_ascending"] / t["A_dense"] - 1
+    t["GC_over_GB"] = t["GC_indexed_ranked"] / t["GB_indexed_ascending"] - 1
+    t["GD_over_GC"] = t["GD_ranked_with_check"] / t["GC_indexed_ranked"] - 1
+    t["GD4_over_GC"] = t["GD4_check_every_4"] / t["GC_indexed_ranked"] - 1
+    t["GD_over_A"] = t["GD_ranked_with_check"] / t["A_dense"] - 1
+    t["GD_over_D"] = t["GD_ranked_with_check"] / t["D_ranked_with_check"] - 1
     return t
 
 
@@ -167,7 +202,10 @@ def timing(name, w):
         return s2o_visit_order(qm, km, qs, ks, shape, is_causal=w.causal, scale=shape.head_dim ** -0.5,
                                simthreshd1=theta, segment=2048, attention_sink=False)
 
-    r = {"cudnn_ms": bench(cudnn_attention_fn(q, k, v, w.causal)),
+    with triton_walk():
+        triton_ms = bench(lambda: s2o_attention(q, k, v, is_causal=w.causal))
+    r = {"walk_kernel": walk_kernel(q, k, v, w.causal), "s2o_triton_walk_ms": triton_ms,
+         "cudnn_ms": bench(cudnn_attention_fn(q, k, v, w.causal)),
          "topcdf_ms": bench(lambda: sparge_attention(q, k, v, is_causal=w.causal)),
          "s2o_ms": bench(lambda: s2o_attention(q, k, v, is_causal=w.causal)),
          "s2o_order_ms": bench(visit_order), "s2o_order_graph_ms": bench_graph(visit_order)}
@@ -176,6 +214,7 @@ def timing(name, w):
     out, st = s2o_attention(q, k, v, is_causal=w.causal, return_sparsity=True)
     r["s2o_sparsity"], r["s2o_l1"] = st.sparsity, sampled_errors(out, q, k, v, w.causal)[0]
     r["s2o_vs_cudnn"] = r["cudnn_ms"] / r["s2o_ms"]
+    r["s2o_triton_walk_vs_cudnn"] = r["cudnn_ms"] / r["s2o_triton_walk_ms"]
     r["topcdf_vs_cudnn"] = r["cudnn_ms"] / r["topcdf_ms"]
     return r
 
@@ -235,7 +274,8 @@ def report_table(results: dict) -> str:
             f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
             lines.append(f"at L1 {m['l1']}: sparsity TopCdf {f(m['topcdf_sparsity'])}, S2O {f(m['s2o_sparsity'])}")
     lines.append("## overhead with no skipping (kernel ms from CUDA-graph replays; share over the previous variant;")
-    lines.append("## A = dense mode as called, At = the Triton kernel's dense mode, A64 = At in 64-key tiles)")
+    lines.append("## A = dense mode as called, At = the Triton kernel's dense mode, A64 = At in 64-key tiles;")
+    lines.append("## B, C, D = the Triton walk)")
     lines.append(f"{'shape':10} {'A dense':>8} {'At':>8} {'A64':>8} {'B idx':>8} {'C ranked':>8} {'D check':>8} "
                  f"{'B/A':>6} {'B/At':>6} {'B/A64':>6} {'C/B':>6} {'D/C':>6} {'D-C/A':>6} {'D/A':>6} {'D1/C':>6} "
                  f"{'D4/C':>6} {'D64/C':>6}")
@@ -247,14 +287,26 @@ def report_table(results: dict) -> str:
                      f"{t['B_over_A64']:+6.1%} {t['C_over_B']:+6.1%} {t['D_over_C']:+6.1%} "
                      f"{t.get('D_minus_C_over_A', nan):+6.1%} {t['D_over_A']:+6.1%} {t['D1_over_C']:+6.1%} "
                      f"{t['D4_over_C']:+6.1%} {t['D64_over_C']:+6.1%}")
+    if any("GD_ranked_with_check" in t for t in results["overhead"].values()):
+        lines.append("## the walk as s2o_attention runs it (G; kernel named), same rounds")
+        lines.append(f"{'shape':10} {'kernel':>6} {'GB idx':>8} {'GC ranked':>9} {'GD check':>8} {'GB/A':>6} "
+                     f"{'GC/GB':>6} {'GD/GC':>6} {'GD4/GC':>6} {'GD/A':>6} {'GD/D':>6}")
+        for name, t in results["overhead"].items():
+            if "GD_ranked_with_check" in t:
+                lines.append(f"{name:10} {t['walk_kernel']:>6} {t['GB_indexed_ascending']:8.2f} "
+                             f"{t['GC_indexed_ranked']:9.2f} {t['GD_ranked_with_check']:8.2f} {t['GB_over_A']:+6.1%} "
+                             f"{t['GC_over_GB']:+6.1%} {t['GD_over_GC']:+6.1%} {t['GD4_over_GC']:+6.1%} "
+                             f"{t['GD_over_A']:+6.1%} {t['GD_over_D']:+6.1%}")
     lines.append("## default settings: TopCdf (0.6, 0.98) vs S2O (tau 0.0005, check every 16) vs cuDNN")
     lines.append(f"{'shape':10} {'cuDNN ms':>8} {'TopCdf ms':>9} {'sp':>5} {'L1':>7} {'x':>5} {'S2O ms':>7} {'sp':>5} "
-                 f"{'L1':>7} {'x':>5} {'order ms':>8} {'(graph)':>7}")
+                 f"{'L1':>7} {'x':>5} {'order ms':>8} {'(graph)':>7} {'Triton walk ms':>14} {'x':>5}")
+    nan = float("nan")
     for name, r in results["timing"].items():
         lines.append(f"{name:10} {r['cudnn_ms']:8.2f} {r['topcdf_ms']:9.2f} {r['topcdf_sparsity']:5.3f} "
                      f"{r['topcdf_l1']:7.4f} {r['topcdf_vs_cudnn']:5.2f} {r['s2o_ms']:7.2f} {r['s2o_sparsity']:5.3f} "
-                     f"{r['s2o_l1']:7.4f} {r['s2o_vs_cudnn']:5.2f} {r.get('s2o_order_ms', float('nan')):8.3f} "
-                     f"{r.get('s2o_order_graph_ms', float('nan')):7.3f}")
+                     f"{r['s2o_l1']:7.4f} {r['s2o_vs_cudnn']:5.2f} {r.get('s2o_order_ms', nan):8.3f} "
+                     f"{r.get('s2o_order_graph_ms', nan):7.3f} {r.get('s2o_triton_walk_ms', nan):14.2f} "
+                     f"{r.get('s2o_triton_walk_vs_cudnn', nan):5.2f}")
     return "\n".join(lines)
 
 

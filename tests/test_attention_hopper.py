@@ -65,33 +65,23 @@ def test_stage_1_fills_a_tail_schedule_only_where_the_hopper_kernel_can_run(monk
     assert predict(96).tail is None  # a head dim the Hopper kernel does not take
 
 
-def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False,
-                    permuted_keys: bool = False) -> None:
-    """Compile the kernel for sm90 without a GPU; run in a process without TRITON_INTERPRET (under the
-    interpreter, gluon.jit makes functions that cannot be compiled)."""
+def descriptor_type(dtype: str, rows: int) -> str:
+    """The signature string of a [1, 1, rows, PANEL]-box tensor descriptor, as the launchers build them."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, attention_hopper.PANEL], gl_dtype)
+    return f"tensordesc<{dtype}[1,1,{rows},{attention_hopper.PANEL}],{layout!r}>"
+
+
+def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
+    """Compile a Gluon kernel of ours for sm90 without a GPU, as launched (``num_warps``, ``maxnreg``); run in a
+    process without TRITON_INTERPRET (under the interpreter, gluon.jit makes functions that cannot be compiled)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = attention_hopper._hopper_attention_kernel
-    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-
-    def desc(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, attention_hopper.PANEL], gl_dtype)
-        return f"tensordesc<{dtype}[1,1,{rows},{attention_hopper.PANEL}],{layout!r}>"
-
-    sig = {"q_desc": desc(BLOCK_Q), "k_desc": desc(BLOCK_K), "v_desc": desc(BLOCK_K), "o_desc": desc(BLOCK_Q // 2),
-           "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "TAIL_SIZES": "*i32",
-           "TAIL_TILES": "*i32", "KPOS": "*i32",
-           "qk_scale": "fp32"}
-    sig.update({name: "i32" for name in ("stride_pb", "stride_ph", "tail_start", "H", "GROUP", "NQ", "NK", "kv_len",
-                                         "q_offset", "last_position", "n_tiles")})
-    consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
-              "IS_CAUSAL": causal, "PERMUTED_KEYS": permuted_keys, "USE_TAIL": use_tail, "BUCKETS": attention_hopper.TAIL_BUCKETS,
-              "NUM_WARPS": attention_hopper.NUM_WARPS,
-              "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
-    sig.update({name: "constexpr" for name in consts})
+    sig = dict(sig, **{name: "constexpr" for name in consts})
     sig = {name: sig[name] for name in fn.arg_names}
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -101,11 +91,25 @@ def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, us
     print("compiled", kernel.metadata.shared)
 
 
-@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail,permuted_keys",
-                         [(False, True, "bf16", 128, True, False), (True, False, "fp16", 64, False, False),
-                          (True, True, "bf16", 128, True, True)])
-def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail, permuted_keys):
-    """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
+def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False,
+                    permuted_keys: bool = False) -> None:
+    """Compile the mask walk for sm90 without a GPU."""
+    sig = {"q_desc": descriptor_type(dtype, BLOCK_Q), "k_desc": descriptor_type(dtype, BLOCK_K),
+           "v_desc": descriptor_type(dtype, BLOCK_K), "o_desc": descriptor_type(dtype, BLOCK_Q // 2),
+           "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "TAIL_SIZES": "*i32",
+           "TAIL_TILES": "*i32", "KPOS": "*i32", "qk_scale": "fp32"}
+    sig.update({name: "i32" for name in ("stride_pb", "stride_ph", "tail_start", "H", "GROUP", "NQ", "NK", "kv_len",
+                                         "q_offset", "last_position", "n_tiles")})
+    consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
+              "IS_CAUSAL": causal, "PERMUTED_KEYS": permuted_keys, "USE_TAIL": use_tail,
+              "BUCKETS": attention_hopper.TAIL_BUCKETS, "NUM_WARPS": attention_hopper.NUM_WARPS,
+              "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
+    compile_gluon_offline(attention_hopper._hopper_attention_kernel, sig, consts)
+
+
+def run_offline_compile(call: str) -> None:
+    """Run ``call`` (a compile function of a test module, as source) in a fresh process without TRITON_INTERPRET;
+    skip where Gluon cannot compile offline."""
     import os
     import subprocess
     import sys
@@ -117,11 +121,19 @@ def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, us
     except ImportError as e:
         pytest.skip(f"this Triton has no offline Gluon compile: {e}")
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_attention_hopper as t; "
-            f"t.compile_offline({causal}, {use_index}, {dtype!r}, {head_dim}, {use_tail}, {permuted_keys})")
+    code = f"import sys; sys.path.insert(0, {tests_dir!r}); {call}"
     env = dict(os.environ, TRITON_INTERPRET="0")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail,permuted_keys",
+                         [(False, True, "bf16", 128, True, False), (True, False, "fp16", 64, False, False),
+                          (True, True, "bf16", 128, True, True)])
+def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail, permuted_keys):
+    """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
+    run_offline_compile(f"import test_attention_hopper as t; t.compile_offline({causal}, {use_index}, {dtype!r}, "
+                        f"{head_dim}, {use_tail}, {permuted_keys})")
 
 
 @pytest.mark.parametrize("B,H,nq,nkv,width,causal", [(1, 24, 36, 4608, 264, False), (2, 3, 5, 300, 7, False),

@@ -412,6 +412,17 @@ def test_readme_s2o_overhead_table_is_the_committed_results():
             assert_shown_as(shown.strip("+%"), 100 * overhead[shape][field], f"S2O overhead {shape}: {field}")
 
 
+def test_readme_s2o_gluon_walk_table_is_the_committed_results():
+    overhead = json.loads(S2O_RESULTS.read_text())["overhead"]
+    assert {overhead[shape]["walk_kernel"] for shape in SHAPES} == {"gluon"}  # what the README says ran there
+    rows = table_after("| Gluon walk | CogVideoX | Mochi | Flux | Llama 32K causal |")
+    fields = ["GB_over_A", "GC_over_GB", "GD_over_GC", "GD_over_A", "GD_over_D"]
+    assert [row[0].split(":")[0] for row in rows] == ["GB / A", "GC / GB", "GD / GC", "GD / A", "GD / D"]
+    for row, field in zip(rows, fields, strict=True):
+        for shown, shape in zip(row[1:], SHAPES, strict=True):
+            assert_shown_as(shown.strip("+%"), 100 * overhead[shape][field], f"S2O Gluon walk {shape}: {field}")
+
+
 def shows(shown_lo: str, shown_hi: str, value: float) -> bool:
     """A shown number (or range) holds ``value``: equal at the shown decimals, or inside the range."""
     return float(shown_lo) <= value <= float(shown_hi) or any(

@@ -229,9 +229,16 @@ def test_visit_order_kernel_on_gpu_equals_torch(causal, nk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal,D", [(False, 128), (False, 64), (True, 128)])
-def test_s2o_on_gpu_stops_alike_with_and_without_counts(causal, D):
+@pytest.mark.parametrize("walk", ["triton", "gluon"])
+def test_s2o_on_gpu_stops_alike_with_and_without_counts(causal, D, walk, monkeypatch):
     """The compiled walk without the statistics outputs must stop where the one with them does: Triton 3.6
-    once compiled the stop flag away when the visited counts were not stored (see the kernel's comment)."""
+    once compiled the stop flag away when the visited counts were not stored (see the kernel's comment). Each
+    walk: the Triton one, and on Hopper the Gluon one (``s2o_hopper``)."""
+    from sparge_diffusers.kernels import attention_hopper, s2o_hopper
+
+    if walk == "gluon" and not attention_hopper.runs_on(torch.device("cuda")):
+        pytest.skip("the Gluon walk needs an sm90 GPU")
+    monkeypatch.setattr(s2o_hopper, "OVERRIDE", walk == "gluon")
     q, k, v = structured(1, 4, 2 if causal else 4, 4000, D, causal, torch.bfloat16, "HND", seed=5)
     q, k, v = (t.cuda() for t in (q, k, v))
     kw = dict(is_causal=causal, tau=0.01, segment=512, check_every=4)

@@ -397,10 +397,11 @@ def s2o_attention(
     descending compressed score, and stops after the first ranked tile whose relative gain in the softmax
     normaliser (mean over the tile's rows of delta_l / l) falls below ``tau``.
 
-    Speed: the walk is a Triton kernel on every GPU. On Hopper at head dim 128, where the dense mode and
-    :func:`sparge_attention`'s mask walk run the warp-specialised Gluon kernel, a walk that skips nothing takes
-    41-47% longer than the dense mode (12% at head dim 64; H100, benchmarks/results/s2o-H100.txt), so S2O
-    gains time only where it skips more than that.
+    Speed: on Hopper at head dim 64 or 128 the walk runs on the warp-specialised Gluon kernel of the mask walk
+    (``kernels/s2o_hopper.py``) when stage 2 is off and ``check_every`` is even and at least 4; a walk that skips
+    nothing then takes 6-13% longer than the dense mode (H100, benchmarks/results/s2o-H100.txt). Elsewhere it
+    runs the Triton walk, 42-48% longer than the dense mode at head dim 128 on Hopper (12% at 64). S2O gains
+    time only where it skips more than that.
 
     Args:
         tau: the early-stop threshold, per head or one for all. 0 visits every block (dense up to rounding);

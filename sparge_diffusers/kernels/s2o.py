@@ -14,7 +14,8 @@ second selection policy beside TopCdf, for one query block (128 rows) at a time:
    follow in descending compressed score q_mean . k_mean (stage 1's map, the same for both masks). With
    unequal lengths (``causal_variant``, e.g. a chunk of queries against a KV cache) a query row sits at
    position row + ``AttentionShape.causal_offset``, and its segment is that position's.
-2. Walk (``_ordered_attention_kernel``): forced blocks unconditionally, then the ranked blocks while the
+2. Walk (``_ordered_attention_kernel``; on Hopper, where it can, the Gluon walk of ``s2o_hopper`` instead, which
+   stops at the same tiles): forced blocks unconditionally, then the ranked blocks while the
    last tile's relative gain, mean over the tile's valid rows of (l_new - l_old) / l_old (both at the new
    running max), is at least ``tau`` (the paper's deferred check, Algorithm 4 lines 14-20), tested every
    ``check_every`` ranked tiles. The PV skip of stage 2 applies to every tile. Rows that see no key (a
@@ -39,7 +40,7 @@ import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible, wide_offsets
 from .._launch import cdiv, launch, next_power_of_2
-from . import attention
+from . import attention, s2o_hopper
 from .attention import (LOG2E, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile, _store_output,
                         _walk_blocks)
 from .predict import compressed_scores_triton
@@ -294,6 +295,10 @@ def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: Vi
                              ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Launch the ordered walk on (B, H, N, D) views; ``tau`` None visits every block without the check.
     Returns (visited, pv_count) per (b, h, query block) when ``return_counts``."""
+    if s2o_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None, early_stop=tau is not None,
+                         check_every=check_every):
+        return s2o_hopper.hopper_ordered_attention(qh, kh, vh, out_h, shape, order, is_causal=is_causal, scale=scale,
+                                                   tau=tau, return_counts=return_counts, check_every=check_every)
     B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
     unused = attention._placeholder(qh.device, torch.int32)
     unused_f = attention._placeholder(qh.device, torch.float32)

@@ -1,0 +1,139 @@
+"""S2O's ordered walk on the Gluon kernel for Hopper: when it is chosen, that it compiles for sm90 (CPU, offline
+compile), and on an sm90 GPU that it matches the Triton walk and the float32 reference, stops where they stop,
+and writes every element."""
+
+import pytest
+import torch
+
+from sparge_diffusers import BLOCK_K, BLOCK_Q, s2o_attention
+from sparge_diffusers.kernels import attention_hopper, s2o_hopper
+from sparge_diffusers.kernels._inputs import check_attention_inputs
+from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
+
+from test_attention_hopper import compile_gluon_offline, descriptor_type, run_offline_compile
+from test_kernels import L1_TOL, poisoned_like, relative_l1
+
+
+def test_rule_names_why_the_walk_cannot_run(monkeypatch):
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    kw = dict(pv_test=False, early_stop=True, check_every=16)
+    assert s2o_hopper.why_not_usable(q, q, q, q, shape, **kw) is not None  # CPU tensors, the interpreter
+    assert not s2o_hopper.usable(q, q, q, q, shape, **kw)
+    monkeypatch.setattr(attention_hopper, "_why_not_on", lambda device: None)  # as on an sm90 GPU
+    assert s2o_hopper.why_not_usable(q, q, q, q, shape, **kw) is None
+    for every in (1, 2, 3, 5, 15):  # the stop test must fall between two 128-key stages, two or more apart
+        assert "check_every" in s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, check_every=every))
+        assert s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, check_every=every, early_stop=False)) is None
+    assert "stage-2" in s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, pv_test=True))
+    q96 = torch.zeros(1, 2, 256, 96, dtype=torch.bfloat16)
+    shape96 = check_attention_inputs(q96, q96, q96, tensor_layout="HND", is_causal=False)
+    assert "head dim" in s2o_hopper.why_not_usable(q96, q96, q96, q96, shape96, **kw)
+
+
+def test_forcing_the_walk_where_it_cannot_run_raises(monkeypatch):
+    monkeypatch.setattr(s2o_hopper, "OVERRIDE", True)
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    with pytest.raises(RuntimeError, match="forced but cannot run"):
+        s2o_hopper.usable(q, q, q, q, shape, pv_test=False, early_stop=True, check_every=16)
+
+
+def compile_offline(causal: bool, early_stop: bool, dtype: str, head_dim: int, return_counts: bool) -> None:
+    """Compile the ordered walk for sm90 without a GPU."""
+    sig = {"q_desc": descriptor_type(dtype, BLOCK_Q), "k_desc": descriptor_type(dtype, BLOCK_K),
+           "v_desc": descriptor_type(dtype, BLOCK_K), "o_desc": descriptor_type(dtype, BLOCK_Q // 2),
+           "INDEX": "*i32", "N_UNMASKED": "*i32", "N_FORCED": "*i32", "COUNT": "*i32", "TAU": "*fp32",
+           "VISITED": "*i32", "TICKET": "*i32", "qk_scale": "fp32"}
+    sig.update({name: "i32" for name in ("H", "GROUP", "NQ", "NK", "q_len", "kv_len", "q_offset", "n_tiles")})
+    consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "IS_CAUSAL": causal, "EARLY_STOP": early_stop,
+              "CHECK_STAGES": 8, "RETURN_COUNTS": return_counts, "NUM_WARPS": attention_hopper.NUM_WARPS,
+              "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
+    compile_gluon_offline(s2o_hopper._hopper_ordered_kernel, sig, consts)
+
+
+@pytest.mark.parametrize("causal,early_stop,dtype,head_dim,return_counts",
+                         [(False, True, "bf16", 128, False), (True, True, "fp16", 64, True),
+                          (True, False, "bf16", 128, True)])
+def test_walk_compiles_for_sm90_offline(causal, early_stop, dtype, head_dim, return_counts):
+    """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
+    run_offline_compile(f"import test_s2o_hopper as t; t.compile_offline({causal}, {early_stop}, {dtype!r}, "
+                        f"{head_dim}, {return_counts})")
+
+
+def _on_hopper():
+    if not torch.cuda.is_available() or not attention_hopper.runs_on(torch.device("cuda")):
+        pytest.skip("needs an sm90 GPU with Gluon")
+
+
+def _structured(B, H, HK, Nq, Nkv, D, causal, dtype, layout, seed):
+    """LLM-like inputs for causal calls (the last Nq queries: a lower-right chunk where Nq < Nkv), video-like
+    ones otherwise (the first Nq queries and Nkv keys of one sequence). Views, as a caller's slices are."""
+    seq = 2 if layout == "HND" else 1
+    if causal:
+        q, k, v = llm_like_qkv(Nkv, batch=B, heads=H, kv_heads=HK, head_dim=D, dtype=dtype, seed=seed,
+                               tensor_layout=layout)
+        return q.narrow(seq, Nkv - Nq, Nq), k, v
+    q, k, v = video_like_qkv((1, 1, max(Nq, Nkv)), batch=B, heads=H, kv_heads=HK, head_dim=D, dtype=dtype, seed=seed,
+                             tensor_layout=layout)
+    return q.narrow(seq, 0, Nq), k.narrow(seq, 0, Nkv), v.narrow(seq, 0, Nkv)
+
+
+# B, H, HK, Nq, Nkv, D, causal, segment, tau, check_every, simthreshd1, attention_sink
+GPU_CASES = [
+    (1, 4, 4, 1500, 1500, 128, False, 512, 0.01, 16, 0.6, False),
+    (1, 4, 2, 1500, 1500, 128, True, 512, 0.01, 16, 0.6, False),
+    (2, 3, 3, 777, 777, 64, False, 128, 0.02, 4, 0.3, False),
+    (1, 2, 2, 50, 50, 128, True, 128, 0.0, 16, 0.6, False),  # shorter than one block
+    (1, 2, 1, 1000, 1000, 64, True, 256, 0.05, 4, 0.3, True),
+    (1, 4, 2, 400, 1300, 128, True, 256, 0.05, 4, -1.0, False),  # a lower-right chunk against a KV cache
+    (2, 4, 2, 2500, 1999, 128, False, 512, 0.005, 8, 0.3, False),  # Nq != Nkv
+    (1, 4, 4, 3000, 3000, 128, False, 512, None, 16, 0.6, False),  # no stop test
+    (1, 4, 4, 3000, 3000, 128, False, 512, 0.2, 4, -1.0, False),  # most tiles stop early
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv,D,causal,segment,tau,check_every,theta,sink", GPU_CASES)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_walk_matches_triton_walk_and_reference(B, H, HK, Nq, Nkv, D, causal, segment, tau, check_every, theta,
+                                                    sink, layout, dtype, monkeypatch):
+    _on_hopper()
+    q, k, v = (t.cuda() for t in _structured(B, H, HK, Nq, Nkv, D, causal, dtype, layout, seed=Nq + Nkv + D))
+    kw = dict(is_causal=causal, causal_variant="lower_right" if causal and Nq != Nkv else None, tau=tau,
+              segment=segment, check_every=check_every, simthreshd1=theta, attention_sink=sink, tensor_layout=layout,
+              return_sparsity=True)
+    results = []
+    for forced in (True, False):  # this walk, then the Triton walk on the same call
+        monkeypatch.setattr(s2o_hopper, "OVERRIDE", forced)
+        out = poisoned_like(q)
+        result, stats = s2o_attention(q, k, v, out=out, **kw)
+        assert result is out and not torch.isnan(out).any(), "every element written"
+        results.append((out, stats))
+    (out, stats), (triton_out, triton_stats) = results
+    # the same stops (float32 rounding could move a borderline one; none of these cases has one)
+    torch.testing.assert_close(stats.qk_skipped, triton_stats.qk_skipped, rtol=0, atol=0)
+    assert relative_l1(out, triton_out) < L1_TOL[dtype] / 2
+    if Nq * Nkv * H * B <= 10_000_000:  # the float32 reference walk on the CPU
+        ref, ref_stats = s2o_attention(q.cpu(), k.cpu(), v.cpu(), backend="reference", **kw)
+        assert relative_l1(out.cpu(), ref) < L1_TOL[dtype]
+        torch.testing.assert_close(stats.qk_skipped.cpu(), ref_stats.qk_skipped, rtol=0, atol=0)
+    if tau == 0.2:
+        assert stats.sparsity > 0.5  # the stop path and its release of the stage issued after a check
+    monkeypatch.setattr(s2o_hopper, "OVERRIDE", True)
+    assert torch.equal(s2o_attention(q, k, v, **{**kw, "return_sparsity": False}), out)  # deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_s2o_attention_takes_this_walk_where_it_can(monkeypatch):
+    _on_hopper()
+    calls = []
+    original = s2o_hopper.hopper_ordered_attention
+    monkeypatch.setattr(s2o_hopper, "hopper_ordered_attention", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    q, k, v = (t.cuda() for t in _structured(1, 2, 2, 600, 600, 128, False, torch.bfloat16, "HND", seed=1))
+    s2o_attention(q, k, v)  # defaults: tau 0.0005, every 16 ranked tiles, stage 2 off
+    assert len(calls) == 1
+    s2o_attention(q, k, v, check_every=3)  # a test inside a stage: the Triton walk
+    s2o_attention(q, k, v, pvthreshd=4.0)  # stage 2's P.V test: the Triton walk
+    assert len(calls) == 1
