@@ -139,6 +139,27 @@ def walk_kernel(q, k, v, causal: bool, check_every: int = 16) -> str:
                                         check_every=check_every) else "triton"
 
 
+# Each overhead ratio (a share over the previous variant): name -> (numerator, denominator), minus 1.
+RATIOS = {
+    "B_over_A64": ("B_indexed_ascending", "A64_dense_64key_tiles"),
+    "A64_over_A_triton": ("A64_dense_64key_tiles", "A_triton_dense"),
+    "B_over_A_triton": ("B_indexed_ascending", "A_triton_dense"),
+    "B_over_A": ("B_indexed_ascending", "A_dense"),
+    "C_over_B": ("C_indexed_ranked", "B_indexed_ascending"),
+    "D_over_C": ("D_ranked_with_check", "C_indexed_ranked"),
+    "D_over_A": ("D_ranked_with_check", "A_dense"),
+    "D1_over_C": ("D1_check_every_tile", "C_indexed_ranked"),
+    "D4_over_C": ("D4_check_every_4", "C_indexed_ranked"),
+    "D64_over_C": ("D64_check_every_64", "C_indexed_ranked"),
+    "GB_over_A": ("GB_indexed_ascending", "A_dense"),
+    "GC_over_GB": ("GC_indexed_ranked", "GB_indexed_ascending"),
+    "GD_over_GC": ("GD_ranked_with_check", "GC_indexed_ranked"),
+    "GD4_over_GC": ("GD4_check_every_4", "GC_indexed_ranked"),
+    "GD_over_A": ("GD_ranked_with_check", "A_dense"),
+    "GD_over_D": ("GD_ranked_with_check", "D_ranked_with_check"),
+}
+
+
 def overhead(name, w):
     q, k, v = w.make("cuda", 0)
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=w.causal)
@@ -171,24 +192,10 @@ def overhead(name, w):
             with triton_dense_mode(tile):
                 t[key] = min(t.get(key, float("inf")), bench_graph(
                     lambda: block_sparse_attention(q, k, v, None, is_causal=w.causal)))
-    t["B_over_A64"] = t["B_indexed_ascending"] / t["A64_dense_64key_tiles"] - 1
-    t["A64_over_A_triton"] = t["A64_dense_64key_tiles"] / t["A_triton_dense"] - 1
-    t["B_over_A_triton"] = t["B_indexed_ascending"] / t["A_triton_dense"] - 1
-    t["B_over_A"] = t["B_indexed_ascending"] / t["A_dense"] - 1
-    t["C_over_B"] = t["C_indexed_ranked"] / t["B_indexed_ascending"] - 1
-    t["D_over_C"] = t["D_ranked_with_check"] / t["C_indexed_ranked"] - 1
-    t["D_over_A"] = t["D_ranked_with_check"] / t["A_dense"] - 1
+    for name, (numerator, denominator) in RATIOS.items():
+        t[name] = t[numerator] / t[denominator] - 1
     # the measure: what the check adds, as a share of the kernel's dense time
     t["D_minus_C_over_A"] = (t["D_ranked_with_check"] - t["C_indexed_ranked"]) / t["A_dense"]
-    t["D1_over_C"] = t["D1_check_every_tile"] / t["C_indexed_ranked"] - 1
-    t["D4_over_C"] = t["D4_check_every_4"] / t["C_indexed_ranked"] - 1
-    t["D64_over_C"] = t["D64_check_every_64"] / t["C_indexed_ranked"] - 1
-    t["GB_over_A"] = t["GB_indexed_ascending"] / t["A_dense"] - 1
-    t["GC_over_GB"] = t["GC_indexed_ranked"] / t["GB_indexed_ascending"] - 1
-    t["GD_over_GC"] = t["GD_ranked_with_check"] / t["GC_indexed_ranked"] - 1
-    t["GD4_over_GC"] = t["GD4_check_every_4"] / t["GC_indexed_ranked"] - 1
-    t["GD_over_A"] = t["GD_ranked_with_check"] / t["A_dense"] - 1
-    t["GD_over_D"] = t["GD_ranked_with_check"] / t["D_ranked_with_check"] - 1
     return t
 
 

@@ -284,6 +284,26 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.arrive(q_ready.index(qb))
 
     @gluon.jit
+    def _stage_scores(q_s, k_bufs, kv_ready, kv_c, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      s_layout: gl.constexpr):
+        """A consumer's unscaled scores Q K^T over ring stage kv_c (BLOCK_N keys), once its loads have landed."""
+        s = kv_c % STAGES
+        mbarrier.wait(kv_ready.index(s), (kv_c // STAGES) & 1)
+        qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+
+    @gluon.jit
+    def _stage_pv(p_operand, v_bufs, acc, kv_empty, kv_c, STAGES: gl.constexpr):
+        """acc + P V over ring stage kv_c (``p_operand``: the probabilities as the product's A operand), then this
+        consumer's release of the stage."""
+        s = kv_c % STAGES
+        acc = warpgroup_mma(p_operand, v_bufs.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(s))
+        return acc
+
+    @gluon.jit
     def _store_output_rows(o_desc, o_smem, acc, l_i, b, h, first_row, rows_o: gl.constexpr):
         """Normalise a consumer's rows and write them at rows first_row.. of head (b, h) through ``o_smem`` by an
         asynchronous TMA store (waiting first for the previous tile's store to leave ``o_smem``)."""
@@ -348,11 +368,7 @@ if GLUON_IMPORT_ERROR is None:
             else:
                 n_pairs = (count + 1) // 2
             for p in range(n_pairs):
-                s = kv_c % STAGES
-                mbarrier.wait(kv_ready.index(s), (kv_c // STAGES) & 1)
-                qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)),
-                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+                qk = _stage_scores(q_s, k_bufs, kv_ready, kv_c, STAGES, BLOCK_M, BLOCK_N, s_layout)
                 if 2 * p + 2 > n_full:
                     # a stage holding the ragged last block, a causal diagonal block or a repeated odd block
                     j0, j1 = _stage_blocks(INDEX, row, NK, p, count, USE_INDEX)
@@ -363,10 +379,8 @@ if GLUON_IMPORT_ERROR is None:
                     qk = _mask_scores(qk, key_pos, (cols < kv_len) & (first_half | (2 * p + 1 < count)),
                                       (2 * m + HALF) * BLOCK_M + q_offset + offs_r, IS_CAUSAL)
                 probs, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, qk_scale, rows_o)
-                acc = warpgroup_mma(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs.index(s), acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(kv_empty.index(s))
+                acc = _stage_pv(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs, acc, kv_empty, kv_c,
+                                STAGES)
                 kv_c += 1
             if USE_INDEX:
                 if half_stage:
@@ -402,13 +416,10 @@ if GLUON_IMPORT_ERROR is None:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES,
-                                 KPOS, stride_pb, stride_ph,
-                                 tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset, last_position, n_tiles,
-                                 HEAD_DIM: gl.constexpr,
-                                 STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                                 PERMUTED_KEYS: gl.constexpr, USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr,
-                                 NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    def _allocate_ring(q_desc, k_desc, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """Shared memory and barriers of the warp-specialised walk (this kernel's and ``s2o_hopper``'s): two Q
+        buffers, a ring of STAGES 128-key K/V stages, each consumer's output buffer, the tile number handed to
+        the consumers per Q buffer, and the ready/empty barriers of Q and of the stages."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
@@ -428,6 +439,18 @@ if GLUON_IMPORT_ERROR is None:
         for j in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(j), count=1)
             mbarrier.init(kv_empty.index(j), count=2)
+        return q_bufs, k_bufs, v_bufs, o_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty
+
+    @gluon.jit
+    def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES,
+                                 KPOS, stride_pb, stride_ph,
+                                 tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset, last_position, n_tiles,
+                                 HEAD_DIM: gl.constexpr,
+                                 STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                 PERMUTED_KEYS: gl.constexpr, USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr,
+                                 NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        q_bufs, k_bufs, v_bufs, o_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty = _allocate_ring(
+            q_desc, k_desc, HEAD_DIM, STAGES)
         gl.warp_specialize([
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
                          kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,

@@ -40,14 +40,15 @@ from .attention_hopper import GLUON_IMPORT_ERROR, LOG2E
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
     # Triton 3.6 names it thread_barrier, later releases barrier
     _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-    from .attention_hopper import (_issue_stage, _load_rows, _mask_scores, _publish_tile, _read_tile, _softmax_step,
-                                   _store_output_rows, _tile_of)
+    from .attention_hopper import (_allocate_ring, _issue_stage, _load_rows, _mask_scores, _publish_tile, _read_tile,
+                                   _softmax_step, _stage_pv, _stage_scores, _store_output_rows,
+                                   _tile_of)
 
     @gluon.jit
     def _walk_extent(N_FORCED, COUNT, row):
@@ -72,6 +73,17 @@ if GLUON_IMPORT_ERROR is None:
         """Whether stage p ends a chunk of ranked stages with a stage after it (where the stop test runs)."""
         r = p - forced_stages
         return (r >= 0) & ((r + 1) % CHECK_STAGES == 0) & (p + 1 < n_stages)
+
+    @gluon.jit
+    def _verdict(gains, gain_ready, n_check, tau_rows, layout: gl.constexpr):
+        """Whether the walk goes on after stop test number n_check: once both consumers have written their rows'
+        sums of gains, their total against tau times the tile's valid rows (the same floats and operations in
+        every partition, hence the same verdict)."""
+        par = n_check % 2
+        mbarrier.wait(gain_ready.index(par), (n_check // 2) & 1)
+        total = (gl.max(gains.index(2 * par).load(layout), axis=0)
+                 + gl.max(gains.index(2 * par + 1).load(layout), axis=0))
+        return total >= tau_rows
 
     @gluon.jit
     def _stage_blocks(base, p, n_forced, forced_stages, count, NK):
@@ -118,12 +130,9 @@ if GLUON_IMPORT_ERROR is None:
                 j1 = n1
                 if EARLY_STOP:
                     if _is_check_stage(p - 1, forced_stages, n_stages, CHECK_STAGES):
-                        par = n_checks % 2
-                        mbarrier.wait(gain_ready.index(par), (n_checks // 2) & 1)
-                        g = (gl.max(gains.index(2 * par).load(gain_layout), axis=0)
-                             + gl.max(gains.index(2 * par + 1).load(gain_layout), axis=0))
+                        go = _verdict(gains, gain_ready, n_checks, tau_rows, gain_layout)
                         n_checks += 1
-                        p = gl.where(g >= tau_rows, p, n_stages)
+                        p = gl.where(go, p, n_stages)
                 p += 1
             t = t_next
             i += 1
@@ -174,12 +183,8 @@ if GLUON_IMPORT_ERROR is None:
             end = n_stages
             p = 0
             while p < end:
-                s = kv_c % STAGES
                 first, second, second_real = _stage_positions(p, n_forced, forced_stages, count)
-                mbarrier.wait(kv_ready.index(s), (kv_c // STAGES) & 1)
-                qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)),
-                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+                qk = _stage_scores(q_s, k_bufs, kv_ready, kv_c, STAGES, BLOCK_M, BLOCK_N, s_layout)
                 if ((first + 1 >= n_unmasked) & (first < n_forced)) | (second == first):
                     # a stage holding a forced block that needs element masking, or a repeated block
                     j0 = gl.load(base + first)
@@ -199,21 +204,16 @@ if GLUON_IMPORT_ERROR is None:
                             gl.full([1], gl.sum(gain, axis=0), gl.float32, gain_layout))
                         _partition_barrier()  # every thread's store lands before the partition's one arrival
                         mbarrier.arrive(gain_ready.index(n_checks % 2))
-                acc = warpgroup_mma(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs.index(s), acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(kv_empty.index(s))
+                acc = _stage_pv(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs, acc, kv_empty, kv_c,
+                                STAGES)
                 kv_c += 1
                 if EARLY_STOP:
                     if _is_check_stage(p, forced_stages, n_stages, CHECK_STAGES):
                         # the verdict, read after this stage's P.V (kept either way): the other partition's sum
                         # arrives meanwhile
-                        par = n_checks % 2
-                        mbarrier.wait(gain_ready.index(par), (n_checks // 2) & 1)
-                        g = (gl.max(gains.index(2 * par).load(gain_layout), axis=0)
-                             + gl.max(gains.index(2 * par + 1).load(gain_layout), axis=0))
+                        go = _verdict(gains, gain_ready, n_checks, tau_rows, gain_layout)
                         n_checks += 1
-                        end = gl.where(g >= tau_rows, end, p + 1)
+                        end = gl.where(go, end, p + 1)
                 p += 1
             if end < n_stages:  # stopped: the loader had issued one more stage; release it unread
                 s = kv_c % STAGES
@@ -236,29 +236,14 @@ if GLUON_IMPORT_ERROR is None:
                                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                EARLY_STOP: gl.constexpr, CHECK_STAGES: gl.constexpr, RETURN_COUNTS: gl.constexpr,
                                NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        BLOCK_K: gl.constexpr = k_desc.block_type.shape[2]
-        dtype: gl.constexpr = q_desc.dtype
-        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-        q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], tile_layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_K, HEAD_DIM], tile_layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_K, HEAD_DIM], tile_layout)
-        o_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], tile_layout)
-        scalar_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], scalar_layout)
-        gains = gl.allocate_shared_memory(gl.float32, [4, 1], scalar_layout)  # [check parity * 2 + consumer]
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bufs, k_bufs, v_bufs, o_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty = _allocate_ring(
+            q_desc, k_desc, HEAD_DIM, STAGES)
+        # the stop test's row sums of gains, [check parity * 2 + consumer], and their barriers (one arrival per
+        # consumer partition)
+        gains = gl.allocate_shared_memory(gl.float32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gain_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(2):
-            mbarrier.init(q_ready.index(j), count=1)
-            mbarrier.init(q_empty.index(j), count=2)
-            mbarrier.init(gain_ready.index(j), count=2)  # one arrival per consumer partition
-        for j in gl.static_range(STAGES):
-            mbarrier.init(kv_ready.index(j), count=1)
-            mbarrier.init(kv_empty.index(j), count=2)
+            mbarrier.init(gain_ready.index(j), count=2)
         gl.warp_specialize([
             (_ordered_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
                                  kv_empty, gains, gain_ready, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, VISITED,
