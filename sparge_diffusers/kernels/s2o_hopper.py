@@ -1,8 +1,9 @@
 """S2O's ordered walk (``s2o.py``) on the warp-specialised Gluon kernel of ``attention_hopper`` (Hopper, sm90).
 
-Why: the Triton walk at head dim 128 on an H100 took 41-47% longer than our dense mode when it skipped nothing
-(benchmarks/results/s2o-H100.txt), most of it because the dense mode there is this Gluon kernel and the Triton
-kernel is 13-19% slower; S2O then lost to cuDNN at its default tau on Flux and Llama-32K.
+Why: the Triton walk at head dim 128 on an H100 takes 42-48% longer than our dense mode when it skips nothing
+(benchmarks/results/s2o-H100.txt), mostly because the dense mode there is this Gluon kernel and the Triton
+kernel's dense mode is 14-24% slower; with it S2O lost to cuDNN at its default tau on Flux and Llama-32K (0.62x,
+0.71x). This walk takes 6-13% longer than the dense mode (Flux 0.84x, Llama-32K 0.93x cuDNN at the default tau).
 
 The walk is the one ``s2o._ordered_attention_kernel`` and the reference define: a query block visits its forced
 blocks, then its ranked blocks, and after every ``check_every`` ranked 64-key tiles tests the last tile's
@@ -19,9 +20,8 @@ Arranged for this kernel's 128-key stages:
 * The two consumer partitions (64 rows each) write their row sums of gains to shared memory and arrive on a
   barrier; both, and the loader, read the two sums and take the same verdict. The loader issues the stage
   after a check stage without waiting (as the ring allows), then waits for the verdict before issuing more;
-  after a stop the consumers release that one stage unread. The wait costs the loader nothing it could have
-  used: the next stage's buffer frees when the consumers finish the check stage, which is when the verdict
-  lands. Hence ``check_every`` >= 4 (two stages per chunk), so that the barrier's phase is never two ahead of
+  after a stop the consumers release that one stage unread. The wait should cost the loader little: the next
+  stage's buffer frees when the consumers finish the check stage, about when the verdict lands. Hence ``check_every`` >= 4 (two stages per chunk), so that the barrier's phase is never two ahead of
   the loader; other values (and stage 2's P.V test, which this kernel lacks) run the Triton walk.
 
 Gluon kernels do not run under TRITON_INTERPRET: the tests check this walk on a GPU against the Triton walk and
@@ -43,12 +43,11 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
-    # Triton 3.6 names it thread_barrier, later releases barrier
+    # some Gluon releases name it thread_barrier, others barrier
     _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
     from .attention_hopper import (_allocate_ring, _issue_stage, _load_rows, _mask_scores, _publish_tile, _read_tile,
-                                   _softmax_step, _stage_pv, _stage_scores, _store_output_rows,
-                                   _tile_of)
+                                   _softmax_step, _stage_pv, _stage_scores, _store_output_rows, _tile_of)
 
     @gluon.jit
     def _walk_extent(N_FORCED, COUNT, row):
