@@ -193,7 +193,8 @@ if GLUON_IMPORT_ERROR is None:
                                       first_row + q_offset + offs_r, IS_CAUSAL)
                 probs, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, qk_scale, rows_o)
                 if EARLY_STOP:
-                    if _is_check_stage(p, forced_stages, n_stages, CHECK_STAGES):
+                    check = _is_check_stage(p, forced_stages, n_stages, CHECK_STAGES)
+                    if check:
                         # the chunk's last tile is the stage's second block: its gain at the new max
                         last = gl.sum(gl.where(gl.expand_dims(first_half, 0), 0.0, probs), axis=1)
                         before = l_i - last
@@ -207,7 +208,7 @@ if GLUON_IMPORT_ERROR is None:
                                 STAGES)
                 kv_c += 1
                 if EARLY_STOP:
-                    if _is_check_stage(p, forced_stages, n_stages, CHECK_STAGES):
+                    if check:
                         # the verdict, read after this stage's P.V (kept either way): the other partition's sum
                         # arrives meanwhile
                         go = _verdict(gains, gain_ready, n_checks, tau_rows, gain_layout)
