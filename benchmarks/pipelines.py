@@ -229,13 +229,13 @@ def run_model(name, graph=False, compiled=False, rounds=EAGER_ROUNDS):
                 row["settings"][label].update(compiled_ms=ms, compiled_speedup=row["dense_compiled_ms"] / ms,
                                               compile_s=compile_s)
             processor.detach(model)  # one SpargeProcessor per model: the next setting installs its own
-        rounds = eager_rounds(model, step, rounds)
-        row["dense_step_ms"] = min(rounds["dense"])
-        row["dense_step_ms_rounds"] = rounds["dense"]
+        times = eager_rounds(model, step, rounds)
+        row["dense_step_ms"] = min(times["dense"])
+        row["dense_step_ms_rounds"] = times["dense"]
         row["attention_share"] = attn_ms / row["dense_step_ms"]
         for label in SETTINGS:
-            ms = min(rounds[label])
-            row["settings"][label].update(step_ms=ms, step_ms_rounds=rounds[label],
+            ms = min(times[label])
+            row["settings"][label].update(step_ms=ms, step_ms_rounds=times[label],
                                           speedup=row["dense_step_ms"] / ms)
         print(name, json.dumps(row), flush=True)
     return row
