@@ -31,7 +31,8 @@ from predict_breakdown import stage_one_inputs  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sparge_diffusers import block_sparse_attention, compact_block_mask, predict_block_mask, sparge_attention  # noqa: E402
+from sparge_diffusers import (  # noqa: E402
+    block_sparse_attention, compact_block_mask, predict_block_mask, sparge_attention)
 from sparge_diffusers import _launch  # noqa: E402
 from sparge_diffusers.kernels import attention_hopper, predict  # noqa: E402
 

@@ -137,7 +137,8 @@ def main(argv=None):
             lines.append(f"{n:6d} {c['tau']:5.2f} {c['method']:>8} {c['density']:7.3f} {c['relative_l1']:7.4f} "
                          f"{c['whole_ms']:9.3f} {c['cudnn_vs_whole']:8.2f} {c['prebuilt_ms']:8.3f} "
                          f"{c.get('flex_ms', float('nan')):8.3f} {c['flex_vs_prebuilt']:8.2f} "
-                         f"{c.get('whole_triton_ms', float('nan')):8.3f} {c.get('prebuilt_triton_ms', float('nan')):7.3f}")
+                         f"{c.get('whole_triton_ms', float('nan')):8.3f} "
+                         f"{c.get('prebuilt_triton_ms', float('nan')):7.3f}")
         lines.append(f"{n:6d} cuDNN causal {r['cudnn_ms']:.3f} ms; PBS overhead (importance + sort + K/V gather) " +
                      ", ".join(f"{m} {t:.3f} ms" for m, t in r["pbs_overhead_ms"].items()) + " (" +
                      ", ".join(f"{m} {t:.3f}" for m, t in r["pbs_overhead_parts_ms"].items()) + ")")

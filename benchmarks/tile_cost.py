@@ -161,17 +161,22 @@ def run_shape(w, device, log):
 
 
 def format_table(results) -> str:
-    lines = [f"GPU: {results['gpu']}  (torch {results['torch']}, triton {results['triton']}); bf16; {results['date']};",
-             "each time the fastest of 3 interleaved rounds of medians over CUDA-graph replays (benchmarks/attention.py's",
-             "timer); c = kept key blocks (64 keys) per query block (128 rows), at random positions; ours given a prebuilt",
-             "CompactBlockMask, Flex a prebuilt BlockMask of the same mask; x/ideal = (that method's dense ms / ms) x density,",
+    lines = [f"GPU: {results['gpu']}  (torch {results['torch']}, triton {results['triton']}); bf16; "
+             f"{results['date']};",
+             "each time the fastest of 3 interleaved rounds of medians over CUDA-graph replays "
+             "(benchmarks/attention.py's",
+             "timer); c = kept key blocks (64 keys) per query block (128 rows), at random positions; ours given a "
+             "prebuilt",
+             "CompactBlockMask, Flex a prebuilt BlockMask of the same mask; x/ideal = (that method's dense ms / ms) "
+             "x density,",
              "Flex's dense = Flex keeping every block. eq: dense attention on the equal-work problem (H' heads of",
              "N' = 64 c keys, the same query rows: same FLOPs, bytes and tiles, no mask), x/ideal against the method's",
              "own time on the full shape with ideal = the FLOP ratio."]
     for name, r in results["shapes"].items():
         s = r["shape"]
-        lines += ["", f"{name} (B={s['B']}, H={s['H']}, N={s['N']}, D={s['D']}; {s['q_blocks']} x {s['k_blocks']} blocks): "
-                  f"cuDNN {r['cudnn_ms']:.3f} ms, ours dense {r['ours_dense_ms']:.3f} ms; HBM floor {r['hbm_floor_ms']:.3f} ms "
+        lines += ["", f"{name} (B={s['B']}, H={s['H']}, N={s['N']}, D={s['D']}; {s['q_blocks']} x {s['k_blocks']} "
+                  f"blocks): cuDNN {r['cudnn_ms']:.3f} ms, ours dense {r['ours_dense_ms']:.3f} ms; "
+                  f"HBM floor {r['hbm_floor_ms']:.3f} ms "
                   f"(Q, K, V, O once at {r['copy_TBps']:.2f} TB/s copy bandwidth)",
                   f"{'c':>4} {'density':>8} {'ours us':>8} {'flex us':>8} {'flex/ours':>9} {'ours x/id':>9} "
                   f"{'flex x/id':>9} | {'eq H x N':>11} {'cuDNN us':>8} {'dense us':>8} {'cuDNN x/id':>10} "
@@ -193,8 +198,8 @@ def format_table(results) -> str:
                              f"{row['flex_x_ideal']:9.2f}")
         for method in ("ours", "flex"):
             f = r[f"{method}_fit"]
-            lines.append(f"{method:5} fit over even c: fixed {f['fixed_ms'] * 1e3:.1f} us + {f['per_block_ms'] * 1e3:.2f} us "
-                         f"per kept block per query block")
+            lines.append(f"{method:5} fit over even c: fixed {f['fixed_ms'] * 1e3:.1f} us + "
+                         f"{f['per_block_ms'] * 1e3:.2f} us per kept block per query block")
     return "\n".join(lines)
 
 

@@ -115,7 +115,9 @@ def main(argv=None):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             q, k, v = make(layer, HELD_OUT[0], gpu)
-            bench = lambda fn: float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))  # noqa: E731
+
+            def bench(fn):
+                return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

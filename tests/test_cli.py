@@ -44,8 +44,8 @@ def test_tune_command_on_a_locally_saved_pipeline(tmp_path, capsys):
     prompts.write_text("a cat walks on the moon\n\na red car under the sea\n")
     out = tmp_path / "settings.json"
     assert main(["tune", "--model", model, "--prompts", str(prompts), "--out", str(out), "--steps", "2",
-                 "--height", "64", "--width", "64", "--num-frames", "9", "--pipe-arg", "guidance_scale=1.0", "--no-stage2",
-                 "--quiet"]) == 0
+                 "--height", "64", "--width", "64", "--num-frames", "9", "--pipe-arg", "guidance_scale=1.0",
+                 "--no-stage2", "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "transformer_blocks.1.attn1" in printed and "wrote" in printed
     tuned = LayerSettingsFile.load(out)

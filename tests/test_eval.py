@@ -37,7 +37,9 @@ def test_psnr_known_value_and_ordering():
     x = images()
     y = 0.9 * x  # so that y + 0.1 stays in [0, 1]
     assert psnr(y + 0.1, y) == pytest.approx(20.0, abs=1e-4)  # MSE 0.01 (up to float32 rounding of y + 0.1)
-    noisy = lambda s: (x + s * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)  # noqa: E731
+    def noisy(s):
+        return (x + s * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
+
     assert psnr(noisy(0.02), x) > psnr(noisy(0.1), x)
     assert ssim(noisy(0.02), x) > ssim(noisy(0.1), x)
     lpips = LPIPS()
@@ -209,7 +211,8 @@ def test_open_clip_architecture_with_random_weights():
     from sparge_diffusers.eval import from_open_clip
 
     torch.manual_seed(0)
-    model = open_clip.CLIP(embed_dim=16, vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
+    model = open_clip.CLIP(embed_dim=16,
+                           vision_cfg=dict(image_size=32, layers=1, width=32, patch_size=8, head_width=16),
                            text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=1)).eval()
     clip = from_open_clip(model, open_clip.tokenizer.SimpleTokenizer(context_length=16))
     frames = images(4, size=40)

@@ -152,7 +152,9 @@ def test_descriptors_key_on_every_field_but_the_base(stub):
     fn, calls = stub
     store = torch.zeros(256)
     x, other = store[:64], store[128:192]  # 512 bytes apart: one alignment class
-    desc = lambda t, block=(1, 16), layout="swizzled": _Descriptor(t, [4, 16], [16, 1], list(block), layout)  # noqa: E731,E501
+    def desc(t, block=(1, 16), layout="swizzled"):
+        return _Descriptor(t, [4, 16], [16, 1], list(block), layout)
+
     _launch.launch(fn, (1,), desc(x), x, 4, 1.0, FLAG=True)
     _launch.launch(fn, (1,), desc(other), x, 4, 1.0, FLAG=True)  # another base of the same kind: direct
     _launch.launch(fn, (1,), desc(x, block=(2, 16)), x, 4, 1.0, FLAG=True)

@@ -22,7 +22,8 @@ def flux():
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=2,
         joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 28, 28))
     H = W = 16
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(H).float(), torch.arange(W).float(), indexing="ij"), -1).reshape(-1, 3)
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(H).float(), torch.arange(W).float(), indexing="ij")
+    ids = torch.stack(grid, -1).reshape(-1, 3)
     inputs = dict(hidden_states=torch.randn(2, H * W, 4), encoder_hidden_states=torch.randn(2, 40, 32),
                   pooled_projections=torch.randn(2, 16), timestep=torch.tensor([0.5, 0.5]), img_ids=ids,
                   txt_ids=torch.zeros(40, 3))

@@ -187,7 +187,8 @@ def test_tune_tiny_model_matches_brute_force(tmp_path):
         for kw in inputs:
             model(**kw)
     tuned = tune(model, inputs, l1=0.05, l2=0.06, grid=GRID, progress=False)
-    assert set(tuned.layers) == set(capture.samples) == {"transformer_blocks.0.attn", "single_transformer_blocks.0.attn"}
+    layers = {"transformer_blocks.0.attn", "single_transformer_blocks.0.attn"}
+    assert set(tuned.layers) == set(capture.samples) == layers
     for layer, samples in capture.samples.items():
         expected, _ = brute_force(samples, GRID, 0.05, 0.06, "max")
         got = tuned.measured[layer]

@@ -21,8 +21,10 @@ Arranged for this kernel's 128-key stages:
   barrier; both, and the loader, read the two sums and take the same verdict. The loader issues the stage
   after a check stage without waiting (as the ring allows), then waits for the verdict before issuing more;
   after a stop the consumers release that one stage unread. The wait should cost the loader little: the next
-  stage's buffer frees when the consumers finish the check stage, about when the verdict lands. Hence ``check_every`` >= 4 (two stages per chunk), so that the barrier's phase is never two ahead of
-  the loader; other values (and stage 2's P.V test, which this kernel lacks) run the Triton walk.
+  stage's buffer frees when the consumers finish the check stage, about when the verdict lands. Hence
+  ``check_every`` >= 4 (two stages per chunk), so that the barrier's phase is never two ahead of the loader;
+  other values (and stage 2's P.V test, which this kernel lacks) run the Triton walk. What a stop test costs,
+  and four rearrangements of it that were measured and not kept: kernel-variants-H100.txt (ii).
 
 Gluon kernels do not run under TRITON_INTERPRET: the tests check this walk on a GPU against the Triton walk and
 the float32 reference, and on CPU that it compiles for sm90.
