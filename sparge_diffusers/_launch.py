@@ -39,6 +39,11 @@ try:  # absent or renamed in other Triton versions: then every launch takes the 
     from triton.runtime.jit import JITFunction as _JITFunction
 except ImportError:  # pragma: no cover
     _knobs = _driver = _JITFunction = None
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover
+    class OutOfResources(Exception):  # never raised: stands in so that the except clause below stays valid
+        name = required = limit = None
 
 # Tests and benchmarks set this to False to compare with the normal path.
 ENABLED = True
@@ -46,6 +51,8 @@ ENABLED = True
 MAX_KEYS = 256
 # Address bits in the key: Triton specialises on 16-byte alignment; 128 leaves room for a finer rule.
 ADDRESS_BITS = 127
+# Triton's pipeline depth on CUDA where a launch does not set num_stages.
+DEFAULT_STAGES = 3
 
 
 class _Kernel:
@@ -140,7 +147,7 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
     runtime = _knobs.runtime if _knobs is not None else None
     if not (ENABLED and _JITFunction is not None and isinstance(fn, _JITFunction) and not fn.pre_run_hooks
             and _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
-        fn[grid](*args, **kwargs)
+        launch_fitting(fn, grid, args, kwargs)
         return
     state = _KERNELS.get(id(fn))  # by id: a JITFunction hashes its source on every lookup
     if state is None or state.fn is not fn:
@@ -176,13 +183,33 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
         run(g[0], g[1], g[2], stream, function, packed_metadata, None, runtime.launch_enter_hook,
             runtime.launch_exit_hook, *bound)
         return
-    kernel = fn[grid](*args, **kwargs)
+    kernel = launch_fitting(fn, grid, args, kwargs)
     # Recorded only for arguments of the kinds the key function was written for: its key then determines
     # every input of Triton's specialisation (a tensor where a scalar was would key on the object instead).
     if key is not None and kernel is not None and tuple(_kind(x) for x in bound) == kinds:
         if len(state.compiled) >= MAX_KEYS:
             state.compiled.clear()
         state.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+
+def launch_fitting(fn, grid: tuple[int, ...], args: tuple, kwargs: dict):
+    """``fn[grid](*args, **kwargs)``, or, where the compiled kernel needs more shared memory per block than the GPU
+    has, the same launch with fewer pipeline stages: one fewer at a time, down to one (then Triton's error).
+
+    Why: our launch settings are tuned on an H100 (227 KB per block). GPUs with 99 KB (sm86, sm89, sm120: RTX
+    3090/4090/5090, A10, L4, L40S) cannot run the attention kernel's 3-stage setting at head dims above 64: it
+    compiles to 160 KB for sm89, its 2-stage setting to 96 KB (README, "Supported inputs"). A stage count says
+    how many tiles' loads are in flight, not how any product is computed, so the output does not change (checked
+    bitwise on an H100 by tests/test_shared_memory.py). Triton raises before the launch, so nothing ran; the
+    kernel that fits is the one :func:`launch` records for the original key."""
+    while True:
+        try:
+            return fn[grid](*args, **kwargs)
+        except OutOfResources as error:
+            stages = kwargs.get("num_stages", DEFAULT_STAGES)
+            if error.name != "shared memory" or stages <= 1:
+                raise
+            kwargs = {**kwargs, "num_stages": stages - 1}
 
 
 def cdiv(a: int, b: int) -> int:

@@ -139,6 +139,43 @@ def test_hooks_disabled_and_changed_globals_take_the_normal_path(stub, monkeypat
     assert _paths(calls) == ["normal", "direct", "normal", "normal", "direct", "normal"]
 
 
+def _refusing(calls, compiled, fits_from: int, resource: str = "shared memory"):
+    """A normal path that refuses (as Triton does before a launch) every setting of more than ``fits_from``
+    pipeline stages."""
+    def normal_run(*args, grid, warmup, **kwargs):
+        stages = kwargs.get("num_stages", _launch.DEFAULT_STAGES)
+        calls.append(("normal", stages))
+        if stages > fits_from:
+            raise _launch.OutOfResources(stages * 32768, fits_from * 32768, resource)
+        return compiled
+    return normal_run
+
+
+@pytest.mark.parametrize("options", [{"num_stages": 3}, {}])  # {}: Triton's default depth, 3
+def test_a_kernel_that_does_not_fit_runs_with_fewer_stages_and_is_recorded_under_its_key(stub, monkeypatch,
+                                                                                        options):
+    fn, calls = stub
+    monkeypatch.setattr(fn, "run", _refusing(calls, _Compiled(calls), fits_from=1))
+    x = torch.zeros(8)
+    for _ in range(2):
+        _launch.launch(fn, (1,), x, x, 4, 1.0, FLAG=True, **options)
+    assert [c[:2] for c in calls] == [("normal", 3), ("normal", 2), ("normal", 1), ("direct", calls[3][1])]
+    monkeypatch.setattr(_launch, "ENABLED", False)  # the normal path alone retries the same way
+    calls.clear()
+    _launch.launch(fn, (1,), x, x, 4, 1.0, FLAG=True, **options)
+    assert calls == [("normal", 3), ("normal", 2), ("normal", 1)]
+
+
+@pytest.mark.parametrize("resource, fits_from", [("shared memory", 0), ("threads", 2)])
+def test_other_refusals_and_one_stage_that_does_not_fit_raise_tritons_error(stub, monkeypatch, resource, fits_from):
+    fn, calls = stub
+    monkeypatch.setattr(fn, "run", _refusing(calls, _Compiled(calls), fits_from=fits_from, resource=resource))
+    with pytest.raises(_launch.OutOfResources, match=resource):
+        _launch.launch(fn, (1,), torch.zeros(8), torch.zeros(8), 4, 1.0, FLAG=True, num_stages=3)
+    assert calls == ([("normal", 3), ("normal", 2), ("normal", 1)] if resource == "shared memory"
+                     else [("normal", 3)])
+
+
 @dataclasses.dataclass
 class _Descriptor:
     base: torch.Tensor

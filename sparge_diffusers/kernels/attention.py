@@ -366,7 +366,8 @@ def _launch_config(head_dim: int) -> dict:
         return LAUNCH_OVERRIDE
     # H100 (benchmarks/results/launch-sweep-H100.txt): 8 warps and 3 stages are fastest, or within 2.5% of the
     # fastest setting, dense, at density 0.25, and at 0.25 with the stage-2 test, at D = 64 and 128; 4 stages
-    # do not fit in shared memory at D = 128.
+    # do not fit in shared memory at D = 128. Where 3 do not fit either (GPUs with 99 KB per block at D > 64),
+    # _launch.launch_fitting runs fewer (benchmarks/results/shared-memory.txt).
     return {"num_warps": 8, "num_stages": 3}
 
 
