@@ -36,7 +36,7 @@ from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
 from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_attention_inputs, check_no_grad,
-                              check_threshold_values, resolve_scale, unsupported_reason)
+                              check_threshold_values, pick_backend, resolve_scale, unsupported_reason)
 from .kernels.api import new_output
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
@@ -75,7 +75,10 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     if sparge_settings.get("tensor_layout", "HND") != "HND" or "is_causal" in sparge_settings:
         raise ValueError("pbs_sparge_attention takes HND inputs and is always causal")
     check_no_grad(q, k, v)  # before ranking and gathering the keys (the gathered copies would raise only later)
-    importance = last_block_key_importance(q, k, scale=scale, causal_variant=causal_variant)
+    # an unsupported GPU raises before the ranking; backend="reference" ranks in PyTorch too
+    chosen = pick_backend(sparge_settings.get("backend", "auto"), q.device)
+    importance = last_block_key_importance(q, k, scale=scale, causal_variant=causal_variant,
+                                           backend="auto" if chosen == "triton" else "torch")
     order = segmented_key_order(importance, segment)
     positions = order.to(torch.int32)
     return sparge_attention(q, gather_keys(k, order), gather_keys(v, order), is_causal=True, scale=scale,

@@ -579,6 +579,54 @@ def test_inputs_that_require_grad_raise_instead_of_losing_the_gradient(backend, 
     assert torch.equal(predict_block_mask(grad_q, grad_k, backend=backend), predict_block_mask(q, k, backend=backend))
 
 
+@pytest.mark.parametrize("capability", [(7, 0), (7, 5), (8, 0), (8, 9), (9, 0), (12, 0)])
+def test_gpus_older_than_ampere_are_refused_with_their_capability(monkeypatch, capability):
+    """Below compute capability 8.0 the attention kernel does not fit even at one pipeline stage: 'auto' and
+    'triton' raise naming the GPU's capability and what to use instead; the reference stays available."""
+    from sparge_diffusers.kernels import _inputs
+
+    monkeypatch.setattr(_inputs, "_capability_of_index", lambda index: capability)
+    gpu = torch.device("cuda", 0)
+    refused = capability < (8, 0)
+    for backend in ("auto", "triton"):
+        if refused:
+            with pytest.raises(ValueError, match=rf"cuda:0 has compute capability {capability[0]}\.{capability[1]}; "
+                                                 r"the Triton kernels need 8\.0 or newer.*backend='reference'"):
+                _inputs.pick_backend(backend, gpu)
+        else:
+            assert _inputs.pick_backend(backend, gpu) == "triton"
+    assert _inputs.pick_backend("reference", gpu) == "reference"
+    assert (_inputs.gpu_reason(gpu) is not None) == refused
+
+
+@pytest.mark.gpu
+def test_every_entry_point_refuses_a_gpu_older_than_ampere_and_the_seams_fall_back(monkeypatch):
+    """The same on a real GPU told it is a 7.5 (a T4): every attention entry point raises before any launch, the
+    reference backend still runs, and ``unsupported_reason`` (the diffusers and transformers seams' test) names
+    it, so they fall back to SDPA."""
+    from sparge_diffusers import s2o_attention, selected_block_attention
+    from sparge_diffusers.kernels import _inputs
+    from sparge_diffusers.llm import pbs_sparge_attention
+
+    q, k, v = (t.cuda() for t in make_qkv(1, 4, 2, 150, 150, 64, torch.bfloat16, "HND", seed=5))
+    monkeypatch.setattr(_inputs, "_capability_of_index", lambda index: (7, 5))
+    mask = torch.ones(1, 1, 2, 3, dtype=torch.bool, device="cuda")
+    indices = torch.zeros(1, 2, 150, 1, dtype=torch.int32, device="cuda")
+    calls = {
+        "sparge_attention": lambda **b: sparge_attention(q, k, v, **b),
+        "predict_block_mask": lambda **b: predict_block_mask(q, k, **b),
+        "block_sparse_attention": lambda **b: block_sparse_attention(q, k, v, mask, **b),
+        "s2o_attention": lambda **b: s2o_attention(q, k, v, **b),
+        "selected_block_attention": lambda **b: selected_block_attention(q, k, v, indices, **b),
+        "pbs_sparge_attention": lambda **b: pbs_sparge_attention(q, k, v, segment=128, **b),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="compute capability 7.5"):
+            call()
+        assert call(backend="reference") is not None, name
+    assert "compute capability 7.5" in _inputs.unsupported_reason(q, k, v)
+
+
 def test_cpu_float32_runs_the_reference():
     q, k, v = make_qkv(1, 2, 2, 130, 130, 64, torch.float32, "HND", seed=4)
     out = sparge_attention(q, k, v, cdfthreshd=1.0, pvthreshd=None)

@@ -186,8 +186,12 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     reason = grad_reason(query, key, value)
     if reason is not None:
         return reason
-    if query.device.type == "cuda" and query.dtype not in KERNEL_DTYPES:
-        return f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
+    if query.device.type == "cuda":
+        if query.dtype not in KERNEL_DTYPES:
+            return f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
+        reason = gpu_reason(query.device)
+        if reason is not None:
+            return reason
     if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):
         return f"head dim {query.shape[-1]}"
     if query.device.type not in ("cuda", "cpu"):
@@ -286,14 +290,47 @@ def _on_device(values: tuple[float, ...], device: str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+# Oldest GPUs the Triton kernels run on: Ampere. Compiled for sm75 (64 KB of shared memory per block) and sm70
+# (96 KB) the attention kernel at D = 128 needs 128 KB even with one pipeline stage (benchmarks/shared_memory.py
+# with those targets added), and bf16 tensor-core products start at sm80.
+MIN_CAPABILITY = (8, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_of_index(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def device_capability(device_index: int | None) -> tuple[int, int]:
+    """Compute capability of a CUDA device (None: the current one), looked up once per device: the kernels ask on
+    every call."""
+    return _capability_of_index(device_index if device_index is not None else torch.cuda.current_device())
+
+
+def gpu_reason(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on this CUDA device (None where they can)."""
+    major, minor = device_capability(device.index)
+    if (major, minor) < MIN_CAPABILITY:
+        return (f"{device} has compute capability {major}.{minor}; the Triton kernels need "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ampere and later)")
+    return None
+
+
 def pick_backend(backend: Backend, device: torch.device) -> Literal["triton", "reference"]:
-    """'auto': Triton on CUDA, the float32 reference on CPU (documented fallback for tests and tiny models)."""
+    """'auto': Triton on CUDA, the float32 reference on CPU (documented fallback for tests and tiny models). A GPU
+    older than :data:`MIN_CAPABILITY` raises ValueError for 'auto' and 'triton' (there the reference is the
+    only path: ``backend="reference"``, float32 and slow; or SDPA)."""
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    if backend != "auto":
+    if backend == "reference":
         return backend
     if device.type == "cuda":
+        reason = gpu_reason(device)
+        if reason is not None:
+            raise ValueError(f"{reason}: use backend='reference' (float32, slow) or SDPA on this GPU")
         return "triton"
+    if backend == "triton":  # CPU tensors under TRITON_INTERPRET (the tests)
+        return backend
     if device.type == "cpu":
         return "reference"
     raise ValueError(f"device {device} is not supported: use a CUDA GPU, or CPU tensors for the reference path")

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import attention_hopper
-from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, wide_offsets
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, device_capability, wide_offsets
 from .._launch import cdiv, launch, next_power_of_2, tensor_descriptor
 
 LOG2E = 1.4426950408889634
@@ -401,7 +401,7 @@ def use_tma_io(qh: torch.Tensor, out_h: torch.Tensor, shape: AttentionShape, is_
     """
     if TMA_IO_OVERRIDE is not None:
         return TMA_IO_OVERRIDE
-    if is_causal or not qh.is_cuda or torch.cuda.get_device_capability(qh.device) < (9, 0):
+    if is_causal or not qh.is_cuda or device_capability(qh.device.index) < (9, 0):
         return False
     if shape.head_dim != next_power_of_2(shape.head_dim):
         return False

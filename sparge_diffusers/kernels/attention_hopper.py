@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape
+from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, device_capability
 from .._launch import launch, tensor_descriptor
 
 try:  # Gluon is experimental: its module layout and names move between Triton releases
@@ -516,20 +516,9 @@ def _why_not_on(device: torch.device) -> str | None:
         return f"Gluon unavailable ({GLUON_IMPORT_ERROR})"
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "TRITON_INTERPRET is set (Gluon kernels do not run in the interpreter)"
-    if device.type != "cuda" or _capability(device.index) != (9, 0):
+    if device.type != "cuda" or device_capability(device.index) != (9, 0):
         return "needs an sm90 (Hopper) GPU"
     return None
-
-
-@functools.lru_cache(maxsize=16)
-def _capability_of_index(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def _capability(device_index: int | None) -> tuple[int, int]:
-    """Compute capability of a CUDA device (None: the current one), looked up once per device: the check runs
-    twice per sparse call."""
-    return _capability_of_index(device_index if device_index is not None else torch.cuda.current_device())
 
 
 def runs_on(device: torch.device) -> bool:
