@@ -599,6 +599,25 @@ def test_gpus_older_than_ampere_are_refused_with_their_capability(monkeypatch, c
     assert (_inputs.gpu_reason(gpu) is not None) == refused
 
 
+def test_the_capability_test_traces_without_a_graph_break_or_warning(monkeypatch):
+    """The seams ask ``unsupported_reason`` inside compiled models: the capability lookup must trace (fullgraph)
+    and must not warn (Dynamo warns about calls through functools.lru_cache wrappers)."""
+    import collections
+    import warnings
+
+    from sparge_diffusers.kernels import _inputs
+
+    properties = collections.namedtuple("properties", "major minor")  # a value Dynamo can hold, as it holds CUDA's
+    for capability, expected in (((7, 5), 1.0), ((9, 0), 2.0)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, c=capability: properties(*c))
+        torch._dynamo.reset()
+        step = torch.compile(lambda x: x + (1 if _inputs.gpu_reason(torch.device("cuda", 0)) else 2), fullgraph=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert step(torch.zeros(2)).tolist() == [expected] * 2
+        assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
 @pytest.mark.gpu
 def test_every_entry_point_refuses_a_gpu_older_than_ampere_and_the_seams_fall_back(monkeypatch):
     """The same on a real GPU told it is a 7.5 (a T4): every attention entry point raises before any launch, the

@@ -303,8 +303,13 @@ def _capability_of_index(device_index: int) -> tuple[int, int]:
 
 def device_capability(device_index: int | None) -> tuple[int, int]:
     """Compute capability of a CUDA device (None: the current one), looked up once per device: the kernels ask on
-    every call."""
-    return _capability_of_index(device_index if device_index is not None else torch.cuda.current_device())
+    every call. While torch.compile traces (the seams ask ``unsupported_reason``), the device's properties are read
+    directly: Dynamo folds that call to a constant, where the cache's wrapper would make it warn."""
+    index = device_index if device_index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        properties = torch.cuda.get_device_properties(index)
+        return properties.major, properties.minor
+    return _capability_of_index(index)
 
 
 def gpu_reason(device: torch.device) -> str | None:
