@@ -21,7 +21,9 @@ kernel it returned. A key function is written per tuple of argument kinds (tenso
 first with the kinds of a kernel's first launch; a value where a tensor was keys on the object, and such a
 launch takes the normal path unrecorded. The normal path also runs whenever launch hooks or pre-run hooks are set
 (profilers), under the interpreter, and when ``ENABLED`` is False. Either path runs on the tensors' GPU: a launch
-whose tensors live on another GPU than the current one first makes theirs current (see :func:`launch`).
+whose tensors live on another GPU than the current one first makes theirs current (see :func:`launch`). The
+normal path runs a kernel that does not fit the GPU's shared memory with fewer pipeline stages
+(:func:`launch_fitting`), and the key records the kernel that fit.
 
 Used by the attention kernels and by the permutations' row gather; it knows neither.
 """
