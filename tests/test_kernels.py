@@ -599,6 +599,17 @@ def test_gpus_older_than_ampere_are_refused_with_their_capability(monkeypatch, c
     assert (_inputs.gpu_reason(gpu) is not None) == refused
 
 
+def test_amd_gpus_are_refused_by_name(monkeypatch):
+    """ROCm's PyTorch names AMD GPUs "cuda": untested there, the kernels refuse them rather than run."""
+    from sparge_diffusers.kernels import _inputs
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(_inputs, "_capability_of_index", lambda index: (9, 4))  # what an MI300 reports
+    with pytest.raises(ValueError, match=r"cuda:0 is an AMD GPU \(ROCm\); .*NVIDIA GPUs only.*backend='reference'"):
+        _inputs.pick_backend("auto", torch.device("cuda", 0))
+    assert _inputs.pick_backend("reference", torch.device("cuda", 0)) == "reference"
+
+
 def test_the_capability_test_traces_without_a_graph_break_or_warning(monkeypatch):
     """The seams ask ``unsupported_reason`` inside compiled models: the capability lookup must trace (fullgraph)
     and must not warn (Dynamo warns about calls through functools.lru_cache wrappers)."""

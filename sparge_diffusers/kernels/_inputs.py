@@ -313,7 +313,11 @@ def device_capability(device_index: int | None) -> tuple[int, int]:
 
 
 def gpu_reason(device: torch.device) -> str | None:
-    """Why the Triton kernels cannot run on this CUDA device (None where they can)."""
+    """Why the Triton kernels cannot run on this CUDA device (None where they can). ROCm builds of PyTorch call AMD
+    GPUs "cuda" too: the kernels' settings, shared-memory sizes and Hopper paths are NVIDIA's, and no AMD GPU has
+    run them, so those are refused rather than trusted."""
+    if torch.version.hip is not None:
+        return f"{device} is an AMD GPU (ROCm); the kernels are written and tested for NVIDIA GPUs only"
     major, minor = device_capability(device.index)
     if (major, minor) < MIN_CAPABILITY:
         return (f"{device} has compute capability {major}.{minor}; the Triton kernels need "
