@@ -51,17 +51,24 @@ def test_committed_table_is_the_committed_results():
         assert [(r["kernel"], r["head_dim"], r["stages"]) for r in refused] == [("_sparse_attention_kernel", 128, 3)]
 
 
-def run_under_limit(limit: int, path: str) -> None:
-    """Make the public calls on the GPU as if it had ``limit`` bytes of shared memory per block (Triton's
-    launcher reads the limit from the driver; here the smaller of the two), without the sm90-only kernels; save
-    the outputs to ``path`` and print each kernel compiled on the way: [kernel, stages asked, stages run, bytes]."""
+def _limit_shared_memory(limit: int) -> None:
+    """Make this process's Triton launcher see ``limit`` bytes of shared memory per block (the smaller of that and
+    the GPU's: it reads the limit from the driver before each first launch), with the sm90-only kernels off."""
     import triton.compiler.compiler as triton_compiler
 
-    from sparge_diffusers import _launch
     from sparge_diffusers.kernels import attention_hopper, s2o_hopper
 
     device_limit = triton_compiler.max_shared_mem  # AttributeError: this Triton reads its limit elsewhere
     triton_compiler.max_shared_mem = lambda device: min(device_limit(device), limit)
+    attention_hopper.OVERRIDE = s2o_hopper.OVERRIDE = False
+
+
+def run_under_limit(limit: int, path: str) -> None:
+    """Make the public calls on the GPU under ``limit`` (``_limit_shared_memory``); save the outputs to ``path``
+    and print each kernel compiled on the way: [kernel, stages asked, stages run, bytes]."""
+    from sparge_diffusers import _launch
+
+    _limit_shared_memory(limit)
     fitting, compiled = _launch.launch_fitting, []
 
     def recording(fn, grid, args, kwargs):
@@ -71,7 +78,6 @@ def run_under_limit(limit: int, path: str) -> None:
         return kernel
 
     _launch.launch_fitting = recording
-    attention_hopper.OVERRIDE = s2o_hopper.OVERRIDE = False
     with torch.no_grad():
         outputs = {name: call().cpu() for name, call in public_calls("cuda", backend="auto").items()}
     torch.save(outputs, path)
@@ -102,3 +108,23 @@ def test_calls_under_a_99_kb_limit_equal_the_calls_without_it_on_the_gpu(tmp_pat
     assert all(shared <= SHARED_PER_BLOCK[89] for *_, shared in compiled)
     fewer = {(name, ran) for name, asked, ran, _ in compiled if ran < asked}
     assert {"_sparse_attention_kernel", "_ordered_attention_kernel"} <= {name for name, _ in fewer}, compiled
+
+
+def random_calls_under_limit(limit: int, first: int, count: int) -> None:
+    """Run test_gpu_random_calls.py's seeds first .. first + count - 1 under ``limit``; print pytest's exit code."""
+    os.environ.update(SPARGE_GPU_RANDOM_FIRST=str(first), SPARGE_GPU_RANDOM_CALLS=str(count))
+    _limit_shared_memory(limit)
+    code = pytest.main(["-q", "-p", "no:cacheprovider", os.path.join(os.path.dirname(__file__),
+                                                                     "test_gpu_random_calls.py")])
+    print("EXIT" + json.dumps(int(code)))
+
+
+@pytest.mark.gpu
+def test_random_calls_pass_under_a_99_kb_limit_on_the_gpu():
+    """test_gpu_random_calls.py's checks against the float32 reference (odd lengths, GQA, causal variants, masks,
+    S2O, PBS) on the Triton kernels under a 99 KB limit, where they run with 1 or 2 stages. Seeds 0-29 passed on
+    an H100 (session 49); six here."""
+    code = shared_memory.json_from_fresh_process(
+        f"import test_shared_memory as t; t.random_calls_under_limit({SHARED_PER_BLOCK[89]}, 0, 6)", "EXIT",
+        os.path.dirname(os.path.abspath(__file__)))
+    assert code == 0
