@@ -41,11 +41,7 @@ try:  # absent or renamed in other Triton versions: then every launch takes the 
     from triton.runtime.jit import JITFunction as _JITFunction
 except ImportError:  # pragma: no cover
     _knobs = _driver = _JITFunction = None
-try:
-    from triton.runtime.errors import OutOfResources
-except ImportError:  # pragma: no cover
-    class OutOfResources(Exception):  # never raised: stands in so that the except clause below stays valid
-        name = required = limit = None
+from triton.runtime.errors import OutOfResources  # (in every Triton since 2.x)
 
 # Tests and benchmarks set this to False to compare with the normal path.
 ENABLED = True
