@@ -12,12 +12,18 @@ Then one left-padded batch (``--padded``: prompt lengths, padded on the left to 
 a tokenizer gives): SDPA computes the padded batch under transformers' boolean mask; our function runs each prompt
 without its padding. Relative L1 over the real positions only.
 
+With ``--static FILLED:CHUNK:SLOTS,...``, a chunk against a static cache (``StaticCache``, as
+``cache_implementation="static"`` and compiled generation use): the cache holds SLOTS positions, the first FILLED -
+CHUNK filled by an SDPA prefill, and the timed forward is the next CHUNK tokens. transformers hands such a chunk a
+boolean (CHUNK, SLOTS) mask that also hides the empty slots: SDPA computes under it; our function reads it as the
+lower-right causal mask over the FILLED keys and runs on those (before session 50 it fell back to SDPA under the mask).
+
 With ``--compiled``, the padded batch also runs through ``torch.compile(model.model, fullgraph=True)`` (inductor,
 default mode) with SDPA and with the default settings, whose masked calls go through the
 ``sparge_diffusers::llm_masked_prefill`` operator (the mask read at run time, each prompt its own call).
 
 Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096] [--layers 4]
-       [--compiled] [--out results.json]
+       [--static 32768:2048:40960,32768:8192:40960] [--compiled] [--out results.json]
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ def main(argv=None):
     ap.add_argument("--padded", default="16384,12288,8192,4096", help="prompt lengths of one left-padded batch "
                     "('' for none)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--static", default="", help="FILLED:CHUNK:SLOTS,... chunks against a static cache ('' for none)")
     ap.add_argument("--compiled", action="store_true", help="also time the padded batch compiled (SDPA and default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -67,6 +74,11 @@ def main(argv=None):
                             generator=torch.Generator("cuda").manual_seed(1))
         results["lengths"][n] = row = compare(model, functions, ids)
         print(n, row, flush=True)
+    statics = [tuple(int(x) for x in case.split(":")) for case in args.static.split(",") if case]
+    for filled, chunk, slots in statics:
+        results.setdefault("static", {})[f"{filled}:{chunk}:{slots}"] = row = static_chunk_compare(
+            model, functions, filled, chunk, slots)
+        print("static", (filled, chunk, slots), row, flush=True)
     padded = [int(n) for n in args.padded.split(",") if n]
     if padded:
         longest = max(padded)
@@ -87,7 +99,8 @@ def main(argv=None):
              f"Llama-3.1-8B shapes, {args.layers} layers, bf16, random weights; prefill ms (median of 5); "
              f"settings: {SETTINGS}",
              f"{'tokens':>7} {'sdpa ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'spars':>6} {'rel L1':>7}"]
-    rows = list(results["lengths"].items()) + ([("padded", results["padded"])] if padded else [])
+    rows = list(results["lengths"].items()) + ([("padded", results["padded"])] if padded else []) \
+        + [(f"static{i}", r) for i, r in enumerate(results.get("static", {}).values())]
     for n, r in rows:
         for name in SETTINGS:
             e = r[name]
@@ -98,20 +111,28 @@ def main(argv=None):
         c = results["padded_compiled"]
         lines.append(f"{'padded':>7} compiled: sdpa {c['sdpa_ms']:.1f} ms, default {c['default_ms']:.1f} ms "
                      f"({c['sdpa_ms'] / c['default_ms']:.2f}x), rel L1 {c['relative_l1']:.4f} (inductor, default mode)")
+    for i, case in enumerate(results.get("static", {})):
+        filled, chunk, slots = case.split(":")
+        lines.append(f"static{i}: a chunk of {chunk} tokens against a static cache of {slots} slots, {filled} filled "
+                     f"after it; SDPA under transformers' (chunk, slots) mask, ours on the filled keys")
     if padded:
         lines.append(f"padded: a left-padded batch of {len(padded)} prompts ({', '.join(map(str, padded))} tokens, "
                      f"padded to {max(padded)}); SDPA under the mask, ours per prompt; L1 over real positions")
     save_report(results, "\n".join(lines), args.out)
 
 
-def compare(model, functions, ids, **inputs) -> dict:
+def compare(model, functions, ids, after_each=None, **inputs) -> dict:
     """Prefill ms with SDPA and with each registered function; sparsity and relative L1 against SDPA's last
-    hidden states (at the real positions where an attention mask marks padding)."""
+    hidden states (at the real positions where an attention mask marks padding). ``after_each``: called after every
+    forward (timed with it)."""
     real = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones_like(ids, dtype=torch.bool)
 
     def prefill():
         with torch.no_grad():
-            return model.model(input_ids=ids, **inputs).last_hidden_state
+            out = model.model(input_ids=ids, **inputs).last_hidden_state
+        if after_each is not None:
+            after_each()
+        return out
 
     model.set_attn_implementation("sdpa")
     dense = prefill()[real].float()
@@ -131,6 +152,41 @@ def compare(model, functions, ids, **inputs) -> dict:
         row[name] = {"ms": ms, "speedup": row["sdpa_ms"] / ms, "sparsity": sparsity,
                      "relative_l1": relative_l1(out, dense)}
     return row
+
+
+def static_chunk_compare(model, functions, filled: int, chunk: int, slots: int) -> dict:
+    """:func:`compare` for the forward of tokens filled - chunk .. filled - 1 against a static cache of ``slots``
+    positions whose first filled - chunk hold an SDPA prefill of the tokens before (one cache for every function, so
+    only the chunk differs; each timed forward rewrites the chunk's own slots with the same values: transformers 5.x
+    writes at a running count, rewound after each forward, 4.x at the positions given)."""
+    import inspect
+
+    import transformers
+
+    ids = torch.randint(0, model.config.vocab_size, (1, filled), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(3))
+    try:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=slots)
+    except TypeError:  # transformers before 4.56 sizes it up front
+        cache = transformers.StaticCache(config=model.config, max_batch_size=1, max_cache_len=slots, device="cuda",
+                                         dtype=torch.bfloat16)
+    name = "cache" if "cache" in inspect.signature(type(model.model).forward).parameters else "past_key_values"
+    prefix = filled - chunk
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        model.model(input_ids=ids[:, :prefix], use_cache=True, cache_position=torch.arange(prefix, device="cuda"),
+                    **{name: cache})
+    positions = torch.arange(prefix, filled, device="cuda")
+
+    def rewind():  # transformers 5.x's static layers count what they hold (5.24 has crop(-n) for it, 5.17 not)
+        for layer in cache.layers:
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                layer.cumulative_length.sub_(chunk)
+            elif isinstance(getattr(layer, "cumulative_length", None), int):
+                layer.cumulative_length -= chunk
+
+    return compare(model, functions, ids[:, prefix:], after_each=rewind, use_cache=True, position_ids=positions[None],
+                   cache_position=positions, **{name: cache})
 
 
 def compiled_compare(model, ids, **inputs) -> dict:

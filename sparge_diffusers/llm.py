@@ -5,19 +5,19 @@
     register("sparge", cdfthreshd=0.98)                      # once per process
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sparge", torch_dtype=torch.bfloat16)
 
-The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as
-they come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (fewer queries than keys, with
-the lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``), and left-padded batches
-(each prompt its own call without its padding). Everything else is left to transformers' own SDPA function, the
-one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, right padding
-or other explicit masks, dropout, softcapping, sliding windows, position biases, non-causal modules, unsupported
-dtypes or head dims and shapes the kernels refuse (a value head dim unlike the query's). ``strict=True`` raises
-instead of falling back. Calls that neither the kernels nor SDPA compute raise ValueError whatever ``strict`` says
-(attention sinks, key indices chosen by the model, packed sequences given only as ``cu_seq_lens``:
-:func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked
-walk or FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the
-segmented key permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator);
-knows nothing of diffusers.
+The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as they
+come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (fewer queries than keys, with the
+lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``; against a static cache only
+its filled slots), and left-padded batches (each prompt its own call without its padding). Everything else is left
+to transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with
+one warning per reason, right padding or other explicit masks, dropout, softcapping, sliding windows, position
+biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse (a value head dim unlike
+the query's). ``strict=True`` raises instead of falling back. Calls that neither the kernels nor SDPA compute raise
+ValueError whatever ``strict`` says (attention sinks, key indices chosen by the model, packed sequences given only
+as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked walk or
+FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the segmented key
+permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator); knows nothing of
+diffusers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import inspect
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -271,8 +271,11 @@ class SpargeLLMAttention:
       than keys (a static cache's prefill, where transformers leaves the mask out) the upper-left variant;
     - an explicit boolean mask that is exactly the lower-right causal mask (query i sees keys 0..i + Nkv - Nq):
       chunked prefill against a KV cache (``generate(..., prefill_chunk_size=...)``, a prompt continued on a
-      cache). The mask is compared with that pattern once per mask tensor (transformers hands every layer of a
-      forward the same one): one pass over it on its device and one read-back (a device sync per forward).
+      cache). Against a static cache (``cache_implementation="static"``, ``StaticCache``) the mask also hides the
+      slots not filled yet from every query; the call then attends to the filled ones only (L keys, lower right;
+      transformers 4.x masks a static cache's first prefill so too). The mask is compared with the pattern once
+      per mask tensor (transformers hands every layer of a forward the same one): one pass over it on its device
+      and one read-back (a device sync per forward); :func:`read_causal_mask`.
     - the same mask with each prompt's first keys hidden: a left-padded batch (``tokenizer(..., padding=True)``
       with ``padding_side="left"``, as ``generate`` wants), whole or chunked, of at least ``min_padded_tokens``
       keys. Each prompt then runs as its own call without its padding (rows of padding queries get zeros, as
@@ -332,7 +335,7 @@ class SpargeLLMAttention:
         self._check_options(self._options())  # here, not at the model's first prefill
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
-        self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its left padding)
+        self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its layout)
         self._handle = next(_HANDLES)  # how the masked-prefill operator finds this function at run time
         _LIVE_FUNCTIONS[self._handle] = self
 
@@ -368,11 +371,11 @@ class SpargeLLMAttention:
 
     def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None, kwargs: dict
-              ) -> tuple[str | None, str | None, list[int] | None]:
+              ) -> tuple[str | None, str | None, CausalMaskLayout | None]:
         """(why this call cannot run sparse: None when it can, "" for the expected SDPA case of a decode step;
-        the causal variant it runs with: "upper_left" without a mask, "lower_right" with the lower-right mask, None
-        for a mask under torch.compile, whose contents decide at run time (:meth:`_masked_call`); the left padding
-        of each prompt where the mask has some, else None)."""
+        the causal variant it runs with: "upper_left" without a mask, "lower_right" with a lower-right mask, None
+        for a mask under torch.compile, whose contents decide at run time (:meth:`_masked_call`); the mask's
+        :class:`CausalMaskLayout` (keys in use, left padding) where there is one, else None)."""
         check_call_arguments(attention_mask, kwargs)  # before the decode step, which SDPA would get wrong as well
         if query.shape[2] == 1:
             return "", None, None  # decode step
@@ -394,23 +397,23 @@ class SpargeLLMAttention:
         return self._mask_route(attention_mask, query.shape[2], key.shape[2])
 
     def _mask_route(self, mask: torch.Tensor, q_len: int, kv_len: int
-                    ) -> tuple[str | None, str | None, list[int] | None]:
+                    ) -> tuple[str | None, str | None, CausalMaskLayout | None]:
         """:meth:`route`'s verdict on an explicit mask, from its contents (one read-back per mask tensor)."""
-        padding = self._left_padding(mask, q_len, kv_len)
-        if padding is not None and any(padding) and kv_len < self.min_padded_tokens:
+        layout = self._mask_layout(mask, q_len, kv_len)
+        if layout is None:
+            return "an explicit attention mask (right padding, packed sequences or a custom mask)", None, None
+        if any(layout.padding) and layout.keys < self.min_padded_tokens:
             return (f"a left-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
                     "per prompt would cost more than SDPA under the mask)"), None, None
-        if padding is not None:
-            return None, "lower_right", (padding if any(padding) else None)
-        return "an explicit attention mask (right padding, packed sequences or a custom mask)", None, None
+        return None, "lower_right", layout
 
-    def _left_padding(self, mask: torch.Tensor, q_len: int, kv_len: int) -> list[int] | None:
-        """:func:`left_padded_causal_mask` of the mask, remembered for the mask tensor (while it lives, unmodified):
+    def _mask_layout(self, mask: torch.Tensor, q_len: int, kv_len: int) -> CausalMaskLayout | None:
+        """:func:`read_causal_mask` of the mask, remembered for the mask tensor (while it lives, unmodified):
         transformers hands every layer of a forward the same one."""
         verdict = self._mask_verdict
         if verdict is not None and verdict[0]() is mask and verdict[1] == (mask._version, q_len, kv_len):
             return verdict[2]
-        result = left_padded_causal_mask(mask, q_len, kv_len)
+        result = read_causal_mask(mask, q_len, kv_len)
         self._mask_verdict = (weakref.ref(mask), (mask._version, q_len, kv_len), result)
         return result
 
@@ -418,7 +421,7 @@ class SpargeLLMAttention:
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """query (B, H, N, D), key/value (B, H_kv, N, D) -> ((B, N, H, D), None), as transformers' SDPA function."""
-        reason, variant, padding = self.route(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
+        reason, variant, layout = self.route(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
         if reason is not None:
             if reason:
                 self._warn(reason)
@@ -426,6 +429,9 @@ class SpargeLLMAttention:
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
+        if variant == "upper_left" and key.shape[2] > query.shape[2]:
+            # a static cache's first prefill: query i sees keys 0..i, so the slots past the prompt are never read
+            key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
         if compiling():
             # one node of the compiled graph per operator (see kernels/library.py); statistics and the call count are
             # recorded by the llm operators when they run (a Python counter updated while tracing would be a guard
@@ -437,15 +443,20 @@ class SpargeLLMAttention:
                 return torch.ops.sparge_diffusers.llm_prefill(query, key, value, scaling, variant, self._handle), None
             compiled = PREFILL_METHODS[self.method].compiled
             return compiled(self, query, key, value, scaling, variant).transpose(1, 2).contiguous(), None
-        out, stats = self._sparse_call(query, key, value, scaling, variant, padding)
+        out, stats = self._sparse_call(query, key, value, scaling, variant, layout)
         self._record(stats)
         return out, None
 
     def _sparse_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                     variant: str | None, padding: list[int] | None) -> tuple[torch.Tensor, SparsityStats | None]:
-        """A routed sparse call, eager or inside an operator: the (B, Nq, H, D) output and its stats when collected."""
-        if padding is not None:
-            return self._left_padded_prefill(query, key, value, padding, scale)
+                     variant: str | None, layout: CausalMaskLayout | None
+                     ) -> tuple[torch.Tensor, SparsityStats | None]:
+        """A routed sparse call, eager or inside an operator: the (B, Nq, H, D) output and its stats when collected.
+        With a mask's layout, only the keys in use are attended (a static cache's empty slots are left out: views,
+        no copy)."""
+        if layout is not None and layout.keys < key.shape[2]:
+            key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
+        if layout is not None and any(layout.padding):
+            return self._left_padded_prefill(query, key, value, layout.padding, scale)
         out, stats = self._prefill(query, key, value, scale, variant)
         return out.transpose(1, 2).contiguous(), stats
 
@@ -461,14 +472,14 @@ class SpargeLLMAttention:
         the mask's contents route it as :meth:`__call__` routes an eager call (sparse for the lower-right and
         left-padded masks, else SDPA under the mask, with one warning); a sparse call is counted and its statistics
         kept with ``collect_stats``. Returns (B, Nq, H, D)."""
-        reason, variant, padding = self._mask_route(mask, query.shape[2], key.shape[2])
+        reason, variant, layout = self._mask_route(mask, query.shape[2], key.shape[2])
         if reason is not None:
             self._warn(reason)
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask[:, :, :, :key.shape[2]], scale=scale,
                 enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous()
-        out, stats = self._sparse_call(query, key, value, scale, variant, padding)
+        out, stats = self._sparse_call(query, key, value, scale, variant, layout)
         if self.collect_stats:
             self._record(stats)
         return out
@@ -564,30 +575,45 @@ def _(query, key, value, mask, scale, handle):
     return _transformers_output(query)
 
 
-def left_padded_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26
-                            ) -> list[int] | None:
-    """The left padding of each prompt if a boolean (B|1, 1, Nq, >= Nkv) mask (True = attend), cut to its first
-    ``kv_len`` keys, is the lower-right causal mask with each batch row's first p_b keys hidden: query i sees keys
-    p_b..i + kv_len - q_len (rows of padding queries see none), as transformers builds it for a left-padded batch,
-    with or without a cache. Returns [p_b] per mask row (all 0: the plain lower-right causal mask), or None for any
-    other mask (right padding, packed sequences, per-head or additive masks). p_b is read off the last query, which
-    sees every key but the padding; then every row is compared, in chunks of at most ``max_elements``, with no
-    full-size pattern built; one read-back (a device sync) at the end."""
+class CausalMaskLayout(NamedTuple):
+    """What :func:`read_causal_mask` found in a transformers mask: the queries attend lower-right causally to the
+    first ``keys`` keys (the rest are cache slots not filled yet, hidden from every query), each prompt's first
+    ``padding[b]`` of them hidden (left padding; all 0 without)."""
+
+    keys: int
+    padding: list[int]
+
+
+def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26
+                     ) -> CausalMaskLayout | None:
+    """The layout of a boolean (B|1, 1, Nq, >= Nkv) mask (True = attend), cut to its first ``kv_len`` keys, if it is
+    the lower-right causal mask over its first L <= Nkv keys with each batch row's first p_b keys hidden: query i
+    sees keys p_b..i + L - q_len, keys L.. none (rows of padding queries see none). transformers builds it so for
+    a left-padded batch, with or without a cache (L = Nkv), and for a chunk against a static cache, whose slots past
+    the chunk's last position are still empty (L < Nkv: ``StaticCache``, ``cache_implementation="static"``;
+    transformers 4.x masks a static cache's first prefill the same way). Returns :class:`CausalMaskLayout` (L and
+    [p_b] per mask row; L = Nkv and all p_b = 0: the plain lower-right causal mask), or None for any other mask
+    (right padding, packed sequences, per-head or additive masks). L and p_b are read off the last query, which sees
+    keys p_b..L-1; then every row is compared, in chunks of at most ``max_elements``, with no full-size pattern
+    built; one read-back (a device sync) at the end."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q_len \
             or mask.shape[3] < kv_len or q_len == 0:
         return None
     mask = mask[:, 0, :, :kv_len]
-    padding = kv_len - mask[:, -1].sum(-1)  # (B,)
     keys = torch.arange(kv_len, device=mask.device)
+    last_seen = torch.where(mask[:, -1], keys, -1).amax(-1)  # (B,): -1 where the last query sees nothing
+    used = last_seen.amax() + 1  # shared by the batch (one cache position); 0: no row sees a key
+    used = torch.where(used > 0, used, kv_len)  # every query is padding: nothing to cut, all hidden
+    padding = used - mask[:, -1].sum(-1)  # (B,)
     seen_from = keys[None, None, :] >= padding[:, None, None]  # (B, 1, Nkv): no padding key
     rows = max(1, max_elements // max(kv_len * mask.shape[0], 1))
     matches = []
     for start in range(0, q_len, rows):
-        queries = torch.arange(start, min(start + rows, q_len), device=mask.device) + (kv_len - q_len)
+        queries = torch.arange(start, min(start + rows, q_len), device=mask.device) + (used - q_len)
         expected = (keys[None, :] <= queries[:, None])[None] & seen_from
         matches.append((mask[:, start:start + rows] == expected).all())
-    verdict = torch.cat([torch.stack(matches).all().long()[None], padding.long()]).tolist()  # one read-back
-    return verdict[1:] if verdict[0] else None
+    verdict = torch.cat([torch.stack(matches).all().long()[None], used.long()[None], padding.long()]).tolist()
+    return CausalMaskLayout(verdict[1], verdict[2:]) if verdict[0] else None
 
 
 def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, **settings: Any

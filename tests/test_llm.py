@@ -1,6 +1,7 @@
 """The transformers attention function: causal GQA prefill through sparge_attention on a tiny random-weight
 Llama (CPU: the float32 reference path), loaded through from_pretrained like a real checkpoint."""
 
+import inspect
 import warnings
 
 import pytest
@@ -10,7 +11,15 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.masking_utils")  # transformers >= 4.53, as sparge_diffusers.llm needs
 
 from sparge_diffusers import relative_l1  # noqa: E402
-from sparge_diffusers.llm import SpargeLLMAttention, register  # noqa: E402
+from sparge_diffusers.llm import CausalMaskLayout, SpargeLLMAttention, register  # noqa: E402
+
+# transformers 4.x (4.53-4.57 run) differs from 5.x where these tests look: its generate leaves a prompt's last token
+# to the first decode step, it masks a static cache's first prefill, and its SDPA function adds no position bias
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+# the models' cache argument: `cache` in recent 5.x releases (past_key_values warns there, to go in 5.40), before that
+# past_key_values
+CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +32,25 @@ def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def dynamic_cache(model):
+    """An empty DynamicCache for the model (transformers before 4.56 takes no config)."""
+    try:
+        return transformers.DynamicCache(config=model.config)
+    except TypeError:
+        return transformers.DynamicCache()
+
+
+def static_cache(model, slots, batch=1):
+    """A StaticCache of ``slots`` positions for the model, sized at its first use (transformers before 4.56 wants the
+    batch, device and dtype up front)."""
+    try:
+        return transformers.StaticCache(config=model.config, max_cache_len=slots)
+    except TypeError:
+        weight = next(model.parameters())
+        return transformers.StaticCache(config=model.config, max_batch_size=batch, max_cache_len=slots,
+                                        device=weight.device, dtype=weight.dtype)
 
 
 def load(path, implementation):
@@ -104,8 +132,8 @@ def test_chunked_prefill_runs_sparse_with_the_lower_right_mask(tiny_llama, monke
     import sparge_diffusers.llm as llm
 
     checks = []
-    original = llm.left_padded_causal_mask
-    monkeypatch.setattr(llm, "left_padded_causal_mask", lambda *a, **k: checks.append(a[1:]) or original(*a, **k))
+    original = llm.read_causal_mask
+    monkeypatch.setattr(llm, "read_causal_mask", lambda *a, **k: checks.append(a[1:]) or original(*a, **k))
     attention = register("sparge_test_chunked", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
     ids = prompt(400)
     with warnings.catch_warnings():
@@ -115,26 +143,29 @@ def test_chunked_prefill_runs_sparse_with_the_lower_right_mask(tiny_llama, monke
     theirs = load(tiny_llama, "sdpa").generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=128)
     assert torch.equal(ours, theirs)
     assert attention.sparse_calls == 8, "4 chunks (128, 128, 128, 16 queries) x 2 layers"
-    assert checks == [(128, 256), (128, 384), (16, 400)], "one mask check per chunk (the first has no mask)"
+    last = (15, 399) if TRANSFORMERS_4 else (16, 400)  # 4.x: the prompt's last token goes to the first decode step
+    assert checks == [(128, 256), (128, 384), last], "one mask check per chunk (the first has no mask)"
 
 
 def test_continued_prompt_and_static_cache_prefill_run_sparse(tiny_llama):
     """A prompt continued on a DynamicCache (150 queries, 400 keys: lower-right), and a static cache's prefill
-    (400 queries against 402 slots, no mask: SDPA's upper-left is_causal) both run sparse and give SDPA's logits;
-    with TopCdf skipping blocks the chunk's output differs (the kernel, not a fallback, computed it)."""
+    (400 queries against 402 slots, no mask: SDPA's upper-left is_causal; run on the first 400) both run sparse and
+    give SDPA's logits; with TopCdf skipping blocks the chunk's output differs (the kernel, not a fallback, computed
+    it)."""
     ids = prompt(400)
     keep_all = register("sparge_test_continue", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
     skipping = register("sparge_test_continue_skip", simthreshd1=-1.0, cdfthreshd=0.5, collect_stats=True)
     results = {}
     for name in ("sdpa", "sparge_test_continue", "sparge_test_continue_skip"):
         model = load(tiny_llama, name)
-        cache = transformers.DynamicCache(config=model.config)
-        logits(model, ids[:, :250], past_key_values=cache, use_cache=True)
-        results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
+        cache = dynamic_cache(model)
+        logits(model, ids[:, :250], **{CACHE: cache}, use_cache=True)
+        results[name] = logits(model, ids[:, 250:], **{CACHE: cache}, use_cache=True)
     assert relative_l1(results["sparge_test_continue"], results["sdpa"]) < 1e-5
     assert keep_all.sparse_calls == 4 and skipping.sparse_calls == 4
     assert skipping.stats[-1].sparsity > 0 and relative_l1(results["sparge_test_continue_skip"], results["sdpa"]) > 1e-3
     static = register("sparge_test_static", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    lengths = recording_key_lengths(static)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="SpargeLLMAttention")
         ours = load(tiny_llama, "sparge_test_static").generate(ids, max_new_tokens=3, do_sample=False,
@@ -142,33 +173,108 @@ def test_continued_prompt_and_static_cache_prefill_run_sparse(tiny_llama):
     assert torch.equal(ours, load(tiny_llama, "sdpa").generate(ids, max_new_tokens=3, do_sample=False,
                                                                 cache_implementation="static"))
     assert static.sparse_calls == 2
+    assert lengths == [400, 400], "the slots past the prompt are left out (5.x: no mask, 4.x: a static-cache mask)"
+
+
+def recording_key_lengths(attention):
+    """Record the key length of every sparse call ``attention`` makes (after any cut of a static cache's slots)."""
+    lengths = []
+
+    def prefill(q, k, v, *rest):
+        lengths.append(k.shape[2])
+        return SpargeLLMAttention._prefill(attention, q, k, v, *rest)
+
+    attention._prefill = prefill
+    return lengths
+
+
+def test_static_cache_chunks_run_sparse_on_the_filled_slots(tiny_llama):
+    """Against a static cache a chunk's mask also hides the slots not filled yet from every query. Such chunks run
+    sparse on the filled slots only (lower right), not SDPA under the mask: generate(cache_implementation="static",
+    prefill_chunk_size=128), a prompt continued on a StaticCache of 512 slots, and a left-padded batch chunked
+    against a static cache; tokens and logits are SDPA's."""
+    ids = prompt(400)
+    chunked = register("sparge_test_static_chunked", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    lengths = recording_key_lengths(chunked)
+    options = dict(max_new_tokens=3, do_sample=False, cache_implementation="static", prefill_chunk_size=128)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        ours = load(tiny_llama, "sparge_test_static_chunked").generate(ids, **options)
+    assert torch.equal(ours, load(tiny_llama, "sdpa").generate(ids, **options))
+    last = 399 if TRANSFORMERS_4 else 400  # 4.x: the prompt's last token goes to the first decode step
+    # the first chunk has no mask on 5.x (upper left against all 402 slots, cut to its 128) and a static-cache mask
+    # on 4.x
+    assert lengths == [128] * 2 + [256] * 2 + [384] * 2 + [last] * 2
+
+    results = {}
+    for name in ("sdpa", "sparge_test_static_continue", "sparge_test_static_skip"):
+        if name != "sdpa":
+            attention = register(name, simthreshd1=-1.0, cdfthreshd=1.0 if name.endswith("continue") else 0.5,
+                                 pvthreshd=None, strict=True)
+            lengths = recording_key_lengths(attention)
+        model = load(tiny_llama, name)
+        cache = static_cache(model, 512)
+        logits(model, ids[:, :250], **{CACHE: cache}, use_cache=True, cache_position=torch.arange(250))
+        results[name] = logits(model, ids[:, 250:], **{CACHE: cache}, use_cache=True,
+                               cache_position=torch.arange(250, 400))
+        if name != "sdpa":
+            assert lengths == [250] * 2 + [400] * 2, name
+    assert relative_l1(results["sparge_test_static_continue"], results["sdpa"]) < 1e-5
+    assert relative_l1(results["sparge_test_static_skip"], results["sdpa"]) > 1e-3  # the kernel computed it
+
+    batch = prompt(300, batch=2)
+    mask, _ = left_padded(batch, (0, 40))
+    padded = register("sparge_test_static_padded", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                      min_padded_tokens=0, strict=True)
+    options = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static",
+                   prefill_chunk_size=128, pad_token_id=0)
+    ours = load(tiny_llama, "sparge_test_static_padded").generate(batch, **options)
+    assert torch.equal(ours, load(tiny_llama, "sdpa").generate(batch, **options))
+    assert padded.sparse_calls == 6, "3 chunks (128, 128, 44 queries) x 2 layers, each prompt its own call"
 
 
 def test_mask_check_accepts_only_the_left_padded_lower_right_pattern():
-    from sparge_diffusers.llm import left_padded_causal_mask as check
+    from sparge_diffusers.llm import read_causal_mask as check
 
-    def pattern(nq, nkv, batch=2, extra=0, padding=(0, 0)):
-        m = torch.ones(nq, nkv + extra, dtype=torch.bool).tril(diagonal=nkv - nq)
+    def pattern(nq, nkv, batch=2, extra=0, padding=(0, 0), empty=0):
+        """transformers' mask: nq queries lower right over the first nkv - empty keys (the rest: a static cache's
+        empty slots, hidden from every query), each prompt's first padding[b] keys hidden; extra columns after."""
+        used = nkv - empty
+        m = torch.ones(nq, nkv + extra, dtype=torch.bool).tril(diagonal=used - nq)
+        m[:, used:] = False
         m = m.expand(batch, 1, nq, nkv + extra).clone()
         for b, p in enumerate(padding[:batch]):
             m[b, :, :, :p] = False  # transformers hides a left-padded prompt's first p keys from every query
         return m
 
-    assert check(pattern(100, 300), 100, 300) == [0, 0]
-    assert check(pattern(100, 300, extra=50), 100, 300, max_elements=1000) == [0, 0]  # cut, row chunks
-    assert check(pattern(300, 300), 300, 300) == [0, 0]
-    assert check(pattern(100, 300, padding=(0, 5)), 100, 300) == [0, 5]  # padding inside the cache
-    assert check(pattern(100, 300, padding=(250, 0)), 100, 300, max_elements=700) == [250, 0]  # padding queries too
-    assert check(pattern(100, 300, padding=(300, 7)), 100, 300) == [300, 7]  # a chunk of padding only
-    assert check(pattern(150, 150, batch=1, padding=(20,)), 150, 150) == [20]  # one mask row for the batch
+    def layout(keys, padding):
+        return CausalMaskLayout(keys, list(padding))
+
+    assert check(pattern(100, 300), 100, 300) == layout(300, [0, 0])
+    assert check(pattern(100, 300, extra=50), 100, 300, max_elements=1000) == layout(300, [0, 0])  # cut, row chunks
+    assert check(pattern(300, 300), 300, 300) == layout(300, [0, 0])
+    assert check(pattern(100, 300, padding=(0, 5)), 100, 300) == layout(300, [0, 5])  # padding inside the cache
+    assert check(pattern(100, 300, padding=(250, 0)), 100, 300, max_elements=700) == layout(300, [250, 0])
+    assert check(pattern(100, 300, padding=(300, 7)), 100, 300) == layout(300, [300, 7])  # a chunk of padding only
+    assert check(pattern(150, 150, batch=1, padding=(20,)), 150, 150) == layout(150, [20])  # one row for the batch
+    # a static cache: slots past the chunk's last position are empty
+    assert check(pattern(100, 512, empty=112), 100, 512) == layout(400, [0, 0])  # a chunk at positions 300..399
+    assert check(pattern(400, 402, empty=2), 400, 402) == layout(400, [0, 0])  # transformers 4.x's first prefill
+    assert check(pattern(100, 512, empty=112, padding=(0, 30)), 100, 512, max_elements=900) == layout(400, [0, 30])
+    assert check(pattern(100, 512, empty=112, padding=(400, 30)), 100, 512) == layout(400, [400, 30])
+    assert check(pattern(100, 512, padding=(512, 512)), 100, 512) == layout(512, [512, 512])  # nothing seen
     right = pattern(150, 150)
     right[1, :, :, 140:] = False  # right padding of the second prompt
     assert check(right, 150, 150) is None
     inner = pattern(100, 300, padding=(0, 5))
     inner[1, :, 50:, 7] = False  # a hole that is no padding
     assert check(inner, 100, 300) is None
+    seen_late = pattern(100, 512, empty=112)
+    seen_late[:, :, 10, 450] = True  # an "empty" slot that one query sees
+    assert check(seen_late, 100, 512) is None
     assert check(pattern(100, 300)[..., :299].contiguous(), 100, 299) is None  # one key more each
-    assert check(torch.ones(1, 1, 100, 300, dtype=torch.bool).tril(), 100, 300) is None  # upper-left
+    # upper left (query i sees keys 0..i) is lower right over the first 100 keys, the rest unseen: the same attention
+    assert check(torch.ones(1, 1, 100, 300, dtype=torch.bool).tril(), 100, 300) == layout(100, [0])
     assert check(pattern(100, 300).float(), 100, 300) is None  # additive masks are not read
     assert check(pattern(100, 300).expand(2, 4, 100, 300), 100, 300) is None  # per-head masks
 
@@ -325,9 +431,9 @@ def test_chunks_against_a_cache_run_each_method(tiny_llama):
 
     ids = prompt(400)
     sdpa = load(tiny_llama, "sdpa")
-    prefix = transformers.DynamicCache(config=sdpa.config)  # one cache for all, so that only the chunk differs
-    logits(sdpa, ids[:, :250], past_key_values=prefix, use_cache=True)
-    dense = logits(sdpa, ids[:, 250:], past_key_values=copy.deepcopy(prefix), use_cache=True)
+    prefix = dynamic_cache(sdpa)  # one cache for all, so that only the chunk differs
+    logits(sdpa, ids[:, :250], **{CACHE: prefix}, use_cache=True)
+    dense = logits(sdpa, ids[:, 250:], **{CACHE: copy.deepcopy(prefix)}, use_cache=True)
     results, functions = {}, {}
     for name, settings in (("sparge", {}), ("s2o", dict(method="s2o", tau=0.0)), ("fsa", dict(method="fsa", top_k=7)),
                            ("fsa_skip", dict(method="fsa", top_k=2, collect_stats=True)),
@@ -339,7 +445,7 @@ def test_chunks_against_a_cache_run_each_method(tiny_llama):
         cache = copy.deepcopy(prefix)
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="SpargeLLMAttention")
-            results[name] = logits(model, ids[:, 250:], past_key_values=cache, use_cache=True)
+            results[name] = logits(model, ids[:, 250:], **{CACHE: cache}, use_cache=True)
         assert attention.sparse_calls == 2
     assert relative_l1(results["sparge"], dense) > 1e-3
     assert relative_l1(results["s2o"], dense) < 1e-5
@@ -359,12 +465,12 @@ def test_s2o_chunk_against_a_cache_stops_early(tiny_llama):
 
     ids = prompt(1500)
     sdpa = load(tiny_llama, "sdpa")
-    prefix = transformers.DynamicCache(config=sdpa.config)
-    logits(sdpa, ids[:, :1300], past_key_values=prefix, use_cache=True)
-    dense = logits(sdpa, ids[:, 1300:], past_key_values=copy.deepcopy(prefix), use_cache=True)
+    prefix = dynamic_cache(sdpa)
+    logits(sdpa, ids[:, :1300], **{CACHE: prefix}, use_cache=True)
+    dense = logits(sdpa, ids[:, 1300:], **{CACHE: copy.deepcopy(prefix)}, use_cache=True)
     attention = register("sparge_test_chunk_s2o_stop", method="s2o", tau=0.2, s2o_segment=128, simthreshd1=-1.0,
                          collect_stats=True)
-    got = logits(load(tiny_llama, "sparge_test_chunk_s2o_stop"), ids[:, 1300:], past_key_values=copy.deepcopy(prefix),
+    got = logits(load(tiny_llama, "sparge_test_chunk_s2o_stop"), ids[:, 1300:], **{CACHE: copy.deepcopy(prefix)},
                  use_cache=True)
     assert attention.sparse_calls == 2 and relative_l1(got, dense) > 1e-3
     assert len(attention.stats) == 2 and all(s.dense_blocks == 23 + 24 and s.sparsity > 0 for s in attention.stats)
@@ -422,13 +528,17 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
     assert attention.sparse_calls == 1
 
     bias = torch.randn(1, 4, 130, 130)
-    with pytest.warns(UserWarning, match="position bias"):
-        out, _ = attention(module, q, k, v, None, scaling=0.125, position_bias=bias)
-    assert attention.sparse_calls == 1
-    expected, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.125, position_bias=bias)
-    assert torch.equal(out, expected) and relative_l1(out, plain) > 0.05
-    with pytest.raises(ValueError, match="position bias.*strict=True"):
-        SpargeLLMAttention(strict=True)(module, q, k, v, None, position_bias=bias)
+    if "position_bias" in inspect.signature(sdpa_attention_forward).parameters:
+        with pytest.warns(UserWarning, match="position bias"):
+            out, _ = attention(module, q, k, v, None, scaling=0.125, position_bias=bias)
+        assert attention.sparse_calls == 1
+        expected, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.125, position_bias=bias)
+        assert torch.equal(out, expected) and relative_l1(out, plain) > 0.05
+        with pytest.raises(ValueError, match="position bias.*strict=True"):
+            SpargeLLMAttention(strict=True)(module, q, k, v, None, position_bias=bias)
+    else:  # transformers 4.x: its SDPA function would drop the bias, so nobody computes it
+        with pytest.raises(ValueError, match="position bias.*does not add; upgrade transformers"):
+            attention(module, q, k, v, None, scaling=0.125, position_bias=bias)
 
     uncomputed = dict(s_aux=torch.zeros(4), sinks=torch.zeros(1, 4, 130, 1),
                       indices=torch.zeros(1, 130, 8, dtype=torch.int32),
@@ -449,6 +559,8 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
 def test_a_model_with_attention_sinks_raises_instead_of_dropping_them(tmp_path):
     """gpt-oss (learned attention sinks, passed as s_aux) accepts a registered implementation; its forward raises
     rather than run attention without its sinks."""
+    if "gpt_oss" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no gpt-oss (4.55 and later have)")
     config = transformers.AutoConfig.for_model(
         "gpt_oss", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
         vocab_size=128, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
@@ -531,15 +643,15 @@ def test_compiled_calls_with_a_mask_read_it_at_run_time(tiny_llama):
     assert torch.equal(first, eager) and torch.equal(second, eager)
     # a chunk against a cache: transformers' lower-right mask
     ids = prompt(400)
-    prefix = transformers.DynamicCache(config=model.config)
-    logits(sdpa, ids[:, :250], past_key_values=prefix, use_cache=True)
+    prefix = dynamic_cache(model)
+    logits(sdpa, ids[:, :250], **{CACHE: prefix}, use_cache=True)
     chunk = {}
     for name, m in (("eager", model), ("compiled", compiled)):
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="SpargeLLMAttention")
-            chunk[name] = logits(m, ids[:, 250:], past_key_values=copy.deepcopy(prefix), use_cache=True)
+            chunk[name] = logits(m, ids[:, 250:], **{CACHE: copy.deepcopy(prefix)}, use_cache=True)
     assert torch.equal(chunk["compiled"], chunk["eager"])
-    assert relative_l1(chunk["eager"], logits(sdpa, ids[:, 250:], past_key_values=copy.deepcopy(prefix),
+    assert relative_l1(chunk["eager"], logits(sdpa, ids[:, 250:], **{CACHE: copy.deepcopy(prefix)},
                                               use_cache=True)) > 1e-3, "the chunk ran sparse"
     # right padding: not a causal pattern; SDPA under the mask, warned when the operator runs
     right = torch.ones(2, 300, dtype=torch.long)
@@ -632,10 +744,18 @@ def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
     # chunked: 1000 prompt tokens continued by 600 on the cache (lower-right), both layers sparse
     chunked = {}
     for name, model in (("ours", ours), ("sdpa", sdpa)):
-        cache = transformers.DynamicCache(config=model.config)
-        logits(model, ids[:, :1000], past_key_values=cache, use_cache=True)
-        chunked[name] = logits(model, prompt(600, batch=2, seed=5).cuda(), past_key_values=cache, use_cache=True)
+        cache = dynamic_cache(model)
+        logits(model, ids[:, :1000], **{CACHE: cache}, use_cache=True)
+        chunked[name] = logits(model, prompt(600, batch=2, seed=5).cuda(), **{CACHE: cache}, use_cache=True)
     assert attention.sparse_calls == 10 and torch.isfinite(chunked["ours"]).all()
+    assert relative_l1(chunked["ours"].float(), chunked["sdpa"].float()) < 2e-2
+    # the same against a static cache of 2048 slots: the chunk runs on the 1600 filled ones (a view of the cache)
+    for name, model in (("ours", ours), ("sdpa", sdpa)):
+        cache = static_cache(model, 2048, batch=2)
+        logits(model, ids[:, :1000], **{CACHE: cache}, use_cache=True, cache_position=torch.arange(1000).cuda())
+        chunked[name] = logits(model, prompt(600, batch=2, seed=5).cuda(), **{CACHE: cache}, use_cache=True,
+                               cache_position=torch.arange(1000, 1600).cuda())
+    assert attention.sparse_calls == 14 and torch.isfinite(chunked["ours"]).all()
     assert relative_l1(chunked["ours"].float(), chunked["sdpa"].float()) < 2e-2
 
 
@@ -727,9 +847,9 @@ def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
     for name in ("sdpa", "sparge_test_gpu_fsa_chunk", "sparge_test_gpu_s2o_chunk", "sparge_test_gpu_s2o_chunk_skip",
                  "sparge_test_gpu_pbs_chunk"):
         model = load(tiny_llama, name).to("cuda", torch.bfloat16)
-        cache = transformers.DynamicCache(config=model.config)
-        logits(model, ids[:, :1400], past_key_values=cache, use_cache=True)
-        chunked[name] = logits(model, ids[:, 1400:], past_key_values=cache, use_cache=True).float()
+        cache = dynamic_cache(model)
+        logits(model, ids[:, :1400], **{CACHE: cache}, use_cache=True)
+        chunked[name] = logits(model, ids[:, 1400:], **{CACHE: cache}, use_cache=True).float()
         assert torch.isfinite(chunked[name]).all()
     assert relative_l1(chunked["sparge_test_gpu_fsa_chunk"], chunked["sdpa"]) < 2e-2
     assert relative_l1(chunked["sparge_test_gpu_s2o_chunk"], chunked["sdpa"]) < 2e-2
