@@ -295,9 +295,11 @@ def test_evaluate_image_pipeline(tmp_path, tiny_clip):
     assert strict["summary"]["dense"]["psnr"] is None and strict["summary"]["dense"]["identical_to_dense"] == 1
     assert strict["summary"]["aggressive"]["identical_to_dense"] == 0
     assert all(r["psnr"] is None and r["identical_to_dense"] for r in strict["samples"] if r["mode"] == "dense")
-    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     assert len(rows) == 9 and {r["mode"] for r in rows} == {"dense", "keep-all", "aggressive"}
-    assert Image.open(out / "grid_0.png").size == (3 * 16, 16)  # three modes side by side
+    with Image.open(out / "grid_0.png") as image:
+        assert image.size == (3 * 16, 16)  # three modes side by side
     assert (out / "quality_vs_time.png").stat().st_size > 0
     # the model is back on its native processors afterwards
     assert all(type(m.processor).__name__ == "FluxAttnProcessor" for m in pipe.transformer.modules()
@@ -332,8 +334,8 @@ def test_eval_command_on_a_locally_saved_video_pipeline(tmp_path, capsys):
         assert (out / name).is_file(), name
     from PIL import Image
 
-    gif = Image.open(out / "grid_0.gif")
-    assert gif.n_frames == 9 and gif.size == (2 * 64, 64)
+    with Image.open(out / "grid_0.gif") as gif:
+        assert gif.n_frames == 9 and gif.size == (2 * 64, 64)
 
 
 def test_eval_command_fails_before_generating_when_weights_are_missing(tmp_path, capsys):

@@ -42,7 +42,8 @@ class CountingImagePipeline(TinyImagePipeline):
 def gif_frames(path):
     from PIL import Image, ImageSequence
 
-    return np.stack([np.asarray(f.convert("RGB"), dtype=np.int16) for f in ImageSequence.Iterator(Image.open(path))])
+    with Image.open(path) as image:
+        return np.stack([np.asarray(f.convert("RGB"), dtype=np.int16) for f in ImageSequence.Iterator(image)])
 
 
 def test_generate_command_saves_videos_and_reports_sparsity(video_model, tmp_path, capsys):
@@ -131,7 +132,8 @@ def test_generate_images_with_warmup_settings_file_and_progress(tmp_path, capsys
     for i, row in enumerate(report["outputs"]):
         from PIL import Image
 
-        assert Image.open(tmp_path / "out" / f"prompt_{i}.png").size == (16, 16)
+        with Image.open(tmp_path / "out" / f"prompt_{i}.png") as image:
+            assert image.size == (16, 16)
         assert row["sparse_calls"] == 6  # 3 steps x 2 layers (the warm-up's calls are not counted)
         assert set(row["sparsity_by_layer"]) == {"transformer_blocks.0.attn", "single_transformer_blocks.0.attn"}
         assert row["sparsity_by_layer"]["transformer_blocks.0.attn"] > 0.3  # the file's aggressive layer
