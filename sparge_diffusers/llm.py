@@ -10,14 +10,14 @@ come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (few
 lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``; against a static cache only
 its filled slots), and left-padded batches (each prompt its own call without its padding). Everything else is left
 to transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with
-one warning per reason, right padding or other explicit masks, dropout, softcapping, sliding windows, position
-biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse (a value head dim unlike
-the query's). ``strict=True`` raises instead of falling back. Calls that neither the kernels nor SDPA compute raise
-ValueError whatever ``strict`` says (attention sinks, key indices chosen by the model, packed sequences given only
-as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked walk or
-FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the segmented key
-permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator); knows nothing of
-diffusers.
+one warning per reason, right padding or other explicit masks, dropout, softcapping, sliding windows that hide keys,
+position biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse (a value head dim
+unlike the query's). ``strict=True`` raises instead of falling back. Calls that neither the kernels nor SDPA compute
+raise ValueError whatever ``strict`` says (attention sinks, key indices chosen by the model, packed sequences given
+only as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked
+walk or FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the
+segmented key permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator); knows
+nothing of diffusers.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tenso
 # the sinks were set to -1e4).
 SDPA_COMPUTED_ARGUMENTS: dict[str, str] = {
     "softcap": "softcapping",
-    "sliding_window": "a sliding window",
+    "sliding_window": "a sliding window",  # only where it hides keys (see SpargeLLMAttention.route)
     "position_bias": "a position bias (ALiBi or relative positions)",
 }
 UNCOMPUTED_ARGUMENTS: dict[str, str] = {
@@ -280,6 +280,10 @@ class SpargeLLMAttention:
       with ``padding_side="left"``, as ``generate`` wants), whole or chunked, of at least ``min_padded_tokens``
       keys. Each prompt then runs as its own call without its padding (rows of padding queries get zeros, as
       from SDPA), and its stats are joined over the batch (:meth:`SparsityStats.concat`).
+
+    A layer with a sliding window (``sliding_window``: Mistral, Gemma 3's local layers, ...) runs sparse where the
+    window hides nothing, that is where no query sees more keys than the window holds (with a mask: the mask's keys in
+    use; under torch.compile with a mask: all the keys given); otherwise it goes to SDPA under transformers' mask.
 
     Under torch.compile a call without a mask is one node per kernel operator; a call with a mask is one node of the
     operator ``sparge_diffusers::llm_masked_prefill``, which reads the mask at run time and routes the call as above
@@ -385,16 +389,27 @@ class SpargeLLMAttention:
         if dropout:
             return "dropout", None, None
         for name, what in SDPA_COMPUTED_ARGUMENTS.items():
-            if kwargs.get(name) is not None:
+            if name != "sliding_window" and kwargs.get(name) is not None:
                 return what, None, None
         reason = unsupported_reason(query, key, value, is_causal=True, causal_variant="upper_left")  # shapes only
         if reason is not None:
             return reason, None, None
         if attention_mask is None:
-            return None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
-        if compiling():
-            return None, None, None  # the mask is read at run time, inside an operator
-        return self._mask_route(attention_mask, query.shape[2], key.shape[2])
+            verdict = None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
+            span = query.shape[2]  # query i sees keys 0..i
+        elif compiling():
+            verdict = None, None, None  # the mask is read at run time, inside an operator
+            span = key.shape[2]  # so any key may be seen
+        else:
+            verdict = self._mask_route(attention_mask, query.shape[2], key.shape[2])
+            span = verdict[2].keys if verdict[2] is not None else key.shape[2]
+        window = kwargs.get("sliding_window")
+        if window is not None and span > window:
+            # query q sees key k only if q - k < window (transformers' sliding_window_overlay): a call whose queries
+            # see at most `window` keys back is plain causal attention and runs sparse (Mistral's 4096-key window,
+            # Gemma 3's local layers on short prompts); a longer one goes to SDPA under transformers' sliding mask
+            return f"a sliding window ({window} keys) shorter than the keys this call sees ({span})", None, None
+        return verdict
 
     def _mask_route(self, mask: torch.Tensor, q_len: int, kv_len: int
                     ) -> tuple[str | None, str | None, CausalMaskLayout | None]:

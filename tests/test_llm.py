@@ -371,6 +371,66 @@ def test_right_padding_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_
         logits(load(tiny_llama, "sparge_test_strict"), ids, attention_mask=mask)
 
 
+def test_a_sliding_window_runs_sparse_where_it_hides_no_key(tmp_path):
+    """Mistral passes its sliding window to every layer. Where no query sees more keys than the window holds (a
+    300-token prompt under a 4096-key window; a 128-token chunk on a 256-token cache under a 384-key window) the call
+    is causal attention and runs sparse, with SDPA's logits; where the window hides keys (128 against the prompt, 383
+    against the chunk's 384 keys) it goes to SDPA under transformers' mask with a warning naming the window, and
+    strict raises."""
+    ids = prompt(300)
+    paths = {}
+    for window in (4096, 384, 383, 128):
+        torch.manual_seed(0)
+        config = transformers.MistralConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                            max_position_embeddings=2048, sliding_window=window)
+        paths[window] = tmp_path / str(window)
+        transformers.MistralForCausalLM(config).save_pretrained(paths[window])
+
+    def chunk_logits(path, implementation):
+        model = load(path, implementation)
+        cache = dynamic_cache(model)
+        logits(model, ids[:, :256], **{CACHE: cache}, use_cache=True)
+        return logits(model, prompt(128, seed=7), **{CACHE: cache}, use_cache=True)
+
+    attention = register("sparge_test_window", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True)
+    whole = logits(load(paths[4096], "sparge_test_window"), ids)
+    assert relative_l1(whole, logits(load(paths[4096], "sdpa"), ids)) < 1e-5
+    assert attention.sparse_calls == 2
+    assert relative_l1(chunk_logits(paths[384], "sparge_test_window"), chunk_logits(paths[384], "sdpa")) < 1e-5
+    assert attention.sparse_calls == 6, "the cache's prefill and the chunk, 2 layers each"
+    with pytest.raises(ValueError, match=r"sliding window \(128 keys\) shorter than the keys this call sees \(300\)"):
+        logits(load(paths[128], "sparge_test_window"), ids)
+    with pytest.raises(ValueError, match=r"sliding window \(383 keys\).*\(384\)"):
+        chunk_logits(paths[383], "sparge_test_window")
+    falling_back = register("sparge_test_window_fallback", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    with pytest.warns(UserWarning, match="falling back to SDPA: a sliding window"):
+        got = logits(load(paths[128], "sparge_test_window_fallback"), ids)
+    assert torch.equal(got, logits(load(paths[128], "sdpa"), ids)) and falling_back.sparse_calls == 0
+
+
+def test_local_and_global_layers_each_run_sparse_where_their_window_allows(tmp_path):
+    """Gemma 3 alternates local (sliding-window) and global layers: on a prompt shorter than the window both run
+    sparse; on a longer one the local layer goes to SDPA and the global layer still runs sparse."""
+    if "gemma3_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3")
+    for window, sparse_calls in ((512, 2), (128, 1)):
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(
+            "gemma3_text", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+            sliding_window=window, layer_types=["sliding_attention", "full_attention"])
+        path = tmp_path / str(window)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        attention = register(f"sparge_test_gemma3_{window}", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = logits(load(path, f"sparge_test_gemma3_{window}"), prompt(300))
+        assert relative_l1(got, logits(load(path, "sdpa"), prompt(300))) < 1e-5
+        assert attention.sparse_calls == sparse_calls, window
+        assert any("sliding window" in str(w.message) for w in caught) == (sparse_calls == 1)
+
+
 def test_a_training_step_falls_back_to_sdpa_with_its_gradients(tiny_llama):
     """Under autograd (a fine-tuning step) the prefill goes to SDPA with one warning, since the kernels have no
     backward pass: the loss and the weights' gradients equal SDPA's; under no_grad the same model runs sparse."""
