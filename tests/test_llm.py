@@ -371,6 +371,34 @@ def test_right_padding_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_
         logits(load(tiny_llama, "sparge_test_strict"), ids, attention_mask=mask)
 
 
+ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma", "gemma3_text", "phi", "phi3", "olmo2",
+                 "granite", "cohere", "starcoder2", "gpt_neox", "gpt2", "opt", "gptj")
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_other_architectures_run_sparse_and_give_sdpa_logits(model_type, tmp_path):
+    """Decoder-only families other than Llama (their own rotary, norms on q/k, MoE, absolute positions, parallel
+    blocks, no GQA), tiny and random, through from_pretrained: keeping every block, each layer's prefill runs sparse
+    and the logits are SDPA's."""
+    if model_type not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    if TRANSFORMERS_4 and model_type in ("gpt2", "opt", "gptj"):
+        # 4.x: OPT passes its own additive mask and GPT-2 (4.53) is_causal=False with a mask (both go to SDPA, with a
+        # warning); GPT-J's attention takes no registered function (loading raises KeyError in transformers)
+        pytest.skip(f"{model_type} on transformers {transformers.__version__} does not run sparse")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    attention = register(f"sparge_test_{model_type}", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True)
+    ids = prompt(300)
+    got = logits(load(tmp_path, f"sparge_test_{model_type}"), ids)
+    assert attention.sparse_calls == 2
+    assert relative_l1(got, logits(load(tmp_path, "sdpa"), ids)) < 1e-5
+
+
 def test_a_sliding_window_runs_sparse_where_it_hides_no_key(tmp_path):
     """Mistral passes its sliding window to every layer. Where no query sees more keys than the window holds (a
     300-token prompt under a 4096-key window; a 128-token chunk on a 256-token cache under a 384-key window) the call
