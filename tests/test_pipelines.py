@@ -104,6 +104,26 @@ def test_keeping_every_block_matches_native_processors(name):
     assert torch.equal(run(model, inputs), native), "switching back to dense gives native results exactly"
 
 
+def test_a_module_calling_its_processor_positionally_runs_through_apply():
+    """Wan's attention modules hand their processor the encoder states, mask and rotary embedding by position (its
+    processor names the last rotary_emb, not image_rotary_emb): apply() passes them on in place. Keeping every block
+    gives the native processors' output (rotary embeddings included); skipping blocks runs the self- and
+    cross-attention calls sparse. (Wan is not one of the four models apply knows: no token grid, no tuning.)"""
+    torch.manual_seed(3)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, text_dim=32,
+        freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=64).eval()
+    inputs = dict(hidden_states=torch.randn(1, 4, 3, 32, 32), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 20, 32))
+    native = run(model, inputs)
+    processor = apply(model, KEEP_ALL, collect_stats=True, strict=True)
+    assert relative_l1(run(model, inputs), native) < 1e-5
+    assert len(processor.stats) == 4, "2 blocks x (self-attention, cross-attention)"
+    processor.settings = AGGRESSIVE
+    out = run(model, inputs)
+    assert max(processor.sparsity_by_layer().values()) > 0 and 0 < relative_l1(out, native) < 0.3
+
+
 def test_statistics_are_off_by_default_and_reading_none_warns(monkeypatch):
     """The default processor recorded one statistics object per sparse call (host time per call, and records that
     grew for as long as a process generated). Collection is now opt-in: by default nothing is recorded, the

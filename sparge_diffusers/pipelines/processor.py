@@ -586,12 +586,18 @@ class SpargeProcessor:
     # The keyword parameters are spelled out on purpose: diffusers' attention modules pass a processor only
     # the keyword arguments its __call__ signature names, so a bare **kwargs would silently drop
     # image_rotary_emb (and rotary models would give wrong results) and the IP-Adapter arguments (image prompts
-    # ignored).
-    def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
+    # ignored). They are keyword-only so that a module calling its processor positionally (Wan: encoder states,
+    # mask, rotary_emb) reaches the native processor with the same positions, whatever the native names them.
+    def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor, *args: Any,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: Any = None, ip_hidden_states: Any = None, ip_adapter_masks: Any = None,
                  temb: torch.Tensor | None = None, **kwargs):
-        kwargs.update(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
+        by_position = ("encoder_hidden_states", "attention_mask")[:len(args)]  # diffusers' order after hidden_states
+        for name, value in (("encoder_hidden_states", encoder_hidden_states), ("attention_mask", attention_mask)):
+            if name not in by_position and (value is not None or not args):
+                kwargs[name] = value
+        if args:
+            encoder_hidden_states = args[0]
         if image_rotary_emb is not None:
             kwargs["image_rotary_emb"] = image_rotary_emb
         native = self.native or self._natives.get(id(attn))
@@ -613,10 +619,10 @@ class SpargeProcessor:
         # (regional compilation: compile_repeated_blocks compiles the blocks, and the step hook runs eagerly)
         warm_up = self.dense_steps and not compiling() and self.step <= self.dense_steps
         if not self.enabled or settings.dense or warm_up:
-            return native(attn, hidden_states, **kwargs)
+            return native(attn, hidden_states, *args, **kwargs)
         seam = _SparseSDPA(self, layer, settings)
         with seam if compiling() else _sdpa_answered_by(seam):
-            out = native(attn, hidden_states, **kwargs)
+            out = native(attn, hidden_states, *args, **kwargs)
         if not seam.answered:
             # e.g. Flux after set_attention_backend("flash"): dispatch_attention_fn then calls that backend, not
             # SDPA. Nothing is wrong with the output, but the layer ran dense: say so rather than stay silent.
