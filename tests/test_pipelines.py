@@ -124,6 +124,47 @@ def test_a_module_calling_its_processor_positionally_runs_through_apply():
     assert max(processor.sparsity_by_layer().values()) > 0 and 0 < relative_l1(out, native) < 0.3
 
 
+def test_arguments_only_the_native_processor_names_still_reach_it():
+    """QwenImage's modules hand their processor encoder_hidden_states_mask, which SpargeProcessor's own signature does
+    not name; diffusers passes a processor only what its signature names, so the mask was dropped (a logged warning)
+    and padded text tokens were attended to: keep-all moved the output by a relative L1 of 4e-4, silently. apply()
+    now widens this processor's signature with the native's names; the mask arrives, and the seam, which takes no
+    element masks, falls back to native attention and says so. A fresh processor's signature is unchanged."""
+    import inspect
+
+    torch.manual_seed(4)
+    model = diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=64, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(8, 28, 28)).eval()
+    text_mask = torch.ones(1, 12, dtype=torch.long)
+    text_mask[0, 9:] = 0  # the prompt's last 3 text tokens are padding
+    inputs = dict(hidden_states=torch.randn(1, 16 * 16, 16), encoder_hidden_states=torch.randn(1, 12, 32),
+                  encoder_hidden_states_mask=text_mask, timestep=torch.tensor([0.5]), img_shapes=[(1, 16, 16)])
+    if "txt_seq_lens" in inspect.signature(model.forward).parameters:  # diffusers before 0.37 takes it too
+        inputs["txt_seq_lens"] = [12]
+    native = run(model, inputs)
+    processor = apply(model, KEEP_ALL)
+    assert "encoder_hidden_states_mask" in inspect.signature(processor.__call__).parameters
+    assert "encoder_hidden_states_mask" not in inspect.signature(SpargeProcessor().__call__).parameters
+    assert isinstance(processor, SpargeProcessor) and type(processor) is not SpargeProcessor
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run(model, inputs)
+    assert relative_l1(out, native) < 1e-5
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")  # Dynamo reads the processor's signature as diffusers does
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert relative_l1(run(compiled, inputs), native) < 1e-5
+    torch._dynamo.reset()
+    if not any("falling back to native attention: an attention mask" in str(w.message) for w in caught):
+        assert diffusers.__version__ < "0.37", "diffusers 0.35-0.36's processor takes the mask but does not use it"
+        return
+    with pytest.raises(ValueError, match="attention mask"):
+        processor.strict = True
+        run(model, inputs)
+
+
 def test_statistics_are_off_by_default_and_reading_none_warns(monkeypatch):
     """The default processor recorded one statistics object per sparse call (host time per call, and records that
     grew for as long as a process generated). Collection is now opt-in: by default nothing is recorded, the

@@ -166,6 +166,14 @@ def _function_parameters(function: Any) -> frozenset[str]:
     return frozenset(inspect.signature(function).parameters)
 
 
+def _named_parameters(native: Any) -> frozenset[str]:
+    """The parameter names of ``native.__call__`` as diffusers reads them (``inspect.signature(processor.__call__)``),
+    without ``*args``/``**kwargs``: the keyword arguments a diffusers module hands that processor."""
+    target = native if inspect.isfunction(native) else native.__call__
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return frozenset(name for name, p in inspect.signature(target).parameters.items() if p.kind not in kinds)
+
+
 def _ip_adapter_arguments(native: Any, attn: torch.nn.Module, given: dict[str, Any]) -> dict[str, Any]:
     """The IP-Adapter keyword arguments (``ip_hidden_states``, ``ip_adapter_masks``, ``temb``) to hand the native
     processor: the given ones its ``__call__`` names (diffusers drops the others, the first two quietly). Raises
@@ -412,6 +420,34 @@ class SpargeProcessor:
         self._hook = transformer.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         return self
 
+    def _accept_arguments_of(self, native: Any) -> None:
+        """Make this processor's ``__call__`` signature, as diffusers reads it, name every keyword argument the
+        native processor names. A diffusers attention module hands its processor only the keyword arguments that
+        ``inspect.signature(processor.__call__)`` names (the others are dropped with a logged warning), so a native
+        parameter SpargeProcessor does not name never reached the native processor: QwenImage's
+        ``encoder_hidden_states_mask`` was dropped and its padded text tokens attended to, silently. The widened
+        signature belongs to this instance alone: its class becomes a subclass whose ``__call__`` (the same method)
+        carries it, where diffusers' eager lookup and torch.compile's tracing of that lookup both read it (an
+        instance attribute was seen eagerly but not by Dynamo). The four models' native processors name nothing
+        new, so their processors keep the class. :meth:`__call__` hands each native only the extra arguments it
+        names."""
+        extra = _named_parameters(native) - _named_parameters(self)
+        if not extra:
+            return
+        base = type(self)
+        own = inspect.signature(base.__call__)
+        params = list(own.parameters.values())
+        at = next(i for i, p in enumerate(params) if p.kind == inspect.Parameter.VAR_KEYWORD)
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in sorted(extra)]
+
+        def __call__(self, *args, **kwargs):
+            return SpargeProcessor.__call__(self, *args, **kwargs)
+
+        __call__.__signature__ = own.replace(parameters=params[:at] + added + params[at:])
+        widened = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                                "__qualname__": base.__qualname__, "__doc__": base.__doc__})
+        object.__setattr__(self, "__class__", widened)
+
     def _track(self, module: torch.nn.Module) -> None:
         """Drop ``module``'s entries in ``_names`` and ``_natives`` when it is garbage collected. They are keyed
         by id(), and CPython hands a dead module's id to new objects: a processor reused on a second model (say a
@@ -606,6 +642,10 @@ class SpargeProcessor:
             if not compiling():  # kept only where a finalizer can be registered (compiled calls rebuild it)
                 self._track(attn)
                 self._natives[id(attn)] = native
+        if not kwargs.keys() <= _OWN_PARAMETERS:
+            # arguments named only by a widened signature (_accept_arguments_of): each native gets the ones it
+            # names, as diffusers would have handed them to it
+            kwargs = {k: v for k, v in kwargs.items() if k in _OWN_PARAMETERS or k in _call_parameters(native)}
         if ip_hidden_states is not None or ip_adapter_masks is not None or temb is not None:
             kwargs.update(_ip_adapter_arguments(native, attn, dict(ip_hidden_states=ip_hidden_states,
                                                                    ip_adapter_masks=ip_adapter_masks, temb=temb)))
@@ -660,6 +700,9 @@ class SpargeProcessor:
         return {k: sum(v) / len(v) for k, v in out.items()}
 
 
+_OWN_PARAMETERS = _named_parameters(SpargeProcessor.__call__)  # what SpargeProcessor's own signature names
+
+
 def apply(pipe_or_transformer: Any, settings: SpargeSettings | None = None, **options: Any) -> SpargeProcessor:
     """Make a diffusers pipeline or transformer (Flux, SD3, CogVideoX, Mochi) use SpargeAttn.
 
@@ -697,6 +740,7 @@ def install(pipe_or_transformer: Any, processor: SpargeProcessor) -> SpargeProce
         if native is processor:
             continue
         processor._natives[id(m)] = native  # delegate to what the model had, whatever it was (IP-Adapters too)
+        processor._accept_arguments_of(native)  # before set_processor: diffusers reads the signature per call
         _set_processor(m, processor)
         if isinstance(native, torch.nn.Module):  # set_processor unregistered it: keep its weights on the module
             m.add_module(_KEPT_NATIVE, native)
