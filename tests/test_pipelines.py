@@ -124,45 +124,126 @@ def test_a_module_calling_its_processor_positionally_runs_through_apply():
     assert max(processor.sparsity_by_layer().values()) > 0 and 0 < relative_l1(out, native) < 0.3
 
 
+def qwen_image(batch=1):
+    """A tiny QwenImage transformer and inputs whose prompts end in text padding: prompt 0's last 3 of 12 text
+    tokens, prompt 1 none (the joint sequence is [text, image], so the padding sits between)."""
+    import inspect
+
+    model = diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=64, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(8, 28, 28)).eval()
+    text_mask = torch.ones(batch, 12, dtype=torch.long)
+    text_mask[0, 9:] = 0
+    inputs = dict(hidden_states=torch.randn(batch, 16 * 16, 16), encoder_hidden_states=torch.randn(batch, 12, 32),
+                  encoder_hidden_states_mask=text_mask, timestep=torch.tensor([0.5] * batch),
+                  img_shapes=[(1, 16, 16)] * batch)
+    if "txt_seq_lens" in inspect.signature(model.forward).parameters:  # diffusers before 0.37 takes it too
+        inputs["txt_seq_lens"] = [12] * batch
+    return model, inputs
+
+
 def test_arguments_only_the_native_processor_names_still_reach_it():
     """QwenImage's modules hand their processor encoder_hidden_states_mask, which SpargeProcessor's own signature does
     not name; diffusers passes a processor only what its signature names, so the mask was dropped (a logged warning)
     and padded text tokens were attended to: keep-all moved the output by a relative L1 of 4e-4, silently. apply()
-    now widens this processor's signature with the native's names; the mask arrives, and the seam, which takes no
-    element masks, falls back to native attention and says so. A fresh processor's signature is unchanged."""
+    now widens this processor's signature with the native's names, eagerly and under torch.compile (where the seam
+    hands the masked call to SDPA), and the padding stays hidden. A fresh processor's signature is unchanged."""
     import inspect
 
     torch.manual_seed(4)
-    model = diffusers.QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=64, num_attention_heads=2,
-        joint_attention_dim=32, axes_dims_rope=(8, 28, 28)).eval()
-    text_mask = torch.ones(1, 12, dtype=torch.long)
-    text_mask[0, 9:] = 0  # the prompt's last 3 text tokens are padding
-    inputs = dict(hidden_states=torch.randn(1, 16 * 16, 16), encoder_hidden_states=torch.randn(1, 12, 32),
-                  encoder_hidden_states_mask=text_mask, timestep=torch.tensor([0.5]), img_shapes=[(1, 16, 16)])
-    if "txt_seq_lens" in inspect.signature(model.forward).parameters:  # diffusers before 0.37 takes it too
-        inputs["txt_seq_lens"] = [12]
+    model, inputs = qwen_image()
     native = run(model, inputs)
     processor = apply(model, KEEP_ALL)
     assert "encoder_hidden_states_mask" in inspect.signature(processor.__call__).parameters
     assert "encoder_hidden_states_mask" not in inspect.signature(SpargeProcessor().__call__).parameters
     assert isinstance(processor, SpargeProcessor) and type(processor) is not SpargeProcessor
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = run(model, inputs)
-    assert relative_l1(out, native) < 1e-5
+    assert relative_l1(run(model, inputs), native) < 1e-5
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")  # Dynamo reads the processor's signature as diffusers does
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert relative_l1(run(compiled, inputs), native) < 1e-5
     torch._dynamo.reset()
-    if not any("falling back to native attention: an attention mask" in str(w.message) for w in caught):
-        assert diffusers.__version__ < "0.37", "diffusers 0.35-0.36's processor takes the mask but does not use it"
-        return
-    with pytest.raises(ValueError, match="attention mask"):
-        processor.strict = True
-        run(model, inputs)
+
+
+@pytest.mark.parametrize("model_name", ["qwen_image", "hunyuan_video"])
+def test_key_padding_masks_run_sparse_on_the_kept_keys(model_name):
+    """SDPA calls under a boolean key-padding mask, (B, 1, 1, N_kv) as QwenImage and HunyuanVideo pass their text
+    padding, run sparse on each batch row's kept keys: cut where the padding ends the sequence (HunyuanVideo),
+    gathered where it does not (QwenImage: [text, image]), the whole batch in one call where no row pads. Keeping
+    every block gives the native output; skipping blocks records one statistics entry per call; a row whose keys are
+    all hidden goes to SDPA (which gives it NaN, as natively). Masks that differ per query (HunyuanVideo's token
+    refiner) still go to SDPA, with a warning."""
+    torch.manual_seed(5)
+    if model_name == "qwen_image":
+        if diffusers.__version__ < "0.37":
+            pytest.skip("diffusers before 0.37 builds no joint mask for QwenImage")
+        model, inputs = qwen_image(batch=2)
+    else:
+        model = diffusers.HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=2, text_embed_dim=32, pooled_projection_dim=16,
+            rope_axes_dim=(16, 24, 24)).eval()
+        text_mask = torch.ones(2, 12)
+        text_mask[1, 7:] = 0
+        inputs = dict(hidden_states=torch.randn(2, 4, 3, 16, 16), timestep=torch.tensor([500, 500]),
+                      encoder_hidden_states=torch.randn(2, 12, 32), encoder_attention_mask=text_mask,
+                      pooled_projections=torch.randn(2, 16), guidance=torch.tensor([3.5, 3.5]))
+    native = run(model, inputs)
+    processor = apply(model, KEEP_ALL, collect_stats=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run(model, inputs)
+    assert relative_l1(out, native) < 1e-5
+    refiner = model_name == "hunyuan_video"
+    assert any("an attention mask" in str(w.message) for w in caught) == refiner
+    assert processor.recorded_calls == 2 and all(s["sparsity"] == 0 for s in processor.stats)
+    processor.reset_stats()
+    processor.settings = AGGRESSIVE
+    sparse = run(model, inputs)
+    assert max(processor.sparsity_by_layer().values()) > 0 and 0 < relative_l1(sparse, native) < 0.3
+
+
+def test_key_padding_mask_shapes_against_sdpa_under_the_mask():
+    """The seam's answer to SDPA calls under key-padding masks, against SDPA under the same mask (CPU: the float32
+    reference, every block kept), odd lengths: one mask row for a batch of 2 (trailing padding: a cut), two rows
+    (hidden keys in the middle of one: a gather; none in the other). Each runs sparse (a statistics record). A row
+    with every key hidden goes to SDPA (NaN there, as SDPA gives it) with a warning; so does a float mask."""
+    processor = SpargeProcessor(settings=KEEP_ALL, collect_stats=True)
+    q, k, v = (torch.randn(2, 3, n, 64) for n in (150, 201, 201))
+    broadcast = torch.ones(1, 1, 1, 201, dtype=torch.bool)
+    broadcast[..., 170:] = False
+    rows = torch.ones(2, 1, 1, 201, dtype=torch.bool)
+    rows[0, ..., 30:90] = False
+    for calls, mask in enumerate((broadcast, rows), start=1):
+        out = processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=mask)
+        assert relative_l1(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask)) < 1e-5
+        assert processor.recorded_calls == calls
+    empty = rows.clone()
+    empty[1] = False
+    with pytest.warns(UserWarning, match="hides every key of a batch row"):
+        out = processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=empty)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=empty), equal_nan=True)
+    additive = torch.zeros(2, 1, 1, 201).masked_fill(~rows, float("-inf"))
+    with pytest.warns(UserWarning, match="an attention mask"):
+        processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=additive)
+    assert processor.recorded_calls == 2
+
+
+@pytest.mark.gpu
+def test_key_padding_masks_on_gpu_match_sdpa_under_the_mask():
+    """The kept-keys calls on the GPU kernels (bf16, D = 128, every block kept): a cut, a gather and a batch row
+    without padding, against SDPA under the mask."""
+    processor = SpargeProcessor(settings=KEEP_ALL, collect_stats=True)
+    q, k, v = (torch.randn(2, 4, n, 128, device="cuda", dtype=torch.bfloat16) for n in (1000, 1333, 1333))
+    rows = torch.ones(2, 1, 1, 1333, dtype=torch.bool, device="cuda")
+    rows[0, ..., 200:450] = False
+    rows[1, ..., 1100:] = False
+    for mask in (rows, rows[:1], rows[1:]):
+        out = processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=mask)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert torch.isfinite(out).all() and relative_l1(out.float(), expected.float()) < 2e-2
+    assert processor.recorded_calls == 3
 
 
 def test_statistics_are_off_by_default_and_reading_none_warns(monkeypatch):

@@ -193,6 +193,55 @@ def _ip_adapter_arguments(native: Any, attn: torch.nn.Module, given: dict[str, A
     return {k: v for k, v in given.items() if k in parameters}
 
 
+def _is_key_padding_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether an SDPA mask is a boolean key-padding mask: (B or 1, 1, 1, N_kv), True = attend, the same for every
+    head and query (QwenImage's and HunyuanVideo's text padding)."""
+    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
+            and mask.shape[3] == key.shape[2] and mask.shape[0] in (1, query.shape[0]))
+
+
+def _kept_keys(mask: torch.Tensor) -> list[int | torch.Tensor | None]:
+    """Per mask row (batch row, or one for the batch): None where every key is kept, an int L where the first L are
+    (trailing padding, as HunyuanVideo's), else the kept key positions on the mask's device (QwenImage's padding
+    ends its text, before the image). One read-back of the (B, N_kv) mask."""
+    rows = []
+    for row in mask[:, 0, 0, :].cpu():
+        n = int(row.sum())
+        if n == row.numel():
+            rows.append(None)
+        elif n == 0 or bool(row[:n].all()):
+            rows.append(n)
+        else:
+            rows.append(row.nonzero().squeeze(1).to(mask.device))
+    return rows
+
+
+def _attend_kept_keys(attention, query, key, value, kept, collect: bool, thresholds: dict):
+    """SDPA under a key-padding mask as sparse calls on the kept keys only: one call per batch row (one for the
+    batch where the mask has one row), each on its keys cut (a view) or gathered (a copy of the kept K/V). Masked
+    keys get no weight under SDPA's mask either, so this is the same attention. Returns the (B, H, N, D) output,
+    and with ``collect`` the rows' stats joined (:meth:`SparsityStats.concat`)."""
+    from ..kernels import SparsityStats
+
+    def keys_of(k, v, row):
+        if row is None:
+            return k, v
+        if isinstance(row, int):
+            return k[:, :, :row], v[:, :, :row]
+        return k.index_select(2, row), v.index_select(2, row)
+
+    batches = [slice(None)] if len(kept) == 1 else [slice(b, b + 1) for b in range(query.shape[0])]
+    outs, parts = [], []
+    for rows, row in zip(batches, kept):
+        k, v = keys_of(key[rows], value[rows], row)
+        result = attention(query[rows], k, v, return_sparsity=collect, **thresholds)
+        outs.append(result[0] if collect else result)
+        if collect:
+            parts.append(result[1])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return (out, SparsityStats.concat(parts)) if collect else out
+
+
 class _SparseSDPA(TorchFunctionMode):
     """Answers F.scaled_dot_product_attention with sparge_attention, or falls back to it with a reason: as a
     TorchFunctionMode under torch.compile, through :func:`_sdpa_answered_by`'s router in eager calls."""
@@ -293,6 +342,10 @@ class SpargeProcessor:
             sparse call, 1596 for a 28-step Flux image) stay until :meth:`reset_stats`.
         strict: raise instead of falling back to native attention when a call cannot run sparse.
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
+
+    SDPA calls under a boolean key-padding mask ((B or 1, 1, 1, N_kv): QwenImage's and HunyuanVideo's text
+    padding) run sparse on each batch row's kept keys in eager calls (one read-back of the mask per call); other
+    masks go to the native attention, with a warning.
 
     A step can be captured in a CUDA graph after eager warm-up calls (the forward hook then reads nothing
     back from the GPU); replays skip the per-layer host time that makes eager 1024px image steps host-bound.
@@ -558,7 +611,7 @@ class SpargeProcessor:
                         dropout_p: float = 0.0, is_causal: bool = False) -> str | None:
         """Why this SDPA call cannot run sparse (None when it can)."""
         if attn_mask is not None:
-            return "an attention mask (the kernel takes block masks only)"
+            return "an attention mask other than a boolean key-padding mask (the kernels take block masks only)"
         if dropout_p:
             return "dropout"
         return unsupported_reason(query, key, value, is_causal=is_causal)
@@ -577,7 +630,21 @@ class SpargeProcessor:
 
     def _attention(self, layer, settings, sdpa, query, key, value, attn_mask=None, dropout_p=0.0,
                    is_causal=False, scale=None, enable_gqa=False):
-        reason = self.fallback_reason(query, key, value, attn_mask, dropout_p, is_causal)
+        kept = None  # with a key-padding mask read eagerly: the keys each batch row attends to (_kept_keys)
+        if attn_mask is not None and not is_causal and _is_key_padding_mask(attn_mask, query, key):
+            # read back only where a sync is allowed (not while compiling or capturing), and without a token
+            # permutation, which orders all of the layer's tokens
+            blocker = ("torch.compile" if compiling() else "CUDA-graph capture" if _capturing()
+                       else "a token permutation" if settings.permutation is not None else None)
+            if blocker is not None:
+                reason = f"a key-padding mask under {blocker} (it is read only in eager calls without permutation)"
+            else:
+                kept = _kept_keys(attn_mask)  # one read-back
+                reason = self.fallback_reason(query, key, value, None, dropout_p, is_causal)
+                if any(k == 0 for k in kept if isinstance(k, int)):
+                    reason = "a key-padding mask that hides every key of a batch row"
+        else:
+            reason = self.fallback_reason(query, key, value, attn_mask, dropout_p, is_causal)
         if reason:
             self._warn_once(reason)
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -599,7 +666,10 @@ class SpargeProcessor:
             self._warn_capture("statistics are not recorded while a CUDA graph is captured (every replay would "
                                "overwrite them); read them from an eager step")
             collect = False
-        result = attention(query, key, value, return_sparsity=collect, **thresholds)
+        if kept is not None and any(k is not None for k in kept):
+            result = _attend_kept_keys(attention, query, key, value, kept, collect, thresholds)
+        else:
+            result = attention(query, key, value, return_sparsity=collect, **thresholds)
         if not collect:
             return result
         out, stats = result
