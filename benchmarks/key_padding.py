@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import save_report  # noqa: E402
+from _report import save_report, timed  # noqa: E402
 
 from sparge_diffusers import relative_l1  # noqa: E402
 from sparge_diffusers.pipelines import SpargeProcessor, SpargeSettings  # noqa: E402
@@ -34,19 +33,6 @@ from sparge_diffusers.pipelines import SpargeProcessor, SpargeSettings  # noqa: 
 # (name, heads, image/video tokens, text tokens, of which kept, text first)
 SHAPES = [("HunyuanVideo 544x960x61", 24, 16 * 34 * 60, 256, 60, False),
           ("QwenImage 1328x1328", 24, 83 * 83, 256, 60, True)]
-
-
-def wall_ms(fn, reps: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -99,7 +85,7 @@ def main(argv=None):
                 del variants[key]
         for _ in range(3):
             for key, fn in variants.items():
-                ms = wall_ms(fn)
+                ms = timed(fn, reps=20, warmup=5)
                 row["ms"][key] = min(ms, row["ms"].get(key) or ms)
         results["shapes"][name] = row
         print(name, row, flush=True)
