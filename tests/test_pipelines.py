@@ -167,13 +167,13 @@ def test_arguments_only_the_native_processor_names_still_reach_it():
 
 
 @pytest.mark.parametrize("model_name", ["qwen_image", "hunyuan_video"])
-def test_key_padding_masks_run_sparse_on_the_kept_keys(model_name):
+def test_key_padding_masks_run_sparse_on_the_kept_keys(model_name, monkeypatch):
     """SDPA calls under a boolean key-padding mask, (B, 1, 1, N_kv) as QwenImage and HunyuanVideo pass their text
     padding, run sparse on each batch row's kept keys: cut where the padding ends the sequence (HunyuanVideo),
     gathered where it does not (QwenImage: [text, image]), the whole batch in one call where no row pads. Keeping
-    every block gives the native output; skipping blocks records one statistics entry per call; a row whose keys are
-    all hidden goes to SDPA (which gives it NaN, as natively). Masks that differ per query (HunyuanVideo's token
-    refiner) still go to SDPA, with a warning."""
+    every block gives the native output; skipping blocks records one statistics entry per call, and compiled
+    (aot_eager) gives the same output through the key_padded_sparge_attention operator. Masks that differ per query
+    (HunyuanVideo's token refiner) still go to SDPA, with a warning."""
     torch.manual_seed(5)
     if model_name == "qwen_image":
         if diffusers.__version__ < "0.37":
@@ -202,6 +202,18 @@ def test_key_padding_masks_run_sparse_on_the_kept_keys(model_name):
     processor.settings = AGGRESSIVE
     sparse = run(model, inputs)
     assert max(processor.sparsity_by_layer().values()) > 0 and 0 < relative_l1(sparse, native) < 0.3
+    # compiled, the calls go through an operator that reads the mask when it runs: the same sparse output
+    from sparge_diffusers.pipelines import processor as processor_module
+
+    calls = []
+    real = processor_module._attend_kept_keys
+    monkeypatch.setattr(processor_module, "_attend_kept_keys", lambda *a: calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = run(torch.compile(model, backend="aot_eager"), inputs)
+    torch._dynamo.reset()
+    assert len(calls) == 2 and relative_l1(compiled, sparse) < 1e-5
 
 
 def test_key_padding_mask_shapes_against_sdpa_under_the_mask():
@@ -233,7 +245,7 @@ def test_key_padding_mask_shapes_against_sdpa_under_the_mask():
 @pytest.mark.gpu
 def test_key_padding_masks_on_gpu_match_sdpa_under_the_mask():
     """The kept-keys calls on the GPU kernels (bf16, D = 128, every block kept): a cut, a gather and a batch row
-    without padding, against SDPA under the mask."""
+    without padding, against SDPA under the mask; compiled with inductor, the same output."""
     processor = SpargeProcessor(settings=KEEP_ALL, collect_stats=True)
     q, k, v = (torch.randn(2, 4, n, 128, device="cuda", dtype=torch.bfloat16) for n in (1000, 1333, 1333))
     rows = torch.ones(2, 1, 1, 1333, dtype=torch.bool, device="cuda")
@@ -244,6 +256,16 @@ def test_key_padding_masks_on_gpu_match_sdpa_under_the_mask():
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         assert torch.isfinite(out).all() and relative_l1(out.float(), expected.float()) < 2e-2
     assert processor.recorded_calls == 3
+    # under inductor: the key_padded_sparge_attention operator, one graph node, the eager call's output
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, m: processor._attention(
+        "layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=m), fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = compiled(q, k, v, rows)
+    torch._dynamo.reset()
+    eager = processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=rows)
+    assert torch.equal(got, eager)
 
 
 def test_statistics_are_off_by_default_and_reading_none_warns(monkeypatch):

@@ -38,8 +38,8 @@ from torch.overrides import TorchFunctionMode
 
 from .._compile import compiling, warn_once
 from ..kernels import sparge_attention
-from ..kernels.library import sparge_attention_op
-from ..kernels._inputs import THRESHOLD_RANGES, check_threshold_values, unsupported_reason
+from ..kernels.library import CUDAGRAPH_UNSAFE, _as_list, sparge_attention_op
+from ..kernels._inputs import THRESHOLD_RANGES, check_threshold_values, resolve_scale, unsupported_reason
 from ..permutations import ORDERS, permuted, visual_token_permutation
 from .settings_file import LayerSettingsFile
 
@@ -242,6 +242,28 @@ def _attend_kept_keys(attention, query, key, value, kept, collect: bool, thresho
     return (out, SparsityStats.concat(parts)) if collect else out
 
 
+@torch.library.custom_op("sparge_diffusers::key_padded_sparge_attention", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def _key_padded_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dense: torch.Tensor | None,
+                   scale: float, simthreshd1: list[float], cdfthreshd: list[float],
+                   pvthreshd: list[float] | None) -> torch.Tensor:
+    """A compiled model's SDPA call under a boolean key-padding mask: the mask is read when the operator runs (a
+    read-back, hence opaque to the compiler and kept out of CUDA graphs) and the call runs as an eager one does
+    (:func:`_attend_kept_keys`); SDPA under the mask where a row has no kept key or ``dense`` (the warm-up steps'
+    flag) holds True. Returns a contiguous (B, H, N, D) output."""
+    kept = None if dense is not None and bool(dense.item()) else _kept_keys(mask)
+    if kept is None or any(k_ == 0 for k_ in kept if isinstance(k_, int)):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).contiguous()
+    thresholds = dict(scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, pvthreshd=pvthreshd)
+    if all(k_ is None for k_ in kept):
+        return sparge_attention(q, k, v, **thresholds).contiguous()
+    return _attend_kept_keys(sparge_attention, q, k, v, kept, False, thresholds).contiguous()
+
+
+@_key_padded_op.register_fake
+def _(q, k, v, mask, dense, scale, simthreshd1, cdfthreshd, pvthreshd):
+    return q.new_empty(q.shape)
+
+
 class _SparseSDPA(TorchFunctionMode):
     """Answers F.scaled_dot_product_attention with sparge_attention, or falls back to it with a reason: as a
     TorchFunctionMode under torch.compile, through :func:`_sdpa_answered_by`'s router in eager calls."""
@@ -344,8 +366,8 @@ class SpargeProcessor:
         native: the processor to delegate to; by default the model's diffusers 0.42 native processor.
 
     SDPA calls under a boolean key-padding mask ((B or 1, 1, 1, N_kv): QwenImage's and HunyuanVideo's text
-    padding) run sparse on each batch row's kept keys in eager calls (one read-back of the mask per call); other
-    masks go to the native attention, with a warning.
+    padding) run sparse on each batch row's kept keys (one read-back of the mask per call; under torch.compile
+    inside an operator that reads it at run time); other masks go to the native attention, with a warning.
 
     A step can be captured in a CUDA graph after eager warm-up calls (the forward hook then reads nothing
     back from the GPU); replays skip the per-layer host time that makes eager 1024px image steps host-bound.
@@ -632,15 +654,21 @@ class SpargeProcessor:
                    is_causal=False, scale=None, enable_gqa=False):
         kept = None  # with a key-padding mask read eagerly: the keys each batch row attends to (_kept_keys)
         if attn_mask is not None and not is_causal and _is_key_padding_mask(attn_mask, query, key):
-            # read back only where a sync is allowed (not while compiling or capturing), and without a token
-            # permutation, which orders all of the layer's tokens
-            blocker = ("torch.compile" if compiling() else "CUDA-graph capture" if _capturing()
-                       else "a token permutation" if settings.permutation is not None else None)
-            if blocker is not None:
-                reason = f"a key-padding mask under {blocker} (it is read only in eager calls without permutation)"
-            else:
+            reason = self.fallback_reason(query, key, value, None, dropout_p, is_causal)
+            if not reason and settings.permutation is not None:
+                reason = "a key-padding mask with a token permutation (which orders all of the layer's tokens)"
+            if not reason and compiling():
+                # an operator that reads the mask when it runs; no statistics under compile (as for every call)
+                if self.collect_stats:
+                    self._stats_missed = True
+                return torch.ops.sparge_diffusers.key_padded_sparge_attention(
+                    query, key, value, attn_mask, self._dense_now if self.dense_steps else None,
+                    resolve_scale(scale, query.shape[-1]), _as_list(settings.simthreshd1, "simthreshd1"),
+                    _as_list(settings.cdfthreshd, "cdfthreshd"), _as_list(settings.pvthreshd, "pvthreshd"))
+            if not reason and _capturing():
+                reason = "a key-padding mask during CUDA-graph capture (reading it back would break the capture)"
+            if not reason:
                 kept = _kept_keys(attn_mask)  # one read-back
-                reason = self.fallback_reason(query, key, value, None, dropout_p, is_causal)
                 if any(k == 0 for k in kept if isinstance(k, int)):
                     reason = "a key-padding mask that hides every key of a batch row"
         else:
