@@ -200,16 +200,19 @@ def _is_key_padding_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Ten
             and mask.shape[3] == key.shape[2] and mask.shape[0] in (1, query.shape[0]))
 
 
-def _kept_keys(mask: torch.Tensor) -> list[int | torch.Tensor | None]:
+def _kept_keys(mask: torch.Tensor) -> list[int | torch.Tensor | None] | None:
     """Per mask row (batch row, or one for the batch): None where every key is kept, an int L where the first L are
     (trailing padding, as HunyuanVideo's), else the kept key positions on the mask's device (QwenImage's padding
-    ends its text, before the image). One read-back of the (B, N_kv) mask."""
+    ends its text, before the image). None instead of the list where a row keeps no key (SDPA gives it NaN; left
+    to SDPA). One read-back of the (B, N_kv) mask."""
     rows = []
     for row in mask[:, 0, 0, :].cpu():
         n = int(row.sum())
+        if n == 0:
+            return None
         if n == row.numel():
             rows.append(None)
-        elif n == 0 or bool(row[:n].all()):
+        elif bool(row[:n].all()):
             rows.append(n)
         else:
             rows.append(row.nonzero().squeeze(1).to(mask.device))
@@ -218,9 +221,9 @@ def _kept_keys(mask: torch.Tensor) -> list[int | torch.Tensor | None]:
 
 def _attend_kept_keys(attention, query, key, value, kept, collect: bool, thresholds: dict):
     """SDPA under a key-padding mask as sparse calls on the kept keys only: one call per batch row (one for the
-    batch where the mask has one row), each on its keys cut (a view) or gathered (a copy of the kept K/V). Masked
-    keys get no weight under SDPA's mask either, so this is the same attention. Returns the (B, H, N, D) output,
-    and with ``collect`` the rows' stats joined (:meth:`SparsityStats.concat`)."""
+    batch where the mask has one row or none pads), each on its keys cut (a view) or gathered (a copy of the kept
+    K/V). Masked keys get no weight under SDPA's mask either, so this is the same attention. Returns the (B, H, N, D)
+    output, and with ``collect`` the rows' stats joined (:meth:`SparsityStats.concat`)."""
     from ..kernels import SparsityStats
 
     def keys_of(k, v, row):
@@ -230,6 +233,8 @@ def _attend_kept_keys(attention, query, key, value, kept, collect: bool, thresho
             return k[:, :, :row], v[:, :, :row]
         return k.index_select(2, row), v.index_select(2, row)
 
+    if all(row is None for row in kept):
+        kept = [None]  # no padding anywhere: the batch in one call
     batches = [slice(None)] if len(kept) == 1 else [slice(b, b + 1) for b in range(query.shape[0])]
     outs, parts = [], []
     for rows, row in zip(batches, kept):
@@ -251,11 +256,9 @@ def _key_padded_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     (:func:`_attend_kept_keys`); SDPA under the mask where a row has no kept key or ``dense`` (the warm-up steps'
     flag) holds True. Returns a contiguous (B, H, N, D) output."""
     kept = None if dense is not None and bool(dense.item()) else _kept_keys(mask)
-    if kept is None or any(k_ == 0 for k_ in kept if isinstance(k_, int)):
+    if kept is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).contiguous()
     thresholds = dict(scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, pvthreshd=pvthreshd)
-    if all(k_ is None for k_ in kept):
-        return sparge_attention(q, k, v, **thresholds).contiguous()
     return _attend_kept_keys(sparge_attention, q, k, v, kept, False, thresholds).contiguous()
 
 
@@ -669,7 +672,7 @@ class SpargeProcessor:
                 reason = "a key-padding mask during CUDA-graph capture (reading it back would break the capture)"
             if not reason:
                 kept = _kept_keys(attn_mask)  # one read-back
-                if any(k == 0 for k in kept if isinstance(k, int)):
+                if kept is None:
                     reason = "a key-padding mask that hides every key of a batch row"
         else:
             reason = self.fallback_reason(query, key, value, attn_mask, dropout_p, is_causal)
@@ -694,7 +697,7 @@ class SpargeProcessor:
             self._warn_capture("statistics are not recorded while a CUDA graph is captured (every replay would "
                                "overwrite them); read them from an eager step")
             collect = False
-        if kept is not None and any(k is not None for k in kept):
+        if kept is not None:
             result = _attend_kept_keys(attention, query, key, value, kept, collect, thresholds)
         else:
             result = attention(query, key, value, return_sparsity=collect, **thresholds)
