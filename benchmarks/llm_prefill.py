@@ -18,12 +18,17 @@ CHUNK filled by an SDPA prefill, and the timed forward is the next CHUNK tokens.
 boolean (CHUNK, SLOTS) mask that also hides the empty slots: SDPA computes under it; our function reads it as the
 lower-right causal mask over the FILLED keys and runs on those (before session 50 it fell back to SDPA under the mask).
 
+With ``--window W``, every layer has a sliding window of W keys (Mistral's architecture, which is Llama's with a
+window, at the same shapes): transformers hands each layer its boolean sliding mask, under which SDPA computes (and
+under which our function ran SDPA before session 51); our function reads the mask and runs the kernels with the
+window. S2O and FSA, which take no window, are left out of such a run.
+
 With ``--compiled``, the padded batch also runs through ``torch.compile(model.model, fullgraph=True)`` (inductor,
 default mode) with SDPA and with the default settings, whose masked calls go through the
 ``sparge_diffusers::llm_masked_prefill`` operator (the mask read at run time, each prompt its own call).
 
 Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096] [--layers 4]
-       [--static 32768:2048:40960,32768:8192:40960] [--compiled] [--out results.json]
+       [--static 32768:2048:40960,32768:8192:40960] [--window 4096] [--compiled] [--out results.json]
 """
 
 from __future__ import annotations
@@ -56,19 +61,25 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--static", default="", help="FILLED:CHUNK:SLOTS,... chunks against a static cache ('' for none)")
     ap.add_argument("--compiled", action="store_true", help="also time the padded batch compiled (SDPA and default)")
+    ap.add_argument("--window", type=int, default=None, help="a sliding window of W keys on every layer")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                      num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8,
-                                      head_dim=128, max_position_embeddings=131072, rope_theta=500000.0)
+    shapes = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                  rope_theta=500000.0)
+    if args.window:
+        config, architecture = transformers.MistralConfig(sliding_window=args.window, **shapes), "MistralForCausalLM"
+    else:
+        config, architecture = transformers.LlamaConfig(**shapes), "LlamaForCausalLM"
+    settings = {name: kw for name, kw in SETTINGS.items() if not args.window or name in ("default", "aggressive")}
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).eval()
+        model = getattr(transformers, architecture)(config).eval()
     torch.set_default_dtype(torch.float32)
-    functions = {name: register(f"sparge_bench_{name}", collect_stats=True, **kw) for name, kw in SETTINGS.items()}
+    functions = {name: register(f"sparge_bench_{name}", collect_stats=True, **kw) for name, kw in settings.items()}
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-               "date": time.strftime("%Y-%m-%d"), "lengths": {}}
+               "window": args.window, "date": time.strftime("%Y-%m-%d"), "lengths": {}}
     for n in [int(n) for n in args.lengths.split(",") if n]:
         ids = torch.randint(0, config.vocab_size, (1, n), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(1))
@@ -97,12 +108,13 @@ def main(argv=None):
             print("padded, compiled", compiled_row, flush=True)
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}, transformers {transformers.__version__}); "
              f"Llama-3.1-8B shapes, {args.layers} layers, bf16, random weights; prefill ms (median of 5); "
-             f"settings: {SETTINGS}",
+             f"settings: {settings}" + (f"; a sliding window of {args.window} keys on every layer (Mistral)"
+                                         if args.window else ""),
              f"{'tokens':>7} {'sdpa ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'spars':>6} {'rel L1':>7}"]
     rows = list(results["lengths"].items()) + ([("padded", results["padded"])] if padded else []) \
         + [(f"static{i}", r) for i, r in enumerate(results.get("static", {}).values())]
     for n, r in rows:
-        for name in SETTINGS:
+        for name in settings:
             e = r[name]
             sparsity = f"{e['sparsity']:6.3f}" if e["sparsity"] is not None else f"{'-':>6}"
             lines.append(f"{n:>7} {r['sdpa_ms']:9.1f} {name:>10} {e['ms']:8.1f} {e['speedup']:6.2f} {sparsity} "

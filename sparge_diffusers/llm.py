@@ -8,10 +8,11 @@
 The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as they
 come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (fewer queries than keys, with the
 lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``; against a static cache only
-its filled slots), and left-padded batches (each prompt its own call without its padding). Everything else is left
-to transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with
-one warning per reason, right padding or other explicit masks, dropout, softcapping, sliding windows that hide keys,
-position biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse (a value head dim
+its filled slots), left-padded batches (each prompt its own call without its padding), and layers with a sliding
+window (Mistral, Gemma 3's local layers: the kernels take ``sliding_window``). Everything else is left to
+transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with
+one warning per reason, right padding or other explicit masks, dropout, softcapping, sliding windows that hide keys
+under a method that takes none (S2O, FSA, PBS's permuted keys), position biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse (a value head dim
 unlike the query's). ``strict=True`` raises instead of falling back. Calls that neither the kernels nor SDPA compute
 raise ValueError whatever ``strict`` says (attention sinks, key indices chosen by the model, packed sequences given
 only as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked
@@ -123,17 +124,21 @@ def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> st
 
 
 def _sparge_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
-                     variant: str | None) -> dict:
-    """sparge_attention's keyword arguments for one causal call, eager or through its operator."""
-    return dict(is_causal=True, scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
-                pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink,
-                causal_variant=_causal_variant(q, k, variant))
+                     variant: str | None, window: int | None = None) -> dict:
+    """sparge_attention's keyword arguments for one causal call, eager or through its operator (``window``: a
+    sliding window that hides keys from some query, else None)."""
+    settings = dict(is_causal=True, scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
+                    pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink,
+                    causal_variant=_causal_variant(q, k, variant))
+    if window is not None:
+        settings["sliding_window"] = window
+    return settings
 
 
 def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scale: float | None, variant: str | None, stats: bool):
+                    scale: float | None, variant: str | None, stats: bool, window: int | None = None):
     """SpargeAttn (stage 1's TopCdf mask, then the block-sparse kernel); PBS's key order where asked."""
-    settings = _sparge_settings(attention, q, k, scale, variant)
+    settings = _sparge_settings(attention, q, k, scale, variant, window)
     if attention.pbs_segment is not None:
         del settings["is_causal"]  # pbs_sparge_attention is always causal
         return pbs_sparge_attention(q, k, v, segment=attention.pbs_segment, return_sparsity=stats, **settings)
@@ -141,8 +146,8 @@ def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Ten
 
 
 def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float | None, variant: str | None) -> torch.Tensor:
-    settings = _sparge_settings(attention, q, k, scale, variant)
+                     scale: float | None, variant: str | None, window: int | None = None) -> torch.Tensor:
+    settings = _sparge_settings(attention, q, k, scale, variant, window)
     if attention.pbs_segment is not None:
         del settings["is_causal"]
         return pbs_sparge_attention_op(q, k, v, segment=attention.pbs_segment, **settings)
@@ -243,14 +248,15 @@ class PrefillMethod:
     ``eager(attention, q, k, v, scale, variant, stats)`` returns the (B, H, Nq, D) output, or ``(output,
     SparsityStats | None)`` when ``stats``; ``compiled(attention, q, k, v, scale, variant)`` is its form inside
     torch.compile (custom operators only, no statistics). Both take whole prompts and lower-right chunks against a
-    cache (``variant``)."""
+    cache (``variant``). ``takes_window``: both also take a sliding window (``window=W``) that hides keys."""
 
     eager: Callable[..., Any]
     compiled: Callable[..., torch.Tensor]
+    takes_window: bool = False
 
 
 PREFILL_METHODS: dict[str, PrefillMethod] = {
-    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled),
+    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, takes_window=True),
     "s2o": PrefillMethod(_s2o_prefill, _s2o_compiled),
     "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled),
 }
@@ -281,9 +287,12 @@ class SpargeLLMAttention:
       keys. Each prompt then runs as its own call without its padding (rows of padding queries get zeros, as
       from SDPA), and its stats are joined over the batch (:meth:`SparsityStats.concat`).
 
-    A layer with a sliding window (``sliding_window``: Mistral, Gemma 3's local layers, ...) runs sparse where the
-    window hides nothing, that is where no query sees more keys than the window holds (with a mask: the mask's keys in
-    use; under torch.compile with a mask: all the keys given); otherwise it goes to SDPA under transformers' mask.
+    A layer with a sliding window (``sliding_window``: Mistral, Gemma 3's local layers, ...) runs sparse too. Where
+    the window hides no key (no query sees more keys than it holds: without a mask the query count, with one the
+    mask's keys in use) the call is plain causal attention; where it does, transformers' sliding mask is read with
+    the window (:func:`read_causal_mask`) and the kernels take it (``sparge_attention(..., sliding_window=W)``:
+    blocks outside every query's window skipped, those it cuts masked element by element). The ``"s2o"`` and
+    ``"fsa"`` methods and ``pbs_segment`` take no window: such calls go to SDPA under the mask, with a warning.
 
     Under torch.compile a call without a mask is one node per kernel operator; a call with a mask is one node of the
     operator ``sparge_diffusers::llm_masked_prefill``, which reads the mask at run time and routes the call as above
@@ -375,25 +384,27 @@ class SpargeLLMAttention:
 
     def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None, kwargs: dict
-              ) -> tuple[str | None, str | None, CausalMaskLayout | None]:
+              ) -> tuple[str | None, str | None, CausalMaskLayout | None, int | None]:
         """(why this call cannot run sparse: None when it can, "" for the expected SDPA case of a decode step;
         the causal variant it runs with: "upper_left" without a mask, "lower_right" with a lower-right mask, None
         for a mask under torch.compile, whose contents decide at run time (:meth:`_masked_call`); the mask's
-        :class:`CausalMaskLayout` (keys in use, left padding) where there is one, else None)."""
+        :class:`CausalMaskLayout` (keys in use, left padding) where there is one, else None; the sliding window it
+        runs with where the window hides keys from some query, else None)."""
         check_call_arguments(attention_mask, kwargs)  # before the decode step, which SDPA would get wrong as well
         if query.shape[2] == 1:
-            return "", None, None  # decode step
+            return "", None, None, None  # decode step
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if not causal:
-            return "a non-causal attention module", None, None
+            return "a non-causal attention module", None, None, None
         if dropout:
-            return "dropout", None, None
+            return "dropout", None, None, None
         for name, what in SDPA_COMPUTED_ARGUMENTS.items():
             if name != "sliding_window" and kwargs.get(name) is not None:
-                return what, None, None
+                return what, None, None, None
         reason = unsupported_reason(query, key, value, is_causal=True, causal_variant="upper_left")  # shapes only
         if reason is not None:
-            return reason, None, None
+            return reason, None, None, None
+        window = kwargs.get("sliding_window")
         if attention_mask is None:
             verdict = None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
             span = query.shape[2]  # query i sees keys 0..i
@@ -401,20 +412,30 @@ class SpargeLLMAttention:
             verdict = None, None, None  # the mask is read at run time, inside an operator
             span = key.shape[2]  # so any key may be seen
         else:
-            verdict = self._mask_route(attention_mask, query.shape[2], key.shape[2])
+            verdict = self._mask_route(attention_mask, query.shape[2], key.shape[2], window)
             span = verdict[2].keys if verdict[2] is not None else key.shape[2]
-        window = kwargs.get("sliding_window")
-        if window is not None and span > window:
+        if window is None or span <= window:
             # query q sees key k only if q - k < window (transformers' sliding_window_overlay): a call whose queries
-            # see at most `window` keys back is plain causal attention and runs sparse (Mistral's 4096-key window,
-            # Gemma 3's local layers on short prompts); a longer one goes to SDPA under transformers' sliding mask
-            return f"a sliding window ({window} keys) shorter than the keys this call sees ({span})", None, None
-        return verdict
+            # see at most `window` keys back is plain causal attention (Mistral's 4096-key window, Gemma 3's local
+            # layers on short prompts)
+            return (*verdict, None)
+        if not self._takes_window():
+            return (f"a sliding window ({window} keys) shorter than the keys this call sees ({span}), which the "
+                    f"{self._method_name()} method does not take"), None, None, None
+        return (*verdict, window)
 
-    def _mask_route(self, mask: torch.Tensor, q_len: int, kv_len: int
+    def _takes_window(self) -> bool:
+        """Whether this function's method computes a sliding window that hides keys (PBS's permuted keys do not)."""
+        return PREFILL_METHODS[self.method].takes_window and self.pbs_segment is None
+
+    def _method_name(self) -> str:
+        return f"{self.method!r}" + (" (with pbs_segment)" if self.method == "sparge" and self.pbs_segment else "")
+
+    def _mask_route(self, mask: torch.Tensor, q_len: int, kv_len: int, window: int | None = None
                     ) -> tuple[str | None, str | None, CausalMaskLayout | None]:
-        """:meth:`route`'s verdict on an explicit mask, from its contents (one read-back per mask tensor)."""
-        layout = self._mask_layout(mask, q_len, kv_len)
+        """:meth:`route`'s verdict on an explicit mask, from its contents (one read-back per mask tensor); with the
+        call's ``window`` the mask may also hide keys outside it."""
+        layout = self._mask_layout(mask, q_len, kv_len, window)
         if layout is None:
             return "an explicit attention mask (right padding, packed sequences or a custom mask)", None, None
         if any(layout.padding) and layout.keys < self.min_padded_tokens:
@@ -422,21 +443,25 @@ class SpargeLLMAttention:
                     "per prompt would cost more than SDPA under the mask)"), None, None
         return None, "lower_right", layout
 
-    def _mask_layout(self, mask: torch.Tensor, q_len: int, kv_len: int) -> CausalMaskLayout | None:
+    def _mask_layout(self, mask: torch.Tensor, q_len: int, kv_len: int, window: int | None = None
+                     ) -> CausalMaskLayout | None:
         """:func:`read_causal_mask` of the mask, remembered for the mask tensor (while it lives, unmodified):
-        transformers hands every layer of a forward the same one."""
+        transformers hands every layer of a forward the same one (the local layers of a model with a window share
+        another)."""
         verdict = self._mask_verdict
-        if verdict is not None and verdict[0]() is mask and verdict[1] == (mask._version, q_len, kv_len):
+        key = (mask._version, q_len, kv_len, window)
+        if verdict is not None and verdict[0]() is mask and verdict[1] == key:
             return verdict[2]
-        result = read_causal_mask(mask, q_len, kv_len)
-        self._mask_verdict = (weakref.ref(mask), (mask._version, q_len, kv_len), result)
+        result = read_causal_mask(mask, q_len, kv_len, sliding_window=window)
+        self._mask_verdict = (weakref.ref(mask), key, result)
         return result
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """query (B, H, N, D), key/value (B, H_kv, N, D) -> ((B, N, H, D), None), as transformers' SDPA function."""
-        reason, variant, layout = self.route(module, query, key, value, attention_mask, dropout, is_causal, kwargs)
+        reason, variant, layout, window = self.route(module, query, key, value, attention_mask, dropout, is_causal,
+                                                     kwargs)
         if reason is not None:
             if reason:
                 self._warn(reason)
@@ -452,27 +477,30 @@ class SpargeLLMAttention:
             # recorded by the llm operators when they run (a Python counter updated while tracing would be a guard
             # that recompiles at every call)
             if attention_mask is not None:
+                window = kwargs.get("sliding_window")  # whether it hides keys depends on the mask: decided there
                 return torch.ops.sparge_diffusers.llm_masked_prefill(query, key, value, attention_mask, scaling,
-                                                                     self._handle), None
+                                                                     self._handle, window), None
             if self.collect_stats:
-                return torch.ops.sparge_diffusers.llm_prefill(query, key, value, scaling, variant, self._handle), None
+                return torch.ops.sparge_diffusers.llm_prefill(query, key, value, scaling, variant, self._handle,
+                                                              window), None
             compiled = PREFILL_METHODS[self.method].compiled
-            return compiled(self, query, key, value, scaling, variant).transpose(1, 2).contiguous(), None
-        out, stats = self._sparse_call(query, key, value, scaling, variant, layout)
+            window_arg = {"window": window} if window is not None else {}
+            return compiled(self, query, key, value, scaling, variant, **window_arg).transpose(1, 2).contiguous(), None
+        out, stats = self._sparse_call(query, key, value, scaling, variant, layout, window)
         self._record(stats)
         return out, None
 
     def _sparse_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                     variant: str | None, layout: CausalMaskLayout | None
+                     variant: str | None, layout: CausalMaskLayout | None, window: int | None = None
                      ) -> tuple[torch.Tensor, SparsityStats | None]:
         """A routed sparse call, eager or inside an operator: the (B, Nq, H, D) output and its stats when collected.
         With a mask's layout, only the keys in use are attended (a static cache's empty slots are left out: views,
-        no copy)."""
+        no copy). ``window``: a sliding window that hides keys from some query (None: none that does)."""
         if layout is not None and layout.keys < key.shape[2]:
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         if layout is not None and any(layout.padding):
-            return self._left_padded_prefill(query, key, value, layout.padding, scale)
-        out, stats = self._prefill(query, key, value, scale, variant)
+            return self._left_padded_prefill(query, key, value, layout.padding, scale, window)
+        out, stats = self._prefill(query, key, value, scale, variant, window)
         return out.transpose(1, 2).contiguous(), stats
 
     def _record(self, stats: SparsityStats | None) -> None:
@@ -482,40 +510,49 @@ class SpargeLLMAttention:
         self.sparse_calls += 1
 
     def _masked_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scale: float | None) -> torch.Tensor:
+                     scale: float | None, window: int | None = None) -> torch.Tensor:
         """A call with an explicit mask under torch.compile, run eagerly inside the ``llm_masked_prefill`` operator:
         the mask's contents route it as :meth:`__call__` routes an eager call (sparse for the lower-right and
-        left-padded masks, else SDPA under the mask, with one warning); a sparse call is counted and its statistics
-        kept with ``collect_stats``. Returns (B, Nq, H, D)."""
-        reason, variant, layout = self._mask_route(mask, query.shape[2], key.shape[2])
+        left-padded masks, also cut by the layer's sliding ``window`` if any, else SDPA under the mask, with one
+        warning); a sparse call is counted and its statistics kept with ``collect_stats``. Returns (B, Nq, H, D)."""
+        reason, variant, layout = self._mask_route(mask, query.shape[2], key.shape[2], window)
+        if reason is None and window is not None and layout.keys > window:
+            if not self._takes_window():
+                reason = (f"a sliding window ({window} keys) shorter than the keys this call sees ({layout.keys}), "
+                          f"which the {self._method_name()} method does not take")
+        elif reason is None:
+            window = None  # the window hides nothing here
         if reason is not None:
             self._warn(reason)
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask[:, :, :, :key.shape[2]], scale=scale,
                 enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous()
-        out, stats = self._sparse_call(query, key, value, scale, variant, layout)
+        out, stats = self._sparse_call(query, key, value, scale, variant, layout, window)
         if self.collect_stats:
             self._record(stats)
         return out
 
     def _compiled_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                       variant: str | None) -> torch.Tensor:
+                       variant: str | None, window: int | None = None) -> torch.Tensor:
         """A call without a mask under torch.compile with ``collect_stats``, run eagerly inside the ``llm_prefill``
         operator: counted, its statistics kept. Returns (B, Nq, H, D)."""
-        out, stats = self._sparse_call(query, key, value, scale, variant, None)
+        out, stats = self._sparse_call(query, key, value, scale, variant, None, window)
         self._record(stats)
         return out
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                 variant: str | None) -> tuple[torch.Tensor, SparsityStats | None]:
+                 variant: str | None, window: int | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
         """One causal call without padding, by the configured method: (B, H, Nq, D) output, its stats when
         collected."""
-        out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, self.collect_stats)
+        window_arg = {"window": window} if window is not None else {}
+        out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, self.collect_stats,
+                                                 **window_arg)
         return out if self.collect_stats else (out, None)
 
     def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             padding: list[int], scale: float | None) -> tuple[torch.Tensor, SparsityStats | None]:
+                             padding: list[int], scale: float | None, window: int | None = None
+                             ) -> tuple[torch.Tensor, SparsityStats | None]:
         """A left-padded batch: each prompt runs as its own causal call without its padding, the queries aligned
         to the keys' end (lower right). Rows of padding queries, which see no key, stay zero, as SDPA gives them.
         Returns the (B, Nq, H, D) output and, when collected, the prompts' stats joined over the batch."""
@@ -530,7 +567,7 @@ class SpargeLLMAttention:
                 continue  # this prompt's queries are all padding
             rows = slice(b, b + 1)
             q_b, k_b, v_b = query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:]
-            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right")
+            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right", window)
             out[b, first:] = o[0].transpose(0, 1)
             if s is not None:
                 parts.append(s)
@@ -558,20 +595,20 @@ def _live_function(handle: int, operator: str) -> SpargeLLMAttention:
 
 @torch.library.custom_op("sparge_diffusers::llm_masked_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _llm_masked_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                           scale: float | None, handle: int) -> torch.Tensor:
-    """A compiled model's prefill call with an explicit mask: :meth:`SpargeLLMAttention._masked_call` of the function
-    ``handle`` names. Its route depends on the mask's contents (a read-back), hence an operator opaque to the compiler
-    and kept out of CUDA graphs."""
-    return _live_function(handle, "llm_masked_prefill")._masked_call(query, key, value, mask, scale)
+                           scale: float | None, handle: int, window: int | None = None) -> torch.Tensor:
+    """A compiled model's prefill call with an explicit mask (and the layer's sliding window, if any):
+    :meth:`SpargeLLMAttention._masked_call` of the function ``handle`` names. Its route depends on the mask's contents
+    (a read-back), hence an operator opaque to the compiler and kept out of CUDA graphs."""
+    return _live_function(handle, "llm_masked_prefill")._masked_call(query, key, value, mask, scale, window)
 
 
 @torch.library.custom_op("sparge_diffusers::llm_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _llm_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                    variant: str | None, handle: int) -> torch.Tensor:
+                    variant: str | None, handle: int, window: int | None = None) -> torch.Tensor:
     """A compiled model's prefill call without a mask when its function collects statistics:
     :meth:`SpargeLLMAttention._compiled_call`. It records the call when it runs, so it stays out of CUDA graphs (a
     replay would skip the recording)."""
-    return _live_function(handle, "llm_prefill")._compiled_call(query, key, value, scale, variant)
+    return _live_function(handle, "llm_prefill")._compiled_call(query, key, value, scale, variant, window)
 
 
 def _transformers_output(query: torch.Tensor) -> torch.Tensor:
@@ -581,12 +618,12 @@ def _transformers_output(query: torch.Tensor) -> torch.Tensor:
 
 
 @_llm_prefill_op.register_fake
-def _(query, key, value, scale, variant, handle):
+def _(query, key, value, scale, variant, handle, window=None):
     return _transformers_output(query)
 
 
 @_llm_masked_prefill_op.register_fake
-def _(query, key, value, mask, scale, handle):
+def _(query, key, value, mask, scale, handle, window=None):
     return _transformers_output(query)
 
 
@@ -599,8 +636,8 @@ class CausalMaskLayout(NamedTuple):
     padding: list[int]
 
 
-def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26
-                     ) -> CausalMaskLayout | None:
+def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26,
+                     sliding_window: int | None = None) -> CausalMaskLayout | None:
     """The layout of a boolean (B|1, 1, Nq, >= Nkv) mask (True = attend), cut to its first ``kv_len`` keys, if it is
     the lower-right causal mask over its first L <= Nkv keys with each batch row's first p_b keys hidden: query i
     sees keys p_b..i + L - q_len, keys L.. none (rows of padding queries see none). transformers builds it so for
@@ -610,7 +647,11 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     [p_b] per mask row; L = Nkv and all p_b = 0: the plain lower-right causal mask), or None for any other mask
     (right padding, packed sequences, per-head or additive masks). L and p_b are read off the last query, which sees
     keys p_b..L-1; then every row is compared, in chunks of at most ``max_elements``, with no full-size pattern
-    built; one read-back (a device sync) at the end."""
+    built; one read-back (a device sync) at the end.
+
+    With a ``sliding_window`` W, the query at position p also sees no key before p - W + 1 (transformers' sliding
+    mask of a local layer). p_b is then the first key any query of the row sees: the padding's end, or where the
+    first query's window starts if that is later, which leaves each query the same keys."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q_len \
             or mask.shape[3] < kv_len or q_len == 0:
         return None
@@ -619,14 +660,22 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     last_seen = torch.where(mask[:, -1], keys, -1).amax(-1)  # (B,): -1 where the last query sees nothing
     used = last_seen.amax() + 1  # shared by the batch (one cache position); 0: no row sees a key
     used = torch.where(used > 0, used, kv_len)  # every query is padding: nothing to cut, all hidden
-    padding = used - mask[:, -1].sum(-1)  # (B,)
-    seen_from = keys[None, None, :] >= padding[:, None, None]  # (B, 1, Nkv): no padding key
     rows = max(1, max_elements // max(kv_len * mask.shape[0], 1))
+    chunks = range(0, q_len, rows)
+    if sliding_window is None:
+        padding = used - mask[:, -1].sum(-1)  # (B,)
+    else:
+        first_seen = torch.stack([torch.where(mask[:, start:start + rows], keys, kv_len).amin((1, 2))
+                                  for start in chunks]).amin(0)  # (B,): kv_len where no query sees a key
+        padding = torch.where(first_seen < kv_len, first_seen, used)
+    seen_from = keys[None, None, :] >= padding[:, None, None]  # (B, 1, Nkv): no padding key
     matches = []
-    for start in range(0, q_len, rows):
+    for start in chunks:
         queries = torch.arange(start, min(start + rows, q_len), device=mask.device) + (used - q_len)
-        expected = (keys[None, :] <= queries[:, None])[None] & seen_from
-        matches.append((mask[:, start:start + rows] == expected).all())
+        expected = keys[None, :] <= queries[:, None]
+        if sliding_window is not None:
+            expected &= keys[None, :] > queries[:, None] - sliding_window
+        matches.append((mask[:, start:start + rows] == (expected[None] & seen_from)).all())
     verdict = torch.cat([torch.stack(matches).all().long()[None], used.long()[None], padding.long()]).tolist()
     return CausalMaskLayout(verdict[1], verdict[2:]) if verdict[0] else None
 

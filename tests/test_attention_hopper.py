@@ -92,16 +92,16 @@ def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
 
 
 def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False,
-                    permuted_keys: bool = False) -> None:
+                    permuted_keys: bool = False, windowed: bool = False) -> None:
     """Compile the mask walk for sm90 without a GPU."""
     sig = {"q_desc": descriptor_type(dtype, BLOCK_Q), "k_desc": descriptor_type(dtype, BLOCK_K),
            "v_desc": descriptor_type(dtype, BLOCK_K), "o_desc": descriptor_type(dtype, BLOCK_Q // 2),
            "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "TAIL_SIZES": "*i32",
            "TAIL_TILES": "*i32", "KPOS": "*i32", "qk_scale": "fp32"}
     sig.update({name: "i32" for name in ("stride_pb", "stride_ph", "tail_start", "H", "GROUP", "NQ", "NK", "kv_len",
-                                         "q_offset", "last_position", "n_tiles")})
+                                         "q_offset", "last_position", "window", "n_tiles")})
     consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
-              "IS_CAUSAL": causal, "PERMUTED_KEYS": permuted_keys, "USE_TAIL": use_tail,
+              "IS_CAUSAL": causal, "PERMUTED_KEYS": permuted_keys, "WINDOWED": windowed, "USE_TAIL": use_tail,
               "BUCKETS": attention_hopper.TAIL_BUCKETS, "NUM_WARPS": attention_hopper.NUM_WARPS,
               "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
     compile_gluon_offline(attention_hopper._hopper_attention_kernel, sig, consts)
@@ -127,13 +127,13 @@ def run_offline_compile(call: str) -> None:
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail,permuted_keys",
-                         [(False, True, "bf16", 128, True, False), (True, False, "fp16", 64, False, False),
-                          (True, True, "bf16", 128, True, True)])
-def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail, permuted_keys):
+@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail,permuted_keys,windowed",
+                         [(False, True, "bf16", 128, True, False, False), (True, False, "fp16", 64, False, False, False),
+                          (True, True, "bf16", 128, True, True, False), (True, True, "fp16", 64, True, False, True)])
+def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail, permuted_keys, windowed):
     """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
     run_offline_compile(f"import test_attention_hopper as t; t.compile_offline({causal}, {use_index}, {dtype!r}, "
-                        f"{head_dim}, {use_tail}, {permuted_keys})")
+                        f"{head_dim}, {use_tail}, {permuted_keys}, {windowed})")
 
 
 @pytest.mark.parametrize("B,H,nq,nkv,width,causal", [(1, 24, 36, 4608, 264, False), (2, 3, 5, 300, 7, False),

@@ -277,6 +277,21 @@ def test_mask_check_accepts_only_the_left_padded_lower_right_pattern():
     assert check(torch.ones(1, 1, 100, 300, dtype=torch.bool).tril(), 100, 300) == layout(100, [0])
     assert check(pattern(100, 300).float(), 100, 300) is None  # additive masks are not read
     assert check(pattern(100, 300).expand(2, 4, 100, 300), 100, 300) is None  # per-head masks
+    # a sliding window of 64 keys (the query at position p sees p - 63 .. p), as transformers masks a local layer
+    def windowed(m, nq, used, window=64):
+        positions = torch.arange(nq)[:, None] + used - nq
+        return m & (torch.arange(m.shape[-1])[None, :] > positions - window)
+
+    assert check(windowed(pattern(100, 300), 100, 300), 100, 300, sliding_window=64) == layout(300, [137, 137])
+    assert check(windowed(pattern(300, 300), 300, 300), 300, 300, sliding_window=64) == layout(300, [0, 0])
+    # padding that the first query's window still reaches, and padding no window reaches
+    assert check(windowed(pattern(100, 300, padding=(150, 20)), 100, 300), 100, 300, sliding_window=64,
+                 max_elements=900) == layout(300, [150, 137])
+    assert check(windowed(pattern(100, 512, empty=112, padding=(350, 0)), 100, 400), 100, 512,
+                 sliding_window=64) == layout(400, [350, 237])  # and a static cache's empty slots
+    assert check(windowed(pattern(100, 300), 100, 300), 100, 300) is None  # read without its window
+    assert check(windowed(pattern(100, 300), 100, 300, window=65), 100, 300, sliding_window=64) is None
+    assert check(pattern(100, 300), 100, 300, sliding_window=64) is None  # a window the mask does not apply
 
 
 def left_padded(ids, padding):
@@ -399,21 +414,24 @@ def test_other_architectures_run_sparse_and_give_sdpa_logits(model_type, tmp_pat
     assert relative_l1(got, logits(load(tmp_path, "sdpa"), ids)) < 1e-5
 
 
-def test_a_sliding_window_runs_sparse_where_it_hides_no_key(tmp_path):
-    """Mistral passes its sliding window to every layer. Where no query sees more keys than the window holds (a
-    300-token prompt under a 4096-key window; a 128-token chunk on a 256-token cache under a 384-key window) the call
-    is causal attention and runs sparse, with SDPA's logits; where the window hides keys (128 against the prompt, 383
-    against the chunk's 384 keys) it goes to SDPA under transformers' mask with a warning naming the window, and
-    strict raises."""
+def mistral_with_window(tmp_path, window):
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                        max_position_embeddings=2048, sliding_window=window)
+    path = tmp_path / str(window)
+    transformers.MistralForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_a_sliding_window_runs_sparse_whether_or_not_it_hides_keys(tmp_path):
+    """Mistral passes its sliding window to every layer. Whole prompts (300 tokens under windows of 4096, 128 and 100
+    keys), chunks on a cache (128 tokens after 256 under 384, 383 and 100) and a left-padded batch (windows of 100)
+    run sparse with SDPA's logits: where the window hides keys, the kernels take it (transformers' sliding mask is read
+    for its keys and padding). Methods that take no window (S2O, PBS's permuted keys) go to SDPA where it hides keys,
+    with a warning naming the window; strict raises."""
     ids = prompt(300)
-    paths = {}
-    for window in (4096, 384, 383, 128):
-        torch.manual_seed(0)
-        config = transformers.MistralConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                            max_position_embeddings=2048, sliding_window=window)
-        paths[window] = tmp_path / str(window)
-        transformers.MistralForCausalLM(config).save_pretrained(paths[window])
+    paths = {window: mistral_with_window(tmp_path, window) for window in (4096, 384, 383, 128, 100)}
 
     def chunk_logits(path, implementation):
         model = load(path, implementation)
@@ -421,28 +439,61 @@ def test_a_sliding_window_runs_sparse_where_it_hides_no_key(tmp_path):
         logits(model, ids[:, :256], **{CACHE: cache}, use_cache=True)
         return logits(model, prompt(128, seed=7), **{CACHE: cache}, use_cache=True)
 
-    attention = register("sparge_test_window", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True)
-    whole = logits(load(paths[4096], "sparge_test_window"), ids)
-    assert relative_l1(whole, logits(load(paths[4096], "sdpa"), ids)) < 1e-5
-    assert attention.sparse_calls == 2
-    assert relative_l1(chunk_logits(paths[384], "sparge_test_window"), chunk_logits(paths[384], "sdpa")) < 1e-5
-    assert attention.sparse_calls == 6, "the cache's prefill and the chunk, 2 layers each"
-    with pytest.raises(ValueError, match=r"sliding window \(128 keys\) shorter than the keys this call sees \(300\)"):
-        logits(load(paths[128], "sparge_test_window"), ids)
-    with pytest.raises(ValueError, match=r"sliding window \(383 keys\).*\(384\)"):
-        chunk_logits(paths[383], "sparge_test_window")
-    falling_back = register("sparge_test_window_fallback", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    attention = register("sparge_test_window", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                         min_padded_tokens=0)
+    for window in (4096, 128, 100):
+        whole = logits(load(paths[window], "sparge_test_window"), ids)
+        assert relative_l1(whole, logits(load(paths[window], "sdpa"), ids)) < 1e-5, window
+    assert attention.sparse_calls == 6
+    for window in (384, 383, 100):
+        got = chunk_logits(paths[window], "sparge_test_window")
+        assert relative_l1(got, chunk_logits(paths[window], "sdpa")) < 1e-5, window
+    assert attention.sparse_calls == 18, "the cache's prefill and the chunk, 2 layers each"
+    batch = prompt(300, batch=2)
+    mask, positions = left_padded(batch, (0, 130))
+    real = mask.bool()
+    got = logits(load(paths[100], "sparge_test_window"), batch, attention_mask=mask, position_ids=positions)
+    expected = logits(load(paths[100], "sdpa"), batch, attention_mask=mask, position_ids=positions)
+    assert relative_l1(got[real], expected[real]) < 1e-5
+    assert attention.sparse_calls == 20
+    for name, settings, what in (("s2o", dict(method="s2o"), "'s2o'"),
+                                 ("pbs", dict(pbs_segment=128), r"'sparge' \(with pbs_segment\)")):
+        register(f"sparge_test_window_{name}", strict=True, **settings)
+        with pytest.raises(ValueError, match=rf"sliding window \(128 keys\) shorter than the keys this call sees "
+                                             rf"\(300\), which the {what} method does not take"):
+            logits(load(paths[128], f"sparge_test_window_{name}"), ids)
+    falling_back = register("sparge_test_window_fallback", method="s2o", tau=0.0)
     with pytest.warns(UserWarning, match="falling back to SDPA: a sliding window"):
         got = logits(load(paths[128], "sparge_test_window_fallback"), ids)
     assert torch.equal(got, logits(load(paths[128], "sdpa"), ids)) and falling_back.sparse_calls == 0
 
 
-def test_local_and_global_layers_each_run_sparse_where_their_window_allows(tmp_path):
-    """Gemma 3 alternates local (sliding-window) and global layers: on a prompt shorter than the window both run
-    sparse; on a longer one the local layer goes to SDPA and the global layer still runs sparse."""
+def test_a_sliding_window_skips_blocks_outside_it_and_compiles(tmp_path):
+    """With TopCdf skipping, a 100-key window's layers report sparsity against the blocks the window leaves; the
+    model compiled (aot_eager, fullgraph) gives the eager logits, the mask read inside the operator with the window."""
+    path = mistral_with_window(tmp_path, 100)
+    ids = prompt(600)
+    attention = register("sparge_test_window_stats", simthreshd1=-1.0, cdfthreshd=0.9, collect_stats=True)
+    model = load(path, "sparge_test_window_stats")
+    eager = logits(model, ids)
+    assert attention.sparse_calls == 2
+    stats = attention.stats[0]
+    # 600 tokens: query block 0 sees key blocks 0-1, each later one 4 blocks of 64 (e.g. rows 256-383: keys 157-383)
+    assert stats.dense_blocks == 2 + 4 * 4
+    assert 0 < stats.sparsity < 1 and torch.isfinite(eager).all()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        assert torch.equal(logits(compiled, ids), eager)
+
+
+def test_local_and_global_layers_both_run_sparse(tmp_path):
+    """Gemma 3 alternates local (sliding-window) and global layers: both run sparse, on a prompt shorter than the
+    window and on a longer one (the local layer then under its window), with SDPA's logits."""
     if "gemma3_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {transformers.__version__} has no Gemma 3")
-    for window, sparse_calls in ((512, 2), (128, 1)):
+    for window in (512, 128):
         torch.manual_seed(0)
         config = transformers.AutoConfig.for_model(
             "gemma3_text", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -450,13 +501,11 @@ def test_local_and_global_layers_each_run_sparse_where_their_window_allows(tmp_p
             sliding_window=window, layer_types=["sliding_attention", "full_attention"])
         path = tmp_path / str(window)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        attention = register(f"sparge_test_gemma3_{window}", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = logits(load(path, f"sparge_test_gemma3_{window}"), prompt(300))
+        attention = register(f"sparge_test_gemma3_{window}", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                             strict=True)
+        got = logits(load(path, f"sparge_test_gemma3_{window}"), prompt(300))
         assert relative_l1(got, logits(load(path, "sdpa"), prompt(300))) < 1e-5
-        assert attention.sparse_calls == sparse_calls, window
-        assert any("sliding window" in str(w.message) for w in caught) == (sparse_calls == 1)
+        assert attention.sparse_calls == 2, window
 
 
 def test_a_training_step_falls_back_to_sdpa_with_its_gradients(tiny_llama):

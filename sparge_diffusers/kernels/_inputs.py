@@ -32,6 +32,11 @@ _CALL_DTYPES = KERNEL_DTYPES + (torch.float32,)  # float32 runs the reference on
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 
 
+# The kernels' runtime window argument where there is no sliding window: wider than any sequence they take
+# (positions stay far from int32's limits when it is subtracted from them).
+NO_WINDOW = 2**30
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     """Sizes of one attention call, whatever the layout."""
@@ -45,6 +50,14 @@ class AttentionShape:
     # under causal masking, query row i sits at key position i + causal_offset (0 for equal lengths and for the
     # upper-left variant, Nkv - Nq for the lower-right one; negative offsets leave the first rows no key)
     causal_offset: int = 0
+    # under causal masking with a sliding window of W keys, the query at position p sees keys p - W + 1 .. p
+    # (transformers' ``sliding_window``; FlashAttention's ``window_size=(W - 1, 0)``); None: every earlier key
+    sliding_window: int | None = None
+
+    @property
+    def window_arg(self) -> int:
+        """The window as the kernels take it: a runtime int, ``NO_WINDOW`` (wider than any sequence) for none."""
+        return NO_WINDOW if self.sliding_window is None else self.sliding_window
 
     @property
     def q_blocks(self) -> int:
@@ -98,11 +111,13 @@ def check_attention_inputs(
     tensor_layout: TensorLayout,
     is_causal: bool,
     causal_variant: CausalVariant | None = None,
+    sliding_window: int | None = None,
 ) -> AttentionShape:
     """Validate q/k/v and return their sizes; raises ValueError naming the problem.
 
     ``causal_variant``: see :data:`CausalVariant`; needed by causal calls whose query and key lengths differ
-    (None: such a call raises, since SDPA and FlashAttention align it differently)."""
+    (None: such a call raises, since SDPA and FlashAttention align it differently). ``sliding_window``: see
+    :attr:`AttentionShape.sliding_window`; a positive int, with ``is_causal`` only."""
     check_layout(tensor_layout)
     tensors = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
     for name, t in tensors.items():
@@ -138,7 +153,21 @@ def check_attention_inputs(
                          f"{MAX_HEAD_DIM} (64 and 128 are the tuned ones)")
     if v is not None:  # attention outputs only: a predicted mask or block selection has no gradient anyway
         check_no_grad(q, k, v)
-    return AttentionShape(B, H, HK, Nq, Nkv, D, causal_offset(Nq, Nkv, is_causal, causal_variant))
+    return AttentionShape(B, H, HK, Nq, Nkv, D, causal_offset(Nq, Nkv, is_causal, causal_variant),
+                          check_sliding_window(sliding_window, is_causal))
+
+
+def check_sliding_window(sliding_window: int | None, is_causal: bool) -> int | None:
+    """The window of a call (None: none), or ValueError: a positive int, with causal masking only."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive int (keys each query sees, itself included), got "
+                         f"{sliding_window!r}")
+    if not is_causal:
+        raise ValueError("sliding_window needs is_causal=True (the window counts keys back from the query's own "
+                         "position)")
+    return sliding_window if sliding_window < NO_WINDOW else None
 
 
 def causal_offset(q_len: int, kv_len: int, is_causal: bool, causal_variant: CausalVariant | None) -> int:
@@ -358,16 +387,22 @@ def _key_segment_start(k_blocks: int, key_segment: int, device: torch.device) ->
 
 
 def causal_block_visible(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device,
-                         key_segment: int = BLOCK_K, *, q_len: int | None = None, causal_offset: int = 0
-                         ) -> torch.Tensor:
+                         key_segment: int = BLOCK_K, *, q_len: int | None = None, causal_offset: int = 0,
+                         sliding_window: int | None = None) -> torch.Tensor:
     """[q_blocks, k_blocks] bool: key block j may hold a key that some query of block i sees (with keys permuted
     within segments of ``key_segment`` positions: its segment starts at or before the block's last query).
-    Query row r sits at position r + ``causal_offset``; ``q_len`` defaults to ``kv_len``."""
+    Query row r sits at position r + ``causal_offset``; ``q_len`` defaults to ``kv_len``. With a
+    ``sliding_window`` W (keys in order only), the block's last key must also lie within W of the block's first
+    query (``attention._key_block_flags`` states the same rule for the kernels; change both together)."""
     q_len = kv_len if q_len is None else q_len
     last_position = min(q_len - 1 + causal_offset, kv_len - 1)
-    last_q = torch.clamp(torch.arange(q_blocks, device=device) * BLOCK_Q + BLOCK_Q - 1 + causal_offset,
-                         max=last_position)
-    return _key_segment_start(k_blocks, key_segment, device)[None, :] <= last_q[:, None]
+    first_q = torch.arange(q_blocks, device=device) * BLOCK_Q + causal_offset
+    last_q = torch.clamp(first_q + BLOCK_Q - 1, max=last_position)
+    visible = _key_segment_start(k_blocks, key_segment, device)[None, :] <= last_q[:, None]
+    if sliding_window is not None:
+        last_k = torch.arange(k_blocks, device=device) * BLOCK_K + BLOCK_K - 1
+        visible &= last_k[None, :] > first_q[:, None] - sliding_window
+    return visible
 
 
 def causal_block_straddles(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device,
@@ -445,6 +480,9 @@ def check_permuted_keys(permuted_keys: PermutedKeys | None, shape: AttentionShap
                          f"{shape.kv_heads} or 1, {shape.kv_len})")
     if p.device != device:
         raise ValueError(f"permuted_keys.positions is on {p.device}, q on {device}")
+    if shape.sliding_window is not None:
+        raise ValueError("permuted_keys cannot be combined with sliding_window (a window's edge cuts through "
+                         "permuted segments)")
     if device.type == "cpu":
         permuted_keys.verify()
     return permuted_keys.segment

@@ -85,10 +85,10 @@ def _stage2_thresholds(values: tuple[float, ...], heads: int, device: str, backe
 
 
 def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend,
-             permuted_keys=None, causal_variant=None) -> CompactBlockMask:
+             permuted_keys=None, causal_variant=None, sliding_window=None) -> CompactBlockMask:
     """Stage 1 with its input checks; the kernel walk is None on the reference path."""
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal,
-                                   causal_variant=causal_variant)
+                                   causal_variant=causal_variant, sliding_window=sliding_window)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     return _predict_checked(q, k, shape, is_causal=is_causal, scale=resolve_scale(scale, shape.head_dim),
                             simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, attention_sink=attention_sink,
@@ -107,7 +107,7 @@ def _predict_checked(q, k, shape: AttentionShape, *, is_causal, scale, simthresh
         mask = reference_predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=theta,
                                             cdfthreshd=tau, attention_sink=attention_sink,
                                             tensor_layout=tensor_layout, key_segment=key_segment,
-                                            causal_offset=shape.causal_offset)
+                                            causal_offset=shape.causal_offset, sliding_window=shape.sliding_window)
         return from_kernel_walk(mask, None, shape, is_causal, key_segment=key_segment), None
     check_kernel_dtype(q.dtype)
     # the Hopper kernel's tail order, filled by the same stage-1 kernel
@@ -132,6 +132,7 @@ def predict_block_mask(
     backend: Backend = "auto",
     permuted_keys: PermutedKeys | None = None,
     causal_variant: CausalVariant | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Stage 1 of SpargeAttn: predict which (128-query, 64-key) blocks of the attention map to compute.
 
@@ -152,12 +153,16 @@ def predict_block_mask(
             0..i + Nkv - Nq, as FlashAttention aligns it and chunked prefill against a KV cache needs) or
             "upper_left" (keys 0..i, as SDPA's ``is_causal``). Required for causal calls with unequal lengths
             (None raises there), ignored at equal lengths, and only with ``is_causal``.
+        sliding_window: with ``is_causal``, each query sees only its ``sliding_window`` most recent keys, itself
+            included (the query at causal position p sees keys p - W + 1 .. p: transformers' ``sliding_window``,
+            FlashAttention's ``window_size=(W - 1, 0)``). Blocks wholly before every query's window are hidden
+            (not kept, and left out of TopCdf's softmax). Not with ``permuted_keys``.
     Returns:
         (B, H, ceil(Nq/128), ceil(Nkv/64)) bool mask; every query block keeps at least one key block.
     """
     return _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
                     attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend,
-                    permuted_keys=permuted_keys, causal_variant=causal_variant).mask
+                    permuted_keys=permuted_keys, causal_variant=causal_variant, sliding_window=sliding_window).mask
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -218,6 +223,7 @@ def block_sparse_attention(
     out: torch.Tensor | None = None,
     permuted_keys: PermutedKeys | None = None,
     causal_variant: CausalVariant | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Block-sparse attention for any block mask (stage 2 of SpargeAttn, usable alone).
 
@@ -242,13 +248,17 @@ def block_sparse_attention(
             slot r when ``permuted_keys.positions[..., r] <= i``. A dense call (``block_mask=None``) then walks
             an all-ones mask.
         causal_variant: "lower_right" or "upper_left", as in :func:`predict_block_mask`.
+        sliding_window: with ``is_causal``, the query at causal position p sees keys p - W + 1 .. p only (see
+            :func:`predict_block_mask`); blocks wholly outside the window are skipped whatever the mask says, and
+            those it cuts are masked element by element. A dense call (``block_mask=None``) then walks an
+            all-ones mask. A :class:`CompactBlockMask` must be built with the same window.
     Returns:
         The output in q's layout and dtype, with q's strides where q's last dim is contiguous (as SDPA's
         output has), else contiguous; query rows that see no key (an empty mask row, or rows before the first
         key under the lower-right variant with Nq > Nkv) are zero.
     """
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
-                                   causal_variant=causal_variant)
+                                   causal_variant=causal_variant, sliding_window=sliding_window)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     if isinstance(block_mask, CompactBlockMask):
         block_mask.check_matches(shape, is_causal, q.device, key_segment)
@@ -272,9 +282,9 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
     if isinstance(block_mask, CompactBlockMask):
         compact, block_mask = block_mask, block_mask.mask
     key_segment = permuted_keys.segment if permuted_keys is not None else BLOCK_K
-    if block_mask is None and (chosen == "reference" or permuted_keys is not None):
-        # the reference walks a mask; with permuted keys so does the kernel (its dense mode's contiguous walk
-        # follows plain causal extents)
+    if block_mask is None and (chosen == "reference" or permuted_keys is not None or shape.sliding_window is not None):
+        # the reference walks a mask; with permuted keys or a sliding window so does the kernel (its dense mode's
+        # contiguous walk follows plain causal extents)
         block_mask = torch.ones(1, 1, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device=q.device)
     if chosen == "reference":
         result, stats = reference_block_sparse_attention(
@@ -337,6 +347,7 @@ def sparge_attention(
     out: torch.Tensor | None = None,
     permuted_keys: PermutedKeys | None = None,
     causal_variant: CausalVariant | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """SpargeAttn: predict a block mask (stage 1) and run sparse attention with the PV filter (stage 2).
 
@@ -345,7 +356,8 @@ def sparge_attention(
     more). See :func:`predict_block_mask` and :func:`block_sparse_attention` for each argument
     (``permuted_keys``: PBS-Attn's keys permuted within segments for causal prefill; ``sparge_diffusers.llm.
     pbs_sparge_attention`` builds them; ``causal_variant``: the causal mask's alignment when Nq != Nkv, e.g.
-    "lower_right" for a chunk of queries against a KV cache).
+    "lower_right" for a chunk of queries against a KV cache; ``sliding_window``: each query sees its W most
+    recent keys, as a Mistral or Gemma local layer does).
 
     Example:
         >>> out = sparge_attention(q, k, v, tensor_layout="NHD")                # (B, N, H, D) bf16 on CUDA
@@ -355,7 +367,7 @@ def sparge_attention(
     # Checked once here and handed down: each check and each small allocation is host time that every layer
     # of an eager pipeline pays (benchmarks/host_time.py).
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
-                                   causal_variant=causal_variant)
+                                   causal_variant=causal_variant, sliding_window=sliding_window)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)

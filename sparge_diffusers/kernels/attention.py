@@ -28,7 +28,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_POSITION, IS_CAUSAL: tl.constexpr,
+def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_POSITION, WINDOW, IS_CAUSAL: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, KEY_SEGMENT: tl.constexpr):
     """(visible, needs_masking, diagonal) of key blocks ``cols`` for the query block(s) starting at row ``first_q``
     (shapes broadcast): visible = ``valid`` and, under causal masking, not wholly in the future; diagonal = under
@@ -37,7 +37,9 @@ def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_POSITION, IS_C
     causal_offset``), and no row past LAST_POSITION (``AttentionShape.last_query_position``). With keys permuted
     within segments of KEY_SEGMENT positions (``_inputs.PermutedKeys``; BLOCK_K = keys in order), a block's keys may
     come from anywhere in its segment, so the rule applies to the segment's extent (``_inputs.
-    causal_block_visible`` restates it for the reference; change both together)."""
+    causal_block_visible`` restates it for the reference; change both together). A sliding window of WINDOW keys
+    (``AttentionShape.window_arg``; keys in order) also hides blocks wholly before the block's first query's
+    window, and element-masks blocks that start before its last query's window."""
     needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
     visible = valid
     diagonal = cols < 0  # all False, in the shape of cols
@@ -47,9 +49,12 @@ def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_POSITION, IS_C
         else:
             first_k = cols * BLOCK_K // KEY_SEGMENT * KEY_SEGMENT
         first_position = first_q + Q_OFFSET
-        visible = visible & (first_k <= tl.minimum(first_position + BLOCK_Q - 1, LAST_POSITION))
+        last_position = tl.minimum(first_position + BLOCK_Q - 1, LAST_POSITION)
+        visible = visible & (first_k <= last_position)
         diagonal = (first_k + KEY_SEGMENT - 1) > first_position
-        needs_masking = needs_masking | diagonal
+        # the query at position p sees keys p - WINDOW + 1 .. p (no-ops at NO_WINDOW)
+        visible = visible & (first_k + KEY_SEGMENT - 1 > first_position - WINDOW)
+        needs_masking = needs_masking | diagonal | (first_k <= last_position - WINDOW)
     return visible, needs_masking, diagonal
 
 
@@ -71,9 +76,24 @@ def _record_tail_tiles(TAIL_SIZES, TAIL_TILES, tail_start, tail_width, pid_bh, q
 
 
 @triton.jit
+def _walk_positions(keep, needs_masking, axis: tl.constexpr):
+    """(position in the walk of each kept block, count of blocks needing no element masking) along ``axis``: those
+    blocks first, then the masked ones, each in ascending order. Without a sliding window the masked blocks (the
+    ragged last block, the causal diagonal) already come last; a window's masked blocks come first by position."""
+    full = keep & ~needs_masking
+    n_full = tl.sum(full.to(tl.int32), axis=axis)
+    masked_first = n_full
+    if axis == 1:  # rows of a 2-D block: one count per row
+        masked_first = tl.expand_dims(n_full, 1)
+    position = tl.where(full, tl.cumsum(full.to(tl.int32), axis=axis) - 1,
+                        masked_first + tl.cumsum((keep & needs_masking).to(tl.int32), axis=axis) - 1)
+    return position, n_full
+
+
+@triton.jit
 def _block_mask_to_index_kernel(
     MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width, H, NQ, NK, KV_LEN, Q_OFFSET,
-    LAST_POSITION, stride_mb, stride_mh, stride_mq, stride_mk,
+    LAST_POSITION, WINDOW, stride_mb, stride_mh, stride_mq, stride_mk,
     NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     KEY_SEGMENT: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
 ):
@@ -86,15 +106,14 @@ def _block_mask_to_index_kernel(
     keep = tl.load(MASK + b * stride_mb + h * stride_mh + pid_q * stride_mq + cols * stride_mk,
                    mask=cvalid, other=0) != 0
     keep, needs_masking, _ = _key_block_flags(pid_q * BLOCK_Q, cols, keep & cvalid, KV_LEN, Q_OFFSET, LAST_POSITION,
-                                              IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
+                                              WINDOW, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
                                               KEY_SEGMENT=KEY_SEGMENT)
-    kept = keep.to(tl.int32)
-    position = tl.cumsum(kept, axis=0) - 1
+    position, n_full = _walk_positions(keep, needs_masking, axis=0)
     row = pid_bh.to(tl.int64) * NQ + pid_q
-    count = tl.sum(kept, axis=0)
+    count = tl.sum(keep.to(tl.int32), axis=0)
     tl.store(INDEX + row * NK + position, cols, mask=keep)
     tl.store(COUNT + row, count)
-    tl.store(NFULL + row, tl.sum((keep & ~needs_masking).to(tl.int32), axis=0))
+    tl.store(NFULL + row, n_full)
     if RECORD_TAIL:
         _record_tail_tiles(TAIL_SIZES, TAIL_TILES, tail_start, tail_width, pid_bh, pid_q, count, NQ, NK, True,
                            BUCKETS=BUCKETS)
@@ -120,14 +139,15 @@ def _dense_row_extent(first_q, kv_len, NK, q_offset, last_position, IS_CAUSAL: t
 def _attend_tile(
     acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
     stride_kn, stride_kd, stride_vn, stride_vd,
-    q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
+    q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale, window,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False,
-    WIDE: tl.constexpr = False,
+    WIDE: tl.constexpr = False, WINDOWED: tl.constexpr = False,
 ):
     """One key tile (the keys in slots ``cols``) folded into the online-softmax state. ``q_pos``: the rows'
     causal positions (row + ``AttentionShape.causal_offset``). With PERMUTED_KEYS the causal test of a masked
-    tile compares each slot's original position (``KPOS_base[cols]``) with the row's. ``WIDE``: K/V row offsets
-    in int64 (``_inputs.wide_offsets``)."""
+    tile compares each slot's original position (``KPOS_base[cols]``) with the row's; with WINDOWED it also
+    hides keys ``window`` or more positions before the row's. ``WIDE``: K/V row offsets in int64
+    (``_inputs.wide_offsets``)."""
     kv_mask = d_mask[None, :]
     if MASKED:
         kv_mask = kv_mask & (cols < kv_len)[:, None]
@@ -144,6 +164,8 @@ def _attend_tile(
             else:
                 key_pos = cols
             visible = visible & (key_pos[None, :] <= q_pos[:, None])
+            if WINDOWED:
+                visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
     # Scores stay unscaled; the scale (with log2 e) enters the row max and, fused as one FMA, the exponent.
     m_local = tl.max(qk, axis=1) * qk_scale
@@ -174,8 +196,9 @@ def _attend_tile(
 def _walk_blocks(
     acc, l_i, m_i, pv_count, j_next, start, end, index, count, q, offs_n, K_base, V_base, KPOS_base,
     stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
+    window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
     USE_INDEX: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False, WIDE: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False,
 ):
     """Tiles start .. end-1 of a row's walk: key block index[it], whose index the caller loaded one step ahead
     into ``j_next`` (returned one step further), or key block ``it`` itself without an index."""
@@ -186,8 +209,8 @@ def _walk_blocks(
         acc, l_i, m_i, pv_count = _attend_tile(
             acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, KPOS_base,
             stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
-            pv_threshold, qk_scale, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, PERMUTED_KEYS=PERMUTED_KEYS,
-            WIDE=WIDE)
+            pv_threshold, qk_scale, window, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP,
+            PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE, WINDOWED=WINDOWED)
     return acc, l_i, m_i, pv_count, j_next
 
 
@@ -263,7 +286,7 @@ def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
 @triton.jit
 def _sparse_attention_kernel(
     Q, K, V, O, INDEX, COUNT, NFULL, PV_THRESHOLD, PV_COUNT, KPOS,
-    qk_scale, H, GROUP, q_len, kv_len, NK, q_offset, last_position, stride_pb, stride_ph,
+    qk_scale, H, GROUP, q_len, kv_len, NK, q_offset, last_position, window, stride_pb, stride_ph,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -271,6 +294,7 @@ def _sparse_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_INDEX: tl.constexpr, PV_SKIP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
     PAIR_TILES: tl.constexpr, TMA_IO: tl.constexpr, PERMUTED_KEYS: tl.constexpr, WIDE: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     b, h, row, offs_m, offs_d, d_mask, row_valid, q, K_base, V_base = _query_tile(
         Q, K, V, H, GROUP, q_len, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
@@ -312,18 +336,18 @@ def _sparse_attention_kernel(
             acc, l_i, m_i, pv_count = _attend_tile(
                 acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
-                pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, WIDE=WIDE)
+                pv_threshold, qk_scale, window, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, WIDE=WIDE)
         first_single = 2 * n_pairs
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, first_single, n_full, index, count, q, offs_n, K_base, V_base, KPOS_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
-        qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
+        qk_scale, window, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
         WIDE=WIDE)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, n_full, count, index, count, q, offs_n, K_base, V_base, KPOS_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
-        qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
-        PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE)
+        qk_scale, window, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
+        PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE, WINDOWED=WINDOWED)
 
     _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od,
                   TMA_IO=TMA_IO, OUT_DTYPE=q.dtype, WIDE=WIDE)
@@ -350,7 +374,7 @@ def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_caus
     n_full = torch.empty_like(count)
     launch(_block_mask_to_index_kernel, (nq, B * H),
         m, index, count, n_full, *tail_kernel_args(tail, count), H, nq, nk, shape.kv_len, shape.causal_offset,
-        shape.last_query_position, *m.stride(),
+        shape.last_query_position, shape.window_arg, *m.stride(),
         NK_PAD=max(next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         KEY_SEGMENT=key_segment, RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
     )
@@ -450,6 +474,8 @@ def sparse_attention_triton(
     """
     if key_positions is not None and (index is None or not is_causal):
         raise ValueError("key_positions needs a causal call with an index compacted for its key segment")
+    if shape.sliding_window is not None and (index is None or not is_causal):
+        raise ValueError("a sliding window needs a causal call with an index compacted for it")
     if on_hopper is None:
         on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None,
                                             dense=index is None)
@@ -474,12 +500,12 @@ def sparse_attention_triton(
     launch(_sparse_attention_kernel, (nq, B * H),
         q_arg, kh, vh, out_arg, idx, count, n_full, pv_thr, pv_count, kpos,
         scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
-        shape.last_query_position, *kpos_strides,
+        shape.last_query_position, shape.window_arg, *kpos_strides,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,
         RETURN_COUNTS=return_counts, PAIR_TILES=pair_tiles(shape.head_dim, index is not None, pvthreshd is not None),
         TMA_IO=tma_io, PERMUTED_KEYS=key_positions is not None, WIDE=wide_offsets(qh, kh, vh, out_h),
-        **_launch_config(shape.head_dim),
+        WINDOWED=shape.sliding_window is not None, **_launch_config(shape.head_dim),
     )
     return pv_count if return_counts else None

@@ -143,13 +143,16 @@ if GLUON_IMPORT_ERROR is None:
         return probs, m_new, l_i, acc
 
     @gluon.jit
-    def _mask_scores(qk, cols, cols_kept, q_rows, IS_CAUSAL: gl.constexpr):
+    def _mask_scores(qk, cols, cols_kept, q_rows, IS_CAUSAL: gl.constexpr, window=0, WINDOWED: gl.constexpr = False):
         """Scores with -inf where a key column is not kept (``cols_kept`` False: past the keys, or the masked
-        copy of an odd last block) or, under causal masking, lies after the query row. cols: the stage's key
-        positions, q_rows: the consumer's query positions (in the layouts of qk's columns and rows)."""
+        copy of an odd last block) or, under causal masking, lies after the query row (or, with WINDOWED,
+        ``window`` or more positions before it). cols: the stage's key positions, q_rows: the consumer's query
+        positions (in the layouts of qk's columns and rows)."""
         visible = gl.expand_dims(cols_kept, 0)
         if IS_CAUSAL:
             visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(q_rows, 1))
+            if WINDOWED:
+                visible = visible & (gl.expand_dims(cols, 0) > gl.expand_dims(q_rows, 1) - window)
         return gl.where(visible, qk, float("-inf"))
 
     @gluon.jit
@@ -325,8 +328,9 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
                   INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset,
-                  last_position, n_tiles, STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  PERMUTED_KEYS: gl.constexpr, NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
+                  last_position, window, n_tiles, STAGES: gl.constexpr, USE_INDEX: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, PERMUTED_KEYS: gl.constexpr, WINDOWED: gl.constexpr,
+                  NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
         """Rows HALF * 64 .. HALF * 64 + 63 of each tile: both consumers wait on the same stage barriers and
         each releases every stage and Q buffer once (the empty barriers count two arrivals). With PERMUTED_KEYS
         (keys permuted within segments, always with an index), the causal test of a masked stage compares the
@@ -377,7 +381,7 @@ if GLUON_IMPORT_ERROR is None:
                     if PERMUTED_KEYS:
                         key_pos = gl.load(KPOS + b * stride_pb + hk * stride_ph + cols, mask=cols < kv_len, other=0)
                     qk = _mask_scores(qk, key_pos, (cols < kv_len) & (first_half | (2 * p + 1 < count)),
-                                      (2 * m + HALF) * BLOCK_M + q_offset + offs_r, IS_CAUSAL)
+                                      (2 * m + HALF) * BLOCK_M + q_offset + offs_r, IS_CAUSAL, window, WINDOWED)
                 probs, m_i, l_i, acc = _softmax_step(qk, m_i, l_i, acc, qk_scale, rows_o)
                 acc = _stage_pv(gl.convert_layout(probs.to(o_desc.dtype), p_layout), v_bufs, acc, kv_empty, kv_c,
                                 STAGES)
@@ -399,7 +403,7 @@ if GLUON_IMPORT_ERROR is None:
                     if PERMUTED_KEYS:
                         key_pos = gl.load(KPOS + b * stride_pb + hk * stride_ph + cols, mask=cols < kv_len, other=0)
                     qk = _mask_scores(qk, key_pos, cols < kv_len, (2 * m + HALF) * BLOCK_M + q_offset + offs_rh,
-                                      IS_CAUSAL)
+                                      IS_CAUSAL, window, WINDOWED)
                     probs, m_h, l_h, acc = _softmax_step(qk, gl.convert_layout(m_i, rows_h),
                                                          gl.convert_layout(l_i, rows_h), acc, qk_scale, rows_o)
                     m_i = gl.convert_layout(m_h, rows_s)
@@ -444,22 +448,22 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES,
                                  KPOS, stride_pb, stride_ph,
-                                 tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset, last_position, n_tiles,
-                                 HEAD_DIM: gl.constexpr,
+                                 tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset, last_position, window,
+                                 n_tiles, HEAD_DIM: gl.constexpr,
                                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                                 PERMUTED_KEYS: gl.constexpr, USE_TAIL: gl.constexpr, BUCKETS: gl.constexpr,
-                                 NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                                 PERMUTED_KEYS: gl.constexpr, WINDOWED: gl.constexpr, USE_TAIL: gl.constexpr,
+                                 BUCKETS: gl.constexpr, NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         q_bufs, k_bufs, v_bufs, o_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty = _allocate_ring(
             q_desc, k_desc, HEAD_DIM, STAGES)
         gl.warp_specialize([
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
                          kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,
-                         kv_len, q_offset, last_position, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, PERMUTED_KEYS,
-                         NUM_WARPS, 0)),
+                         kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX, IS_CAUSAL,
+                         PERMUTED_KEYS, WINDOWED, NUM_WARPS, 0)),
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(1), tile_ids, q_ready, q_empty, kv_ready,
                          kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,
-                         kv_len, q_offset, last_position, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, PERMUTED_KEYS,
-                         NUM_WARPS, 1)),
+                         kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX, IS_CAUSAL,
+                         PERMUTED_KEYS, WINDOWED, NUM_WARPS, 1)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
                        kv_empty, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK,
                        kv_len, q_offset, last_position, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL, BUCKETS)),
@@ -647,6 +651,8 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     segments (causal calls with an index compacted for that segment; see ``attention.sparse_attention_triton``)."""
     if key_positions is not None and (index is None or not is_causal):
         raise ValueError("key_positions needs a causal call with an index compacted for its key segment")
+    if shape.sliding_window is not None and (index is None or not is_causal):
+        raise ValueError("a sliding window needs a causal call with an index compacted for it")
     n_tiles = shape.batch * shape.heads * shape.q_blocks
     if tail is not None and tail.start + tail.width != n_tiles:
         raise ValueError(f"the tail schedule covers tickets {tail.start}..{tail.start + tail.width - 1}, this call "
@@ -665,7 +671,8 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
         _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
         idx, count, n_full, ticket, sizes, tiles, kpos, *kpos_strides, tail_start, scale * LOG2E, shape.heads,
         shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, shape.causal_offset,
-        shape.last_query_position, n_tiles,
+        shape.last_query_position, shape.window_arg, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
-        PERMUTED_KEYS=key_positions is not None, USE_TAIL=use_tail, BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS,
+        PERMUTED_KEYS=key_positions is not None, WINDOWED=shape.sliding_window is not None, USE_TAIL=use_tail,
+        BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -36,6 +36,7 @@ class CompactBlockMask:
             with the walk for a CUDA mask; None elsewhere.
         causal_offset: the causal position of query row 0 (``AttentionShape.causal_offset``: nonzero for a
             causal variant with Nq != Nkv), which decided the hidden and the diagonal blocks.
+        sliding_window: the calls' sliding window (None: none), which hid the blocks before it.
     """
 
     mask: torch.Tensor
@@ -50,6 +51,7 @@ class CompactBlockMask:
     tail: TailSchedule | None = None
     key_segment: int = BLOCK_K
     causal_offset: int = 0
+    sliding_window: int | None = None
 
     @property
     def kernel_walk(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -57,8 +59,8 @@ class CompactBlockMask:
 
     def check_matches(self, shape: AttentionShape, is_causal: bool, device: torch.device,
                       key_segment: int = BLOCK_K) -> None:
-        """Raise ValueError unless this mask was built for calls of this shape, causality (and causal variant),
-        device and key segment."""
+        """Raise ValueError unless this mask was built for calls of this shape, causality (and causal variant and
+        sliding window), device and key segment."""
         built = (self.batch, self.heads, self.q_len, self.kv_len)
         given = (shape.batch, shape.heads, shape.q_len, shape.kv_len)
         if built != given:
@@ -71,6 +73,9 @@ class CompactBlockMask:
             raise ValueError(f"CompactBlockMask was built for causal offset {self.causal_offset} (query row 0 at key "
                              f"position {self.causal_offset}), the call has {shape.causal_offset}: another "
                              f"causal_variant")
+        if is_causal and self.sliding_window != shape.sliding_window:
+            raise ValueError(f"CompactBlockMask was built for sliding_window={self.sliding_window}, the call has "
+                             f"sliding_window={shape.sliding_window}")
         if self.mask.device != device:
             raise ValueError(f"CompactBlockMask is on {self.mask.device}, q on {device}")
         if is_causal and self.key_segment != key_segment:
@@ -105,10 +110,11 @@ def compact_block_mask(
     backend: Backend = "auto",
     permuted_keys: PermutedKeys | None = None,
     causal_variant: CausalVariant | None = None,
+    sliding_window: int | None = None,
 ) -> CompactBlockMask:
     """Compact ``block_mask`` once for repeated :func:`block_sparse_attention` calls on inputs shaped like
     ``q`` and ``k`` (only their shapes and device are read), and with ``permuted_keys`` of the same segment
-    and the same ``causal_variant`` (see :func:`~sparge_diffusers.predict_block_mask`).
+    and the same ``causal_variant`` and ``sliding_window`` (see :func:`~sparge_diffusers.predict_block_mask`).
 
     Example:
         >>> cm = compact_block_mask(mask, q, k)             # mask: (B|1, H|1, ceil(N/128), ceil(N/64)) bool
@@ -116,7 +122,7 @@ def compact_block_mask(
         ...     out = block_sparse_attention(layer_q, layer_k, layer_v, cm)
     """
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal,
-                                   causal_variant=causal_variant)
+                                   causal_variant=causal_variant, sliding_window=sliding_window)
     check_block_mask(block_mask, shape, q.device)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     walk, tail = None, None
@@ -132,4 +138,5 @@ def from_kernel_walk(mask: torch.Tensor, walk: tuple[torch.Tensor, torch.Tensor,
     """Wrap a mask and a walk built elsewhere (stage 1 writes both, and fills ``tail``, in one kernel)."""
     index, count, n_full = walk if walk is not None else (None, None, None)
     return CompactBlockMask(mask, index, count, n_full, shape.batch, shape.heads, shape.q_len, shape.kv_len,
-                            is_causal, tail if walk is not None else None, key_segment, shape.causal_offset)
+                            is_causal, tail if walk is not None else None, key_segment, shape.causal_offset,
+                            shape.sliding_window)

@@ -23,7 +23,7 @@ import triton.language as tl
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, wide_offsets
 from .._launch import cdiv, launch, next_power_of_2
 from . import attention_hopper
-from .attention import LOG2E, _key_block_flags, _record_tail_tiles, tail_kernel_args
+from .attention import LOG2E, _key_block_flags, _record_tail_tiles, _walk_positions, tail_kernel_args
 
 _BITS_ABOVE_ONE = 0x3F800001  # int32 bit pattern of the float right after 1.0
 
@@ -124,7 +124,7 @@ def _compressed_scores_kernel(QMEAN, KMEAN, S, H, GROUP, NQ, NK, scale_log2,
 @triton.jit
 def _topcdf_block_mask_kernel(
     SCORES, QSIM, KSIM, THETA, TAU, MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width,
-    H, GROUP, NQ, NK, KV_LEN, Q_OFFSET, LAST_POSITION,
+    H, GROUP, NQ, NK, KV_LEN, Q_OFFSET, LAST_POSITION, WINDOW,
     ROWS: tl.constexpr, NK_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     KEY_SEGMENT: tl.constexpr, BITS_ABOVE_ONE: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
@@ -148,7 +148,7 @@ def _topcdf_block_mask_kernel(
     k_similar = tl.load(KSIM + bhk * NK + cols, mask=cvalid, other=1.0) > theta
     valid, needs_masking, diagonal = _key_block_flags(
         (rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :], KV_LEN, Q_OFFSET, LAST_POSITION,
-        IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=KEY_SEGMENT)
+        WINDOW, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=KEY_SEGMENT)
     live = valid & k_similar[None, :]
     s = tl.where(live, s, float("-inf"))
     row_max = tl.max(s, axis=1)
@@ -179,14 +179,13 @@ def _topcdf_block_mask_kernel(
     tl.store(MASK + row_offset[:, None] + cols[None, :], keep.to(tl.int8), mask=rvalid[:, None] & cvalid[None, :])
 
     # The attention kernel's compacted walk, built here while the row is in registers (same layout as
-    # attention._block_mask_to_index_kernel): ascending kept key blocks, tiles needing no masking first.
-    kept = keep.to(tl.int32)
-    position = tl.cumsum(kept, axis=1) - 1
+    # attention._block_mask_to_index_kernel): kept key blocks needing no masking first, each kind ascending.
+    position, n_full = _walk_positions(keep, needs_masking, axis=1)
     tl.store(INDEX + row_offset[:, None] + position, cols[None, :] + 0 * position, mask=keep)
     row_ids = pid_bh * NQ + rows
-    count = tl.sum(kept, axis=1)
+    count = tl.sum(keep.to(tl.int32), axis=1)
     tl.store(COUNT + row_ids, count, mask=rvalid)
-    tl.store(NFULL + row_ids, tl.sum((keep & ~needs_masking).to(tl.int32), axis=1), mask=rvalid)
+    tl.store(NFULL + row_ids, n_full, mask=rvalid)
     if RECORD_TAIL:
         _record_tail_tiles(TAIL_SIZES, TAIL_TILES, tail_start, tail_width, pid_bh, rows, count, NQ, NK, rvalid,
                            BUCKETS=BUCKETS)
@@ -292,7 +291,7 @@ def topcdf_block_mask_triton(
     launch(_topcdf_block_mask_kernel, grid,
         scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
         shape.heads, shape.heads // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset,
-        shape.last_query_position, ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
+        shape.last_query_position, shape.window_arg, ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
         BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=key_segment, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
         RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=num_warps,
     )

@@ -81,10 +81,12 @@ def reference_prediction_details(
     tensor_layout: TensorLayout = "HND",
     key_segment: int = BLOCK_K,
     causal_offset: int = 0,
+    sliding_window: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Stage 1 with every intermediate exposed (used by tests to locate borderline decisions).
     ``key_segment``: keys permuted within segments of that many positions (``_inputs.PermutedKeys``);
-    ``causal_offset``: query row i sits at causal position i + causal_offset (``AttentionShape.causal_offset``)."""
+    ``causal_offset``: query row i sits at causal position i + causal_offset (``AttentionShape.causal_offset``);
+    ``sliding_window``: blocks wholly outside every query's window are hidden, as under causal masking."""
     qh, kh = to_hnd(q, tensor_layout), to_hnd(k, tensor_layout)
     B, H, Nq, D = qh.shape
     HK, Nkv = kh.shape[1], kh.shape[2]
@@ -101,7 +103,8 @@ def reference_prediction_details(
     scores = (q_means @ k_means.transpose(-1, -2)) * scale  # compressed Q.K^T, (B, H, nq, nk)
     visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     if is_causal:
-        visible = causal_block_visible(nq, nk, Nkv, q.device, key_segment, q_len=Nq, causal_offset=causal_offset)
+        visible = causal_block_visible(nq, nk, Nkv, q.device, key_segment, q_len=Nq, causal_offset=causal_offset,
+                                       sliding_window=sliding_window)
     # Non-self-similar key blocks are not represented by their mean: keep them out of the softmax.
     scores = scores.masked_fill(~k_similar[:, :, None, :] | ~visible, -math.inf)
     row_max = scores.amax(-1, keepdim=True)
@@ -179,7 +182,7 @@ def reference_block_sparse_attention(
     mask = block_mask.to(torch.bool).expand(B, H, nq, nk)
     if is_causal:
         mask = mask & causal_block_visible(nq, nk, shape.kv_len, q.device, key_segment, q_len=shape.q_len,
-                                           causal_offset=shape.causal_offset)
+                                           causal_offset=shape.causal_offset, sliding_window=shape.sliding_window)
     thr = None if pvthreshd is None else pvthreshd.view(1, H).to(q.device)
     out = torch.zeros_like(qh)
     qk_counts = mask.sum(-1).to(torch.int64)
@@ -200,7 +203,10 @@ def reference_block_sparse_attention(
             s = (qi @ kh[:, :, cols].transpose(-1, -2)) * (scale * LOG2E)  # log2 domain, like the kernel
             if is_causal:
                 k_pos = key_positions[:, :, cols]  # (B, H, keys): original positions
-                s = s.masked_fill(k_pos[:, :, None, :] > q_pos[:, None], -math.inf)
+                hidden = k_pos[:, :, None, :] > q_pos[:, None]
+                if shape.sliding_window is not None:  # the query at position p sees keys p - W + 1 .. p
+                    hidden |= k_pos[:, :, None, :] <= q_pos[:, None] - shape.sliding_window
+                s = s.masked_fill(hidden, -math.inf)
             m_local = s.amax(-1)
             m_new = torch.maximum(m, m_local)
             m_use = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that have seen no key yet

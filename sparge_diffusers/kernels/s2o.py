@@ -38,12 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, causal_block_visible, wide_offsets
+from ._inputs import BLOCK_K, BLOCK_Q, NO_WINDOW, AttentionShape, causal_block_visible, wide_offsets
 from .._launch import cdiv, launch, next_power_of_2
 from . import attention, s2o_hopper
 from .attention import (LOG2E, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile, _store_output,
                         _walk_blocks)
 from .predict import compressed_scores_triton
+
+_NO_WINDOW: tl.constexpr = tl.constexpr(NO_WINDOW)  # S2O's walks take no sliding window
 
 # Default number of ranked tiles between two stop tests (see the kernel's comment).
 CHECK_EVERY = 16
@@ -80,11 +82,11 @@ def _ordered_attention_kernel(
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, 0, n_unmasked, index, count, q, offs_n, K_base, V_base, K_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
-        qk_scale, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True, WIDE=WIDE)
+        qk_scale, 0, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True, WIDE=WIDE)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, n_unmasked, n_forced, index, count, q, offs_n, K_base, V_base, K_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
-        qk_scale, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True, WIDE=WIDE)
+        qk_scale, 0, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=True, WIDE=WIDE)
 
     # Ranked blocks, most important first (fully visible whole tiles: no masking), in chunks of CHECK_EVERY
     # tiles: the inner loop is an ordinary, software-pipelined for loop, and the stop test runs between
@@ -118,7 +120,7 @@ def _ordered_attention_kernel(
             acc, l_i, m_i, pv_count = _attend_tile(
                 acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, K_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
-                pv_threshold, qk_scale, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, WIDE=WIDE)
+                pv_threshold, qk_scale, 0, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, WIDE=WIDE)
         visited = tl.where(go, end, visited)
         if EARLY_STOP:
             before = l_old * tl.exp2(m_old - m_i)  # the normaliser before the last tile, at the new max
@@ -173,7 +175,7 @@ def _visit_order_kernel(
     forced = tl.minimum(tl.load(KSIM + bhk.to(tl.int64) * NK + cols, mask=cvalid, other=1.0),
                         tl.load(QSIM + row)) <= theta
     first_q = i * BLOCK_Q
-    visible, needs_masking, _ = _key_block_flags(first_q, cols, cvalid, KV_LEN, Q_OFFSET, LAST_POSITION,
+    visible, needs_masking, _ = _key_block_flags(first_q, cols, cvalid, KV_LEN, Q_OFFSET, LAST_POSITION, _NO_WINDOW,
                                                  IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
                                                  KEY_SEGMENT=BLOCK_K)
     forced = forced | needs_masking  # the ragged last block and the causal diagonal

@@ -14,9 +14,10 @@ class SparsityStats:
     """Per-head fractions of skipped block products (averaged over the batch).
 
     The denominators are the block products dense attention computes: every (query block, key block)
-    pair, or under causal masking only the pairs with at least one visible key. With keys permuted within
-    segments (``_inputs.PermutedKeys``) the denominator stays plain causal attention's: the blocks of the
-    diagonal segment are all computed, so a mask that keeps almost everything can skip a negative fraction.
+    pair, or under causal masking (and a sliding window, if any) only the pairs with at least one visible key.
+    With keys permuted within segments (``_inputs.PermutedKeys``) the denominator stays plain causal
+    attention's: the blocks of the diagonal segment are all computed, so a mask that keeps almost everything
+    can skip a negative fraction.
     Per-query selections (FSA, :func:`~sparge_diffusers.kernels.selected.selection_sparsity`) count (query, key)
     pairs instead of block products.
 
@@ -94,7 +95,8 @@ def dense_block_count(shape: AttentionShape, is_causal: bool) -> int:
     if not is_causal:
         return shape.q_blocks * shape.k_blocks
     return int(causal_block_visible(shape.q_blocks, shape.k_blocks, shape.kv_len, torch.device("cpu"),
-                                    q_len=shape.q_len, causal_offset=shape.causal_offset).sum())
+                                    q_len=shape.q_len, causal_offset=shape.causal_offset,
+                                    sliding_window=shape.sliding_window).sum())
 
 
 def sparsity_stats(qk_counts: torch.Tensor, pv_counts: torch.Tensor, shape: AttentionShape,
