@@ -11,8 +11,7 @@ Per (length, window):
     structured inputs (``sparge_diffusers.testing.llm_like_qkv``: sink, local window, vertical stripes), with its
     sparsity against the blocks the window leaves.
 Every method runs on the same inputs; relative L1 against float32 attention under the window on 1024 sampled query
-rows. Times: kernel ms from CUDA-graph replays where the call allows one (median of 20), else wall ms per call with a
-sync, fastest of 3 interleaved rounds.
+rows. Times: kernel ms from CUDA-graph replays (median), fastest of 3 interleaved rounds.
 
 Usage: python benchmarks/sliding_window.py [--cases 32768:4096,32768:1024,8192:1024] [--out results.json]
 """
@@ -36,26 +35,12 @@ from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def graph_ms(fn, reps: int = 20) -> float:
-    """Median kernel ms of ``fn`` replayed from a CUDA graph (captured after warm-up calls on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def graph_ms(fn) -> float:
+    """Median kernel ms of ``fn`` from CUDA-graph replays (Triton's do_bench_cudagraph, as benchmarks/attention.py
+    times): no host time in it, for every method alike."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
 def exact_rows(q, k, v, window: int, rows: torch.Tensor) -> torch.Tensor:
