@@ -3,7 +3,8 @@
 The grids of test_kernels.py and test_attention_hopper.py vary one axis at a time on a few shapes. Each seed
 here draws one call that combines them: odd lengths up to several waves of the Hopper kernel's schedule,
 either layout, bf16 or fp16, a GQA group, the Hopper kernel's head dims and the Triton kernel's others,
-causal or not, N_q != N_kv (causal too, under either causal variant), a mask of random density (broadcast over
+causal or not, N_q != N_kv (causal too, under either causal variant), a sliding window on about two in five
+causal calls, a mask of random density (broadcast over
 batch or heads, some rows empty) given as a bool tensor, as a prebuilt CompactBlockMask, or not at all (dense),
 or the whole method on structured inputs, the stage-2 test on or off, a non-contiguous q, and an output buffer
 poisoned with NaN that is longer than the call's rows. Every check is the same: no NaN, the rows past the call
@@ -55,7 +56,15 @@ def draw_call(seed: int) -> dict:
         pvthreshd=rng.choice([None, None, 50.0, 20.0]),
         strided_q=rng.random() < 0.25,
         seed=seed,
-    ) | _causal_variant(rng, causal, q_len)
+    ) | _causal_variant(rng, causal, q_len) | _sliding_window(rng, causal)
+
+
+def _sliding_window(rng: random.Random, causal: bool) -> dict:
+    """A causal call's sliding window (drawn last, so that the earlier fields' draws stay as they were): about two in
+    five causal calls have one, from a single key to wider than most calls."""
+    window = rng.choice([None, None, 1, 64, 100, 129, 500, 2000, 8000, None, None, None, None, None, None, None,
+                         None, None])
+    return {"sliding_window": window if causal else None}
 
 
 def _draw_shape(rng: random.Random, kv_heads: int, causal: bool, q_len: int, head_groups: list[int]) -> dict:
@@ -139,7 +148,8 @@ def test_gpu_random_call_matches_reference(seed):
     big_shape[seq_dim] += 7
     big = torch.full(big_shape, float("nan"), dtype=q.dtype, device="cuda")
     out = big.narrow(seq_dim, 0, q_len)
-    common = dict(is_causal=causal, tensor_layout=layout, causal_variant=call["causal_variant"])
+    common = dict(is_causal=causal, tensor_layout=layout, causal_variant=call["causal_variant"],
+                  sliding_window=call["sliding_window"])
 
     if call["entry"] == "whole":
         result = sparge_attention(q, k, v, pvthreshd=pv, out=out, **common)
