@@ -12,13 +12,13 @@ its filled slots), left-padded batches (each prompt its own call without its pad
 window (Mistral, Gemma 3's local layers: the kernels take ``sliding_window``). Everything else is left to
 transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with
 one warning per reason, right padding or other explicit masks, dropout, softcapping, sliding windows that hide keys
-under a method that takes none (S2O, FSA, PBS's permuted keys), position biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse (a value head dim
-unlike the query's). ``strict=True`` raises instead of falling back. Calls that neither the kernels nor SDPA compute
-raise ValueError whatever ``strict`` says (attention sinks, key indices chosen by the model, packed sequences given
-only as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked
-walk or FSA's per-token block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the
-segmented key permutation of PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator); knows
-nothing of diffusers.
+under a method that takes none (S2O, FSA, PBS's permuted keys), position biases, non-causal modules, unsupported
+dtypes or head dims and shapes the kernels refuse (a value head dim unlike the query's). ``strict=True`` raises
+instead of falling back. Calls that neither the kernels nor SDPA compute raise ValueError whatever ``strict`` says
+(attention sinks, key indices chosen by the model, packed sequences given only as ``cu_seq_lens``:
+:func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked walk or FSA's per-token
+block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the segmented key permutation of
+PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator); knows nothing of diffusers.
 """
 
 from __future__ import annotations
@@ -348,7 +348,8 @@ class SpargeLLMAttention:
         self._check_options(self._options())  # here, not at the model's first prefill
         self._warned: set[str] = set()
         self.stats: list[SparsityStats] = []
-        self._mask_verdict: tuple | None = None  # (weakref to a mask, (its version, Nq, Nkv), its layout)
+        # the last two masks read: [(weakref to a mask, (its version, Nq, Nkv, window), its layout)], latest last
+        self._mask_verdicts: list[tuple] = []
         self._handle = next(_HANDLES)  # how the masked-prefill operator finds this function at run time
         _LIVE_FUNCTIONS[self._handle] = self
 
@@ -446,14 +447,14 @@ class SpargeLLMAttention:
     def _mask_layout(self, mask: torch.Tensor, q_len: int, kv_len: int, window: int | None = None
                      ) -> CausalMaskLayout | None:
         """:func:`read_causal_mask` of the mask, remembered for the mask tensor (while it lives, unmodified):
-        transformers hands every layer of a forward the same one (the local layers of a model with a window share
-        another)."""
-        verdict = self._mask_verdict
+        transformers hands every layer of a forward the same one, or, in a model that alternates sliding-window and
+        global layers (Gemma 3), one to each kind; the last two are kept, so each is read once per forward."""
         key = (mask._version, q_len, kv_len, window)
-        if verdict is not None and verdict[0]() is mask and verdict[1] == key:
-            return verdict[2]
+        for held, held_key, layout in self._mask_verdicts:
+            if held() is mask and held_key == key:
+                return layout
         result = read_causal_mask(mask, q_len, kv_len, sliding_window=window)
-        self._mask_verdict = (weakref.ref(mask), key, result)
+        self._mask_verdicts = self._mask_verdicts[-1:] + [(weakref.ref(mask), key, result)]
         return result
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

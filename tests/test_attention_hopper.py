@@ -128,8 +128,9 @@ def run_offline_compile(call: str) -> None:
 
 
 @pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail,permuted_keys,windowed",
-                         [(False, True, "bf16", 128, True, False, False), (True, False, "fp16", 64, False, False, False),
-                          (True, True, "bf16", 128, True, True, False), (True, True, "fp16", 64, True, False, True)])
+                         [(False, True, "bf16", 128, True, False, False),
+                          (True, False, "fp16", 64, False, False, False), (True, True, "bf16", 128, True, True, False),
+                          (True, True, "fp16", 64, True, False, True)])
 def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail, permuted_keys, windowed):
     """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
     run_offline_compile(f"import test_attention_hopper as t; t.compile_offline({causal}, {use_index}, {dtype!r}, "

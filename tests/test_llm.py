@@ -508,6 +508,38 @@ def test_local_and_global_layers_both_run_sparse(tmp_path):
         assert attention.sparse_calls == 2, window
 
 
+def test_alternating_layers_read_each_of_their_masks_once_per_forward(tmp_path, monkeypatch):
+    """A left-padded batch through Gemma 3's alternating local and global layers (4 layers): transformers hands the
+    local layers one mask and the global layers another; each is read once per forward (the function keeps the last
+    two verdicts), and the logits are SDPA's at the real positions."""
+    if "gemma3_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3")
+    import sparge_diffusers.llm as llm
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "gemma3_text", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    attention = register("sparge_test_gemma3_reads", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                         min_padded_tokens=0)
+    reads = []
+    read = llm.read_causal_mask
+
+    def counted(*args, **kwargs):
+        reads.append(kwargs.get("sliding_window"))
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "read_causal_mask", counted)
+    batch = prompt(300, batch=2)
+    mask, positions = left_padded(batch, (0, 90))
+    got = logits(load(tmp_path, "sparge_test_gemma3_reads"), batch, attention_mask=mask, position_ids=positions)
+    assert sorted(reads, key=str) == [128, None] and attention.sparse_calls == 4
+    expected = logits(load(tmp_path, "sdpa"), batch, attention_mask=mask, position_ids=positions)
+    assert relative_l1(got[mask.bool()], expected[mask.bool()]) < 1e-5
+
+
 def test_a_training_step_falls_back_to_sdpa_with_its_gradients(tiny_llama):
     """Under autograd (a fine-tuning step) the prefill goes to SDPA with one warning, since the kernels have no
     backward pass: the loss and the weights' gradients equal SDPA's; under no_grad the same model runs sparse."""
