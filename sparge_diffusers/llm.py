@@ -415,22 +415,23 @@ class SpargeLLMAttention:
         else:
             verdict = self._mask_route(attention_mask, query.shape[2], key.shape[2], window)
             span = verdict[2].keys if verdict[2] is not None else key.shape[2]
+        reason, window = self._window_route(window, span)
+        return (reason, None, None, None) if reason is not None else (*verdict, window)
+
+    def _window_route(self, window: int | None, span: int) -> tuple[str | None, int | None]:
+        """(why a call whose queries see up to ``span`` keys cannot run sparse under its sliding window, None when
+        it can; the window it runs with, None where the window hides no key)."""
         if window is None or span <= window:
             # query q sees key k only if q - k < window (transformers' sliding_window_overlay): a call whose queries
             # see at most `window` keys back is plain causal attention (Mistral's 4096-key window, Gemma 3's local
             # layers on short prompts)
-            return (*verdict, None)
-        if not self._takes_window():
+            return None, None
+        # PBS's permuted keys take no window: its edge cuts through the permuted segments
+        if not PREFILL_METHODS[self.method].takes_window or self.pbs_segment is not None:
+            method = f"{self.method!r}" + (" (with pbs_segment)" if self.pbs_segment is not None else "")
             return (f"a sliding window ({window} keys) shorter than the keys this call sees ({span}), which the "
-                    f"{self._method_name()} method does not take"), None, None, None
-        return (*verdict, window)
-
-    def _takes_window(self) -> bool:
-        """Whether this function's method computes a sliding window that hides keys (PBS's permuted keys do not)."""
-        return PREFILL_METHODS[self.method].takes_window and self.pbs_segment is None
-
-    def _method_name(self) -> str:
-        return f"{self.method!r}" + (" (with pbs_segment)" if self.method == "sparge" and self.pbs_segment else "")
+                    f"{method} method does not take"), None
+        return None, window
 
     def _mask_route(self, mask: torch.Tensor, q_len: int, kv_len: int, window: int | None = None
                     ) -> tuple[str | None, str | None, CausalMaskLayout | None]:
@@ -517,12 +518,8 @@ class SpargeLLMAttention:
         left-padded masks, also cut by the layer's sliding ``window`` if any, else SDPA under the mask, with one
         warning); a sparse call is counted and its statistics kept with ``collect_stats``. Returns (B, Nq, H, D)."""
         reason, variant, layout = self._mask_route(mask, query.shape[2], key.shape[2], window)
-        if reason is None and window is not None and layout.keys > window:
-            if not self._takes_window():
-                reason = (f"a sliding window ({window} keys) shorter than the keys this call sees ({layout.keys}), "
-                          f"which the {self._method_name()} method does not take")
-        elif reason is None:
-            window = None  # the window hides nothing here
+        if reason is None:
+            reason, window = self._window_route(window, layout.keys)
         if reason is not None:
             self._warn(reason)
             out = torch.nn.functional.scaled_dot_product_attention(
