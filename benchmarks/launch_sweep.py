@@ -2,7 +2,7 @@
 density 0.25 with the stage-2 test (pvthreshd 20).
 
 On an H100 the Triton kernel runs every call the Hopper kernel does not take (the stage-2 test, head dims
-other than 64 and 128, the dense mode at D = 64, GPUs other than sm90); this script forbids the Hopper kernel
+other than 64 and 128, the non-causal dense mode at D = 64, GPUs other than sm90); this script forbids the Hopper kernel
 (``attention_hopper.OVERRIDE = False``) so that every call here is the Triton kernel's.
 ``attention._launch_config`` holds the settings it picks. Timing as in benchmarks/attention.py.
 

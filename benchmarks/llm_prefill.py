@@ -21,7 +21,9 @@ lower-right causal mask over the FILLED keys and runs on those (before session 5
 With ``--window W``, every layer has a sliding window of W keys (Mistral's architecture, which is Llama's with a
 window, at the same shapes): transformers hands each layer its boolean sliding mask, under which SDPA computes (and
 under which our function ran SDPA before session 51); our function reads the mask and runs the kernels with the
-window. S2O and FSA, which take no window, are left out of such a run.
+window. S2O and FSA, which take no window, are left out of such a run; "predicted" is the default thresholds with
+stage 1 in every window (``min_predicted_window=0``: what "default" ran before session 52, when windows under 4096 keys
+started to keep every block in them), and "aggressive" predicts in every window too.
 
 With ``--compiled``, the padded batch also runs through ``torch.compile(model.model, fullgraph=True)`` (inductor,
 default mode) with SDPA and with the default settings, whose masked calls go through the
@@ -71,7 +73,10 @@ def main(argv=None):
         config, architecture = transformers.MistralConfig(sliding_window=args.window, **shapes), "MistralForCausalLM"
     else:
         config, architecture = transformers.LlamaConfig(**shapes), "LlamaForCausalLM"
-    settings = {name: kw for name, kw in SETTINGS.items() if not args.window or name in ("default", "aggressive")}
+    settings = dict(SETTINGS)
+    if args.window:  # stage 1 inside windows under min_predicted_window only where asked (0: always)
+        settings = {"default": {}, "predicted": {"min_predicted_window": 0},
+                    "aggressive": {**SETTINGS["aggressive"], "min_predicted_window": 0}}
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):

@@ -8,14 +8,16 @@
 The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as they
 come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (fewer queries than keys, with the
 lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``; against a static cache only
-its filled slots), left-padded batches (each prompt its own call without its padding), and layers with a sliding
-window (Mistral, Gemma 3's local layers: the kernels take ``sliding_window``). Everything else is left to
+its filled slots), left-padded batches (each prompt its own call without its padding), layers with a sliding
+window (Mistral, Gemma 3's local layers: the kernels take ``sliding_window``) and models with learned attention sinks
+(gpt-oss's ``s_aux``: the kernels take ``sink_logits``; calls that cannot run sparse then go to
+:func:`exact_attention_with_sinks`, not to SDPA's function, which would drop them). Everything else is left to
 transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with
 one warning per reason, right padding or other explicit masks, dropout, softcapping, sliding windows that hide keys
 under a method that takes none (S2O, FSA, PBS's permuted keys), position biases, non-causal modules, unsupported
 dtypes or head dims and shapes the kernels refuse (a value head dim unlike the query's). ``strict=True`` raises
 instead of falling back. Calls that neither the kernels nor SDPA compute raise ValueError whatever ``strict`` says
-(attention sinks, key indices chosen by the model, packed sequences given only as ``cu_seq_lens``:
+(per-token sinks, key indices chosen by the model, packed sequences given only as ``cu_seq_lens``:
 :func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked walk or FSA's per-token
 block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the segmented key permutation of
 PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator); knows nothing of diffusers.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -124,21 +127,26 @@ def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> st
 
 
 def _sparge_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
-                     variant: str | None, window: int | None = None) -> dict:
+                     variant: str | None, window: int | None = None, sinks: torch.Tensor | None = None) -> dict:
     """sparge_attention's keyword arguments for one causal call, eager or through its operator (``window``: a
-    sliding window that hides keys from some query, else None)."""
+    sliding window that hides keys from some query, else None; ``sinks``: the layer's learned sink logits)."""
     settings = dict(is_causal=True, scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
                     pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink,
                     causal_variant=_causal_variant(q, k, variant))
     if window is not None:
         settings["sliding_window"] = window
+        if window < attention.min_predicted_window:
+            settings["cdfthreshd"] = 1.0  # every block in the window, without stage 1 (see min_predicted_window)
+    if sinks is not None:
+        settings["sink_logits"] = sinks
     return settings
 
 
 def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scale: float | None, variant: str | None, stats: bool, window: int | None = None):
+                    scale: float | None, variant: str | None, stats: bool, window: int | None = None,
+                    sinks: torch.Tensor | None = None):
     """SpargeAttn (stage 1's TopCdf mask, then the block-sparse kernel); PBS's key order where asked."""
-    settings = _sparge_settings(attention, q, k, scale, variant, window)
+    settings = _sparge_settings(attention, q, k, scale, variant, window, sinks)
     if attention.pbs_segment is not None:
         del settings["is_causal"]  # pbs_sparge_attention is always causal
         return pbs_sparge_attention(q, k, v, segment=attention.pbs_segment, return_sparsity=stats, **settings)
@@ -146,8 +154,9 @@ def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Ten
 
 
 def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float | None, variant: str | None, window: int | None = None) -> torch.Tensor:
-    settings = _sparge_settings(attention, q, k, scale, variant, window)
+                     scale: float | None, variant: str | None, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    settings = _sparge_settings(attention, q, k, scale, variant, window, sinks)
     if attention.pbs_segment is not None:
         del settings["is_causal"]
         return pbs_sparge_attention_op(q, k, v, segment=attention.pbs_segment, **settings)
@@ -196,14 +205,14 @@ def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tenso
 # carrying one of the first kind goes to transformers' SDPA function, which computes it; one of the second kind
 # raises, because neither the kernels nor that function compute it (it would drop the argument silently: on a tiny
 # random gpt-oss, ignoring its sinks moved the logits by a relative L1 of 0.033 against eager attention, 0.005 once
-# the sinks were set to -1e4).
+# the sinks were set to -1e4). Learned sinks (``s_aux``: gpt-oss and others) are computed by the kernels and, where a
+# call cannot run sparse, by :func:`exact_attention_with_sinks` instead of SDPA's function, which drops them.
 SDPA_COMPUTED_ARGUMENTS: dict[str, str] = {
     "softcap": "softcapping",
     "sliding_window": "a sliding window",  # only where it hides keys (see SpargeLLMAttention.route)
     "position_bias": "a position bias (ALiBi or relative positions)",
 }
 UNCOMPUTED_ARGUMENTS: dict[str, str] = {
-    "s_aux": "attention sinks (s_aux, e.g. gpt-oss)",
     "sinks": "per-token attention sinks (sinks)",
     "indices": "key indices chosen by the model (indices, e.g. DeepSeek sparse attention)",
     "block_indices": "key blocks chosen by the model (block_indices)",
@@ -228,6 +237,12 @@ def check_call_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> N
             raise ValueError(f"SpargeLLMAttention: the model passes {what}, which neither the sparse kernels nor "
                              "transformers' SDPA function compute; load it with an attention implementation that "
                              "does (e.g. attn_implementation='eager')")
+    if kwargs.get("s_aux") is not None:
+        for name in ("softcap", "position_bias"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"SpargeLLMAttention: the model passes attention sinks (s_aux) together with "
+                                 f"{SDPA_COMPUTED_ARGUMENTS[name]}, which neither the sparse kernels nor the sinks' "
+                                 "exact fallback compute; use attn_implementation='eager'")
     if kwargs.get("position_bias") is not None and "position_bias" not in _sdpa_function_parameters():
         raise ValueError("SpargeLLMAttention: the model passes a position bias (position_bias), which this "
                          "transformers version's SDPA function (the fallback) does not add; upgrade transformers or "
@@ -241,6 +256,44 @@ def check_call_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> N
                              "attn_implementation='flash_attention_2'")
 
 
+def exact_attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, sinks: torch.Tensor, *, scale: float | None = None,
+                               is_causal: bool = False, dropout: float = 0.0, query_chunk: int = 1024) -> torch.Tensor:
+    """Exact attention with learned sinks where a call does not run sparse (decode steps, masks the kernels do not
+    take): each row's softmax takes one more logit, ``sinks[h]``, whose weight is dropped, as transformers' eager
+    attention of gpt-oss computes it. transformers' SDPA function would drop the sinks instead.
+
+    query (B, H, Nq, D), key/value (B, H_kv, Nkv, D); ``attention_mask``: transformers' (B|1, 1, Nq, >= Nkv) mask,
+    boolean (True = attend) or additive, or None (then causal, upper left, if ``is_causal`` and Nq > 1, as
+    transformers' SDPA function decides). Scores and softmax in float32, ``query_chunk`` queries at a time (memory
+    O(query_chunk * Nkv) per head, not O(Nq * Nkv)); autograd records through it. Returns (B, Nq, H, D) in query's
+    dtype, as transformers' attention functions do."""
+    batch, heads, q_len, head_dim = query.shape
+    kv_len = key.shape[2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    group = heads // key.shape[1]
+    k = key.repeat_interleave(group, dim=1).float()
+    v = value.repeat_interleave(group, dim=1).float()
+    sink = sinks.float().view(1, heads, 1, 1).to(query.device)
+    parts = []
+    for start in range(0, q_len, query_chunk):
+        stop = min(start + query_chunk, q_len)
+        scores = (query[:, :, start:stop].float() @ k.transpose(-1, -2)) * scale
+        if attention_mask is not None:
+            mask = attention_mask[:, :, start:stop, :kv_len]
+            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+        elif is_causal and q_len > 1:
+            rows = torch.arange(start, stop, device=query.device)
+            scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > rows[:, None],
+                                        -math.inf)
+        logits = torch.cat([scores, sink.expand(batch, heads, stop - start, 1)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        if dropout:
+            probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
+        parts.append(probs @ v)
+    return torch.cat(parts, dim=2).to(query.dtype).transpose(1, 2).contiguous()
+
+
 @dataclass(frozen=True)
 class PrefillMethod:
     """One way :class:`SpargeLLMAttention` computes a causal prefill call.
@@ -248,22 +301,24 @@ class PrefillMethod:
     ``eager(attention, q, k, v, scale, variant, stats)`` returns the (B, H, Nq, D) output, or ``(output,
     SparsityStats | None)`` when ``stats``; ``compiled(attention, q, k, v, scale, variant)`` is its form inside
     torch.compile (custom operators only, no statistics). Both take whole prompts and lower-right chunks against a
-    cache (``variant``). ``takes_window``: both also take a sliding window (``window=W``) that hides keys."""
+    cache (``variant``). ``takes_window``: both also take a sliding window (``window=W``) that hides keys;
+    ``takes_sinks``: both also take learned sink logits (``sinks=``, one per query head)."""
 
     eager: Callable[..., Any]
     compiled: Callable[..., torch.Tensor]
     takes_window: bool = False
+    takes_sinks: bool = False
 
 
 PREFILL_METHODS: dict[str, PrefillMethod] = {
-    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, takes_window=True),
+    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, takes_window=True, takes_sinks=True),
     "s2o": PrefillMethod(_s2o_prefill, _s2o_compiled),
     "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled),
 }
 
 
-_CHECKED_OPTIONS = ("method", "pbs_segment", "s2o_segment", "min_padded_tokens", "top_k", "block_size",
-                    *THRESHOLD_RANGES)
+_CHECKED_OPTIONS = ("method", "pbs_segment", "s2o_segment", "min_padded_tokens", "min_predicted_window", "top_k",
+                    "block_size", *THRESHOLD_RANGES)
 
 
 @dataclass
@@ -293,6 +348,11 @@ class SpargeLLMAttention:
     the window (:func:`read_causal_mask`) and the kernels take it (``sparge_attention(..., sliding_window=W)``:
     blocks outside every query's window skipped, those it cuts masked element by element). The ``"s2o"`` and
     ``"fsa"`` methods and ``pbs_segment`` take no window: such calls go to SDPA under the mask, with a warning.
+    Windows shorter than ``min_predicted_window`` keys keep every block in them (no stage 1).
+
+    Learned attention sinks (``s_aux``, one logit per query head: gpt-oss and others) reach the kernels as
+    ``sink_logits``; where a call cannot run sparse (decode steps, other masks, a method that takes no sinks: S2O,
+    FSA, ``pbs_segment``) it goes to :func:`exact_attention_with_sinks` instead of SDPA's function.
 
     Under torch.compile a call without a mask is one node per kernel operator; a call with a mask is one node of the
     operator ``sparge_diffusers::llm_masked_prefill``, which reads the mask at run time and routes the call as above
@@ -316,6 +376,12 @@ class SpargeLLMAttention:
             short prompts do not repay (H100, one attention call of Llama-3.1-8B's heads, benchmarks/padded_batch.py:
             64 prompts of 256-512 tokens 25.1 ms against 2.0 ms under the mask; 16 of 3-4K 5.5 against 15.4 ms; 4 of
             4-16K 7.7 against 62.3 ms). 0: every left-padded batch runs per prompt.
+        min_predicted_window: a sliding window shorter than this many keys (Gemma 3's local layers, gpt-oss's 128)
+            runs every block in the window, without stage 1 (``cdfthreshd=1.0`` for that call). On an H100 stage 1
+            costs more than it saves there and its error grows as the window narrows: 32K tokens, Llama-3.1-8B
+            heads, a 1024-key window 1.16 ms every block against 1.26 ms at default thresholds (relative L1 0.002
+            against 0.064); gpt-oss-20b heads, 128 keys, 0.75 against 0.87 ms (0.002 against 0.17); at Mistral's
+            4096 stage 1 pays (3.37 against 3.44 ms). Method "sparge" only; 0 predicts in every window.
         tau, s2o_segment: :func:`s2o_attention`'s ``tau`` (early-stop threshold) and ``segment`` (the causal
             segment of dense key blocks), for ``method="s2o"``.
         top_k, block_size: key blocks each query token keeps, and keys per block (32, 64 or 128), for
@@ -335,6 +401,7 @@ class SpargeLLMAttention:
     attention_sink: bool = True
     pbs_segment: int | None = None
     min_padded_tokens: int = 4096
+    min_predicted_window: int = 4096
     method: str = "sparge"
     tau: PerHead | None = 0.0005
     s2o_segment: int = 2048
@@ -374,8 +441,9 @@ class SpargeLLMAttention:
                              f"not method={method!r}")
         if not isinstance(s2o_segment, int) or s2o_segment <= 0 or s2o_segment % 128:
             raise ValueError(f"s2o_segment must be a positive multiple of 128, got {s2o_segment!r}")
-        if not isinstance(options["min_padded_tokens"], int) or options["min_padded_tokens"] < 0:
-            raise ValueError(f"min_padded_tokens must be an int >= 0, got {options['min_padded_tokens']!r}")
+        for name in ("min_padded_tokens", "min_predicted_window"):
+            if not isinstance(options[name], int) or isinstance(options[name], bool) or options[name] < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {options[name]!r}")
         if not isinstance(options["top_k"], int) or options["top_k"] < 1:
             raise ValueError(f"top_k must be a positive int, got {options['top_k']!r}")
         if options["block_size"] not in (32, 64, 128):
@@ -416,7 +484,16 @@ class SpargeLLMAttention:
             verdict = self._mask_route(attention_mask, query.shape[2], key.shape[2], window)
             span = verdict[2].keys if verdict[2] is not None else key.shape[2]
         reason, window = self._window_route(window, span)
+        if reason is None:
+            reason = self._sinks_reason(kwargs.get("s_aux"))
         return (reason, None, None, None) if reason is not None else (*verdict, window)
+
+    def _sinks_reason(self, sinks: torch.Tensor | None) -> str | None:
+        """Why a call with these learned sink logits (``s_aux``; None: none) cannot run sparse, None when it can."""
+        if sinks is None or (PREFILL_METHODS[self.method].takes_sinks and self.pbs_segment is None):
+            return None
+        method = f"{self.method!r}" + (" (with pbs_segment)" if self.pbs_segment is not None else "")
+        return f"attention sinks (s_aux), which the {method} method does not take"
 
     def _window_route(self, window: int | None, span: int) -> tuple[str | None, int | None]:
         """(why a call whose queries see up to ``span`` keys cannot run sparse under its sliding window, None when
@@ -464,9 +541,14 @@ class SpargeLLMAttention:
         """query (B, H, N, D), key/value (B, H_kv, N, D) -> ((B, N, H, D), None), as transformers' SDPA function."""
         reason, variant, layout, window = self.route(module, query, key, value, attention_mask, dropout, is_causal,
                                                      kwargs)
+        sinks = kwargs.get("s_aux")
         if reason is not None:
             if reason:
                 self._warn(reason)
+            if sinks is not None:  # transformers' SDPA function would drop them
+                causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+                return exact_attention_with_sinks(query, key, value, attention_mask, sinks, scale=scaling,
+                                                  is_causal=causal, dropout=dropout), None
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -481,28 +563,29 @@ class SpargeLLMAttention:
             if attention_mask is not None:
                 window = kwargs.get("sliding_window")  # whether it hides keys depends on the mask: decided there
                 return torch.ops.sparge_diffusers.llm_masked_prefill(query, key, value, attention_mask, scaling,
-                                                                     self._handle, window), None
+                                                                     self._handle, window, sinks), None
             if self.collect_stats:
                 return torch.ops.sparge_diffusers.llm_prefill(query, key, value, scaling, variant, self._handle,
-                                                              window), None
+                                                              window, sinks), None
             compiled = PREFILL_METHODS[self.method].compiled
-            window_arg = {"window": window} if window is not None else {}
-            return compiled(self, query, key, value, scaling, variant, **window_arg).transpose(1, 2).contiguous(), None
-        out, stats = self._sparse_call(query, key, value, scaling, variant, layout, window)
+            out = compiled(self, query, key, value, scaling, variant, **_method_extras(window, sinks))
+            return out.transpose(1, 2).contiguous(), None
+        out, stats = self._sparse_call(query, key, value, scaling, variant, layout, window, sinks)
         self._record(stats)
         return out, None
 
     def _sparse_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                     variant: str | None, layout: CausalMaskLayout | None, window: int | None = None
-                     ) -> tuple[torch.Tensor, SparsityStats | None]:
+                     variant: str | None, layout: CausalMaskLayout | None, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
         """A routed sparse call, eager or inside an operator: the (B, Nq, H, D) output and its stats when collected.
         With a mask's layout, only the keys in use are attended (a static cache's empty slots are left out: views,
-        no copy). ``window``: a sliding window that hides keys from some query (None: none that does)."""
+        no copy). ``window``: a sliding window that hides keys from some query (None: none that does); ``sinks``: the
+        layer's learned sink logits (``s_aux``), or None."""
         if layout is not None and layout.keys < key.shape[2]:
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         if layout is not None and any(layout.padding):
-            return self._left_padded_prefill(query, key, value, layout.padding, scale, window)
-        out, stats = self._prefill(query, key, value, scale, variant, window)
+            return self._left_padded_prefill(query, key, value, layout.padding, scale, window, sinks)
+        out, stats = self._prefill(query, key, value, scale, variant, window, sinks)
         return out.transpose(1, 2).contiguous(), stats
 
     def _record(self, stats: SparsityStats | None) -> None:
@@ -512,7 +595,8 @@ class SpargeLLMAttention:
         self.sparse_calls += 1
 
     def _masked_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scale: float | None, window: int | None = None) -> torch.Tensor:
+                     scale: float | None, window: int | None = None, sinks: torch.Tensor | None = None
+                     ) -> torch.Tensor:
         """A call with an explicit mask under torch.compile, run eagerly inside the ``llm_masked_prefill`` operator:
         the mask's contents route it as :meth:`__call__` routes an eager call (sparse for the lower-right and
         left-padded masks, also cut by the layer's sliding ``window`` if any, else SDPA under the mask, with one
@@ -520,37 +604,42 @@ class SpargeLLMAttention:
         reason, variant, layout = self._mask_route(mask, query.shape[2], key.shape[2], window)
         if reason is None:
             reason, window = self._window_route(window, layout.keys)
+        if reason is None:
+            reason = self._sinks_reason(sinks)
         if reason is not None:
             self._warn(reason)
+            if sinks is not None:
+                return exact_attention_with_sinks(query, key, value, mask, sinks, scale=scale)
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask[:, :, :, :key.shape[2]], scale=scale,
                 enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous()
-        out, stats = self._sparse_call(query, key, value, scale, variant, layout, window)
+        out, stats = self._sparse_call(query, key, value, scale, variant, layout, window, sinks)
         if self.collect_stats:
             self._record(stats)
         return out
 
     def _compiled_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                       variant: str | None, window: int | None = None) -> torch.Tensor:
+                       variant: str | None, window: int | None = None, sinks: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """A call without a mask under torch.compile with ``collect_stats``, run eagerly inside the ``llm_prefill``
         operator: counted, its statistics kept. Returns (B, Nq, H, D)."""
-        out, stats = self._sparse_call(query, key, value, scale, variant, None, window)
+        out, stats = self._sparse_call(query, key, value, scale, variant, None, window, sinks)
         self._record(stats)
         return out
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                 variant: str | None, window: int | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
+                 variant: str | None, window: int | None = None, sinks: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, SparsityStats | None]:
         """One causal call without padding, by the configured method: (B, H, Nq, D) output, its stats when
         collected."""
-        window_arg = {"window": window} if window is not None else {}
         out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, self.collect_stats,
-                                                 **window_arg)
+                                                 **_method_extras(window, sinks))
         return out if self.collect_stats else (out, None)
 
     def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             padding: list[int], scale: float | None, window: int | None = None
-                             ) -> tuple[torch.Tensor, SparsityStats | None]:
+                             padding: list[int], scale: float | None, window: int | None = None,
+                             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
         """A left-padded batch: each prompt runs as its own causal call without its padding, the queries aligned
         to the keys' end (lower right). Rows of padding queries, which see no key, stay zero, as SDPA gives them.
         Returns the (B, Nq, H, D) output and, when collected, the prompts' stats joined over the batch."""
@@ -565,7 +654,7 @@ class SpargeLLMAttention:
                 continue  # this prompt's queries are all padding
             rows = slice(b, b + 1)
             q_b, k_b, v_b = query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:]
-            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right", window)
+            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right", window, sinks)
             out[b, first:] = o[0].transpose(0, 1)
             if s is not None:
                 parts.append(s)
@@ -583,6 +672,16 @@ _LIVE_FUNCTIONS: weakref.WeakValueDictionary[int, SpargeLLMAttention] = weakref.
 _HANDLES = itertools.count()
 
 
+def _method_extras(window: int | None, sinks: torch.Tensor | None) -> dict[str, Any]:
+    """A prefill method's optional keyword arguments for one call: only those it has (:class:`PrefillMethod`)."""
+    extras: dict[str, Any] = {}
+    if window is not None:
+        extras["window"] = window
+    if sinks is not None:
+        extras["sinks"] = sinks
+    return extras
+
+
 def _live_function(handle: int, operator: str) -> SpargeLLMAttention:
     attention = _LIVE_FUNCTIONS.get(handle)
     if attention is None:
@@ -593,20 +692,22 @@ def _live_function(handle: int, operator: str) -> SpargeLLMAttention:
 
 @torch.library.custom_op("sparge_diffusers::llm_masked_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _llm_masked_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                           scale: float | None, handle: int, window: int | None = None) -> torch.Tensor:
-    """A compiled model's prefill call with an explicit mask (and the layer's sliding window, if any):
-    :meth:`SpargeLLMAttention._masked_call` of the function ``handle`` names. Its route depends on the mask's contents
-    (a read-back), hence an operator opaque to the compiler and kept out of CUDA graphs."""
-    return _live_function(handle, "llm_masked_prefill")._masked_call(query, key, value, mask, scale, window)
+                           scale: float | None, handle: int, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A compiled model's prefill call with an explicit mask (and the layer's sliding window and sink logits, if
+    any): :meth:`SpargeLLMAttention._masked_call` of the function ``handle`` names. Its route depends on the mask's
+    contents (a read-back), hence an operator opaque to the compiler and kept out of CUDA graphs."""
+    return _live_function(handle, "llm_masked_prefill")._masked_call(query, key, value, mask, scale, window, sinks)
 
 
 @torch.library.custom_op("sparge_diffusers::llm_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _llm_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                    variant: str | None, handle: int, window: int | None = None) -> torch.Tensor:
+                    variant: str | None, handle: int, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A compiled model's prefill call without a mask when its function collects statistics:
     :meth:`SpargeLLMAttention._compiled_call`. It records the call when it runs, so it stays out of CUDA graphs (a
     replay would skip the recording)."""
-    return _live_function(handle, "llm_prefill")._compiled_call(query, key, value, scale, variant, window)
+    return _live_function(handle, "llm_prefill")._compiled_call(query, key, value, scale, variant, window, sinks)
 
 
 def _transformers_output(query: torch.Tensor) -> torch.Tensor:
@@ -616,12 +717,12 @@ def _transformers_output(query: torch.Tensor) -> torch.Tensor:
 
 
 @_llm_prefill_op.register_fake
-def _(query, key, value, scale, variant, handle, window=None):
+def _(query, key, value, scale, variant, handle, window=None, sinks=None):
     return _transformers_output(query)
 
 
 @_llm_masked_prefill_op.register_fake
-def _(query, key, value, mask, scale, handle, window=None):
+def _(query, key, value, mask, scale, handle, window=None, sinks=None):
     return _transformers_output(query)
 
 

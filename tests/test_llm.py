@@ -470,10 +470,16 @@ def test_a_sliding_window_runs_sparse_whether_or_not_it_hides_keys(tmp_path):
 
 def test_a_sliding_window_skips_blocks_outside_it_and_compiles(tmp_path):
     """With TopCdf skipping, a 100-key window's layers report sparsity against the blocks the window leaves; the
-    model compiled (aot_eager, fullgraph) gives the eager logits, the mask read inside the operator with the window."""
+    model compiled (aot_eager, fullgraph) gives the eager logits, the mask read inside the operator with the window.
+    By default a window under min_predicted_window keys keeps every block in it, whatever cdfthreshd says."""
     path = mistral_with_window(tmp_path, 100)
     ids = prompt(600)
-    attention = register("sparge_test_window_stats", simthreshd1=-1.0, cdfthreshd=0.9, collect_stats=True)
+    default = register("sparge_test_window_default", simthreshd1=-1.0, cdfthreshd=0.9, collect_stats=True)
+    kept = logits(load(path, "sparge_test_window_default"), ids)
+    assert default.sparse_calls == 2 and all(s.sparsity == 0 for s in default.stats)
+    assert relative_l1(kept, logits(load(path, "sdpa"), ids)) < 1e-5
+    attention = register("sparge_test_window_stats", simthreshd1=-1.0, cdfthreshd=0.9, collect_stats=True,
+                         min_predicted_window=0)
     model = load(path, "sparge_test_window_stats")
     eager = logits(model, ids)
     assert attention.sparse_calls == 2
@@ -650,6 +656,7 @@ def test_bad_settings_raise():
                          "pbs_segment pairs"), (dict(s2o_segment=100), "s2o_segment"), (dict(top_k=0), "top_k"),
                          (dict(block_size=48), "block_size"), (dict(cdfthreshd=1.5), r"cdfthreshd values must lie"),
                          (dict(pvthreshd=0), r"pvthreshd values must lie in \(0, inf\]"),
+                         (dict(min_predicted_window=-1), "min_predicted_window must be an int"),
                          (dict(simthreshd1=[0.5, float("nan")]), "simthreshd1 values")):  # not at the first prefill
         with pytest.raises(ValueError, match=message):
             SpargeLLMAttention(**bad)
@@ -688,7 +695,7 @@ def test_a_value_head_dim_unlike_the_querys_falls_back_to_sdpa():
 
 def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
     """Keyword arguments that change attention: a position bias goes to transformers' SDPA function, which adds it
-    (a warning; strict raises); attention sinks and model-chosen key indices raise on every call, decode steps
+    (a warning; strict raises); per-token sinks and model-chosen key indices raise on every call, decode steps
     included (SDPA's function would drop them); packed sequences given only by cu_seq_lens raise without a mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -709,7 +716,7 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
         with pytest.raises(ValueError, match="position bias.*does not add; upgrade transformers"):
             attention(module, q, k, v, None, scaling=0.125, position_bias=bias)
 
-    uncomputed = dict(s_aux=torch.zeros(4), sinks=torch.zeros(1, 4, 130, 1),
+    uncomputed = dict(sinks=torch.zeros(1, 4, 130, 1),
                       indices=torch.zeros(1, 130, 8, dtype=torch.int32),
                       block_indices=torch.zeros(1, 4, 3, 2, dtype=torch.int32))
     for name, value in uncomputed.items():
@@ -725,22 +732,102 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
     assert attention.sparse_calls == 2 and torch.equal(out, plain), "one sequence: the plain causal call"
 
 
-def test_a_model_with_attention_sinks_raises_instead_of_dropping_them(tmp_path):
-    """gpt-oss (learned attention sinks, passed as s_aux) accepts a registered implementation; its forward raises
-    rather than run attention without its sinks."""
+def gpt_oss_with_sinks(path, window=100, sinks_std=2.0):
+    """A 2-layer gpt-oss (a sliding-window layer of ``window`` keys, then a global one) with learned sinks drawn
+    large enough to matter (its own initialisation draws them near 0), saved at ``path``; skips where transformers
+    has no gpt-oss."""
     if "gpt_oss" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {transformers.__version__} has no gpt-oss (4.55 and later have)")
     config = transformers.AutoConfig.for_model(
         "gpt_oss", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
-        vocab_size=128, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["full_attention", "full_attention"])
+        vocab_size=128, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"])
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    attention = register("sparge_test_sinks")
-    model = load(tmp_path, "sparge_test_sinks")
-    with pytest.raises(ValueError, match="attention sinks"):
-        logits(model, prompt(150))
-    assert attention.sparse_calls == 0
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, sinks_std)
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_model_with_attention_sinks_runs_sparse_with_them(tmp_path):
+    """gpt-oss passes its learned sinks (s_aux) to every layer: both layers (one under a 100-key window) run sparse
+    with them and give eager attention's logits and tokens (decode steps with the sinks too, not SDPA's function,
+    which drops them); a left-padded batch gives eager's logits at its real positions; with TopCdf skipping, the
+    output moves away from eager's (the sinks change no block decision)."""
+    path = gpt_oss_with_sinks(tmp_path)
+    ids = prompt(300)
+    eager = logits(load(path, "eager"), ids)
+    model = load(path, "eager")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-float("inf"))
+    assert relative_l1(logits(model, ids), eager) > 1e-2, "the sinks must matter for this test to mean anything"
+    attention = register("sparge_test_sinks", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                         min_padded_tokens=0)
+    ours = load(path, "sparge_test_sinks")
+    assert relative_l1(logits(ours, ids), eager) < 1e-5 and attention.sparse_calls == 2
+    options = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.generate(ids[:, :200], **options), load(path, "eager").generate(ids[:, :200], **options))
+    assert attention.sparse_calls == 4, "the prompt's 2 layers sparse, 5 decode steps on the sinks' exact path"
+    batch = prompt(300, batch=2)
+    mask, positions = left_padded(batch, (0, 130))
+    real = mask.bool()
+    got = logits(ours, batch, attention_mask=mask, position_ids=positions)
+    expected = logits(load(path, "eager"), batch, attention_mask=mask, position_ids=positions)
+    assert relative_l1(got[real], expected[real]) < 1e-5
+    register("sparge_test_sinks_skip", simthreshd1=-1.0, cdfthreshd=0.5)
+    assert relative_l1(logits(load(path, "sparge_test_sinks_skip"), ids), eager) > 1e-3
+
+
+def test_sinks_under_a_method_that_takes_none_fall_back_to_their_exact_path(tmp_path):
+    """S2O and PBS's permuted keys take no sinks: their calls go to the sinks' exact fallback (eager's logits) with a
+    warning, or raise under strict; the fallback in query chunks equals eager attention under a boolean, an additive
+    or no mask; sinks with softcapping raise (nobody computes both)."""
+    from sparge_diffusers.llm import exact_attention_with_sinks
+
+    path = gpt_oss_with_sinks(tmp_path, window=4096)  # a window that hides no key here: the sinks decide alone
+    ids = prompt(300)
+    eager = logits(load(path, "eager"), ids)
+    for name, settings, what in (("s2o", dict(method="s2o"), "'s2o'"),
+                                 ("pbs", dict(pbs_segment=128), r"'sparge' \(with pbs_segment\)")):
+        register(f"sparge_test_sinks_{name}", strict=True, **settings)
+        with pytest.raises(ValueError, match=rf"attention sinks \(s_aux\), which the {what} method does not take"):
+            logits(load(path, f"sparge_test_sinks_{name}"), ids)
+    falling_back = register("sparge_test_sinks_fallback", method="s2o")
+    with pytest.warns(UserWarning, match="falling back to SDPA: attention sinks"):
+        got = logits(load(path, "sparge_test_sinks_fallback"), ids)
+    assert relative_l1(got, eager) < 1e-5 and falling_back.sparse_calls == 0
+
+    module, (q, k, v), attention = direct_call_setup(5)
+    sinks = torch.tensor([0.5, -1.0, 3.0, -float("inf")])
+    causal = torch.ones(130, 130, dtype=torch.bool).tril()
+    group_k, group_v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ group_k.transpose(-1, -2)) * 0.125
+    for mask in (causal[None, None], torch.zeros(130, 130).masked_fill(~causal, -1e9)[None, None], None):
+        masked = scores.masked_fill(~causal, -float("inf"))
+        probs = torch.softmax(torch.cat([masked, sinks.view(1, 4, 1, 1).expand(1, 4, 130, 1)], -1), -1)[..., :-1]
+        expected = (probs @ group_v).transpose(1, 2)
+        for chunk in (1024, 50):
+            out = exact_attention_with_sinks(q, k, v, mask, sinks, scale=0.125, is_causal=True, query_chunk=chunk)
+            assert out.shape == (1, 130, 4, 64) and relative_l1(out, expected) < 1e-5
+    with pytest.raises(ValueError, match="attention sinks \\(s_aux\\) together with softcapping"):
+        attention(module, q, k, v, None, scaling=0.125, s_aux=sinks, softcap=30.0)
+    out, _ = attention(module, q, k, v, None, scaling=0.125, s_aux=sinks)
+    assert attention.sparse_calls == 1 and relative_l1(out, expected) < 1e-5
+
+
+def test_a_model_with_sinks_compiles_to_one_graph(tmp_path):
+    """gpt-oss compiled (aot_eager, fullgraph): its sinks reach the kernels' operator, logits equal eager's."""
+    path = gpt_oss_with_sinks(tmp_path)
+    register("sparge_test_sinks_compiled", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
+    model = load(path, "sparge_test_sinks_compiled")
+    ids = prompt(300)
+    eager = logits(model, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert torch.equal(logits(compiled, ids), eager)
 
 
 def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
@@ -926,6 +1013,21 @@ def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
                                cache_position=torch.arange(1000, 1600).cuda())
     assert attention.sparse_calls == 14 and torch.isfinite(chunked["ours"]).all()
     assert relative_l1(chunked["ours"].float(), chunked["sdpa"].float()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_a_model_with_sinks_on_gpu_matches_eager(tmp_path):
+    """gpt-oss with its sinks on the GPU (bf16): both layers (one under a 100-key window) on the kernels, eager's
+    logits; generate's decode steps on the sinks' exact path."""
+    path = gpt_oss_with_sinks(tmp_path)
+    attention = register("sparge_test_gpu_sinks", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True)
+    ids = prompt(1000, batch=2).cuda()
+    ours = load(path, "sparge_test_gpu_sinks").to("cuda", torch.bfloat16)
+    eager = load(path, "eager").to("cuda", torch.bfloat16)
+    got = logits(ours, ids)
+    assert attention.sparse_calls == 2 and torch.isfinite(got).all()
+    assert relative_l1(got.float(), logits(eager, ids).float()) < 2e-2  # bf16 through 2 layers
+    assert ours.generate(ids[:1, :300], max_new_tokens=4, do_sample=False).shape == (1, 304)
 
 
 @pytest.mark.gpu

@@ -170,6 +170,33 @@ def check_sliding_window(sliding_window: int | None, is_causal: bool) -> int | N
     return sliding_window if sliding_window < NO_WINDOW else None
 
 
+def check_sink_logits(sink_logits: torch.Tensor | None, shape: AttentionShape, device: torch.device
+                      ) -> torch.Tensor | None:
+    """A call's learned attention-sink logits (None: none), as the kernels read them: a 1-D tensor of one logit per
+    query head, float32/float16/bfloat16, on the inputs' device, with unit stride; ValueError otherwise.
+
+    Each row's softmax then takes one more term, exp(sink_logits[h]), that has no value vector: gpt-oss's
+    ``sinks`` (transformers passes them as ``s_aux``), FlashAttention 3's ``s_aux``. The logits are in the units of
+    the scaled scores (``scale * q . k``). Their values are not checked (that would be a device sync per call): a
+    NaN logit gives NaN rows, -inf one is no sink."""
+    if sink_logits is None:
+        return None
+    if not isinstance(sink_logits, torch.Tensor):
+        raise ValueError(f"sink_logits must be a torch.Tensor of {shape.heads} logits (one per query head), got "
+                         f"{type(sink_logits).__name__}")
+    if sink_logits.dim() != 1 or sink_logits.shape[0] != shape.heads:
+        raise ValueError(f"sink_logits must have shape ({shape.heads},): one logit per query head, got "
+                         f"{tuple(sink_logits.shape)}")
+    if sink_logits.dtype not in _CALL_DTYPES:
+        raise ValueError(f"sink_logits must be float32, float16 or bfloat16, got {sink_logits.dtype}")
+    if sink_logits.device != device:
+        raise ValueError(f"sink_logits is on {sink_logits.device}, q on {device}")
+    if torch.is_grad_enabled() and sink_logits.requires_grad:
+        raise ValueError("sink_logits requires grad and the sparse kernels have no backward pass: call it under "
+                         "torch.no_grad() or torch.inference_mode(), or detach them (for training, use SDPA)")
+    return sink_logits if sink_logits.stride(0) == 1 else sink_logits.contiguous()
+
+
 def causal_offset(q_len: int, kv_len: int, is_causal: bool, causal_variant: CausalVariant | None) -> int:
     """The key position of query row 0 under causal masking (:attr:`AttentionShape.causal_offset`); raises
     ValueError for a variant without causal masking, an unknown variant, or unequal lengths without a variant."""

@@ -23,6 +23,7 @@ from ._inputs import (
     check_attention_inputs,
     check_permuted_keys,
     check_kernel_dtype,
+    check_sink_logits,
     pick_backend,
     per_head,
     resolve_scale,
@@ -224,6 +225,7 @@ def block_sparse_attention(
     permuted_keys: PermutedKeys | None = None,
     causal_variant: CausalVariant | None = None,
     sliding_window: int | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Block-sparse attention for any block mask (stage 2 of SpargeAttn, usable alone).
 
@@ -252,6 +254,10 @@ def block_sparse_attention(
             :func:`predict_block_mask`); blocks wholly outside the window are skipped whatever the mask says, and
             those it cuts are masked element by element. A dense call (``block_mask=None``) then walks an
             all-ones mask. A :class:`CompactBlockMask` must be built with the same window.
+        sink_logits: learned attention sinks, a (H,) tensor of one logit per query head on q's device (gpt-oss's
+            ``sinks``, which transformers passes as ``s_aux``): each row's softmax takes one more term,
+            exp(sink_logits[h]), that has no value vector, so the row's weights sum to less than 1. In the units of
+            the scaled scores (``scale * q . k``); -inf is no sink. It changes no block decision.
     Returns:
         The output in q's layout and dtype, with q's strides where q's last dim is contiguous (as SDPA's
         output has), else contiguous; query rows that see no key (an empty mask row, or rows before the first
@@ -269,15 +275,16 @@ def block_sparse_attention(
     return _block_sparse_checked(q, k, v, block_mask, shape, is_causal=is_causal,
                                  scale=resolve_scale(scale, shape.head_dim),
                                  thr=_pv_thresholds(pvthreshd, shape, q.device, chosen), tensor_layout=tensor_layout,
-                                 return_sparsity=return_sparsity, chosen=chosen, out=out, permuted_keys=permuted_keys)
+                                 return_sparsity=return_sparsity, chosen=chosen, out=out, permuted_keys=permuted_keys,
+                                 sink_logits=check_sink_logits(sink_logits, shape, q.device))
 
 
 def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_causal, scale, thr, tensor_layout,
                           return_sparsity, chosen, out, ticket: torch.Tensor | None = None,
-                          permuted_keys: PermutedKeys | None = None):
-    """:func:`block_sparse_attention` on checked inputs (``block_mask`` and ``permuted_keys`` checked against
-    them). ``ticket``: a zeroed counter for a Hopper launch (from ``_predict_checked``), saving the launch its own
-    memset."""
+                          permuted_keys: PermutedKeys | None = None, sink_logits: torch.Tensor | None = None):
+    """:func:`block_sparse_attention` on checked inputs (``block_mask``, ``permuted_keys`` and ``sink_logits``
+    checked against them). ``ticket``: a zeroed counter for a Hopper launch (from ``_predict_checked``), saving the
+    launch its own memset."""
     compact = None
     if isinstance(block_mask, CompactBlockMask):
         compact, block_mask = block_mask, block_mask.mask
@@ -290,7 +297,7 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
         result, stats = reference_block_sparse_attention(
             q, k, v, block_mask, shape=shape, is_causal=is_causal, scale=scale, pvthreshd=thr,
             tensor_layout=tensor_layout, key_positions=None if permuted_keys is None else permuted_keys.positions,
-            key_segment=key_segment)
+            key_segment=key_segment, sink_logits=sink_logits)
         if out is not None:
             result = out.copy_(result)
         return (result, stats) if return_sparsity else result
@@ -308,7 +315,8 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
         if key_positions.dtype != torch.int32 or key_positions.stride(-1) != 1:
             key_positions = key_positions.to(torch.int32).contiguous()
         key_positions = key_positions.expand(shape.batch, shape.kv_heads, shape.kv_len)  # stride 0 where broadcast
-    on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=thr is not None, dense=block_mask is None)
+    on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=thr is not None, dense=block_mask is None,
+                                        is_causal=is_causal)
     if index is None and block_mask is not None:
         if on_hopper:
             # the same compaction kernel fills the Hopper kernel's tail order; one zeroed allocation serves
@@ -317,7 +325,7 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
         index = block_mask_to_index(block_mask, shape, is_causal, tail=tail, key_segment=key_segment)
     pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
                                        pvthreshd=thr, return_counts=return_sparsity, tail=tail, ticket=ticket,
-                                       on_hopper=on_hopper, key_positions=key_positions)
+                                       on_hopper=on_hopper, key_positions=key_positions, sink_logits=sink_logits)
     if not return_sparsity:
         return out
     if index is not None:
@@ -328,6 +336,16 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
     if pv_count is None:  # no stage-2 test: every visited block's P.V product computed
         pv_count = qk_count
     return out, sparsity_stats(qk_count, pv_count, shape, is_causal)
+
+
+def _keeps_every_block(cdfthreshd: PerHead) -> bool:
+    """Whether ``cdfthreshd`` is at least 1 for every head, read from Python numbers only (a tensor would cost a
+    read-back to tell: such calls run stage 1)."""
+    if _is_number(cdfthreshd):
+        return float(cdfthreshd) >= 1.0
+    if isinstance(cdfthreshd, (list, tuple)) and cdfthreshd and all(_is_number(x) for x in cdfthreshd):
+        return all(float(x) >= 1.0 for x in cdfthreshd)
+    return False
 
 
 def sparge_attention(
@@ -348,6 +366,7 @@ def sparge_attention(
     permuted_keys: PermutedKeys | None = None,
     causal_variant: CausalVariant | None = None,
     sliding_window: int | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """SpargeAttn: predict a block mask (stage 1) and run sparse attention with the PV filter (stage 2).
 
@@ -357,7 +376,11 @@ def sparge_attention(
     (``permuted_keys``: PBS-Attn's keys permuted within segments for causal prefill; ``sparge_diffusers.llm.
     pbs_sparge_attention`` builds them; ``causal_variant``: the causal mask's alignment when Nq != Nkv, e.g.
     "lower_right" for a chunk of queries against a KV cache; ``sliding_window``: each query sees its W most
-    recent keys, as a Mistral or Gemma local layer does).
+    recent keys, as a Mistral or Gemma local layer does; ``sink_logits``: gpt-oss's learned attention sinks, one
+    logit per query head joining each row's softmax with no value vector). Stage 1 ignores the sink logits: TopCdf
+    ranks the key blocks by their share of the keys' mass, which a sink scales alike for every block of a row.
+    With ``cdfthreshd`` >= 1 for every head (given as numbers) TopCdf keeps every visible block, so stage 1 is
+    skipped and the dense walk computes them (the same blocks and statistics, without stage 1's cost).
 
     Example:
         >>> out = sparge_attention(q, k, v, tensor_layout="NHD")                # (B, N, H, D) bf16 on CUDA
@@ -372,14 +395,21 @@ def sparge_attention(
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
+    sink_logits = check_sink_logits(sink_logits, shape, q.device)
     _check_out(out, q, k, v)
-    compact, ticket = _predict_checked(q, k, shape, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                                       cdfthreshd=cdfthreshd, attention_sink=attention_sink,
-                                       tensor_layout=tensor_layout, chosen=chosen, with_ticket=True,
-                                       key_segment=key_segment)
+    if _keeps_every_block(cdfthreshd):
+        # TopCdf at tau >= 1 keeps every visible block whatever theta forces: the dense walk computes the same
+        # blocks without stage 1 (its cost saved; the statistics count the same blocks)
+        _thresholds(shape, q.device, simthreshd1, cdfthreshd)  # still checked
+        compact, ticket = None, None
+    else:
+        compact, ticket = _predict_checked(q, k, shape, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
+                                           cdfthreshd=cdfthreshd, attention_sink=attention_sink,
+                                           tensor_layout=tensor_layout, chosen=chosen, with_ticket=True,
+                                           key_segment=key_segment)
     return _block_sparse_checked(q, k, v, compact, shape, is_causal=is_causal, scale=scale, thr=thr,
                                  tensor_layout=tensor_layout, return_sparsity=return_sparsity, chosen=chosen, out=out,
-                                 ticket=ticket, permuted_keys=permuted_keys)
+                                 ticket=ticket, permuted_keys=permuted_keys, sink_logits=sink_logits)
 
 
 def s2o_attention(

@@ -261,6 +261,18 @@ def _empty_softmax_state(PV_THRESHOLD, h, BLOCK_M: tl.constexpr, D_PAD: tl.const
 
 
 @triton.jit
+def _add_sink(acc, l_i, m_i, SINKS, h):
+    """The online-softmax state after one more term that has no value vector: head h's learned sink logit
+    (natural units, as gpt-oss's ``sinks``; m_i is in log2 units). acc and l_i are rescaled to the larger of m_i and
+    the sink, which keeps a sink far above every score from overflowing; a row that saw no key keeps acc = 0."""
+    sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+    top = tl.maximum(m_i, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no key and a -inf sink: nothing to rescale
+    alpha = tl.exp2(m_i - top)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - top)
+
+
+@triton.jit
 def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
                   stride_ob, stride_oh, stride_on, stride_od,
                   TMA_IO: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None, WIDE: tl.constexpr = False):
@@ -285,7 +297,7 @@ def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
 
 @triton.jit
 def _sparse_attention_kernel(
-    Q, K, V, O, INDEX, COUNT, NFULL, PV_THRESHOLD, PV_COUNT, KPOS,
+    Q, K, V, O, INDEX, COUNT, NFULL, PV_THRESHOLD, PV_COUNT, KPOS, SINKS,
     qk_scale, H, GROUP, q_len, kv_len, NK, q_offset, last_position, window, stride_pb, stride_ph,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -294,7 +306,7 @@ def _sparse_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_INDEX: tl.constexpr, PV_SKIP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
     PAIR_TILES: tl.constexpr, TMA_IO: tl.constexpr, PERMUTED_KEYS: tl.constexpr, WIDE: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b, h, row, offs_m, offs_d, d_mask, row_valid, q, K_base, V_base = _query_tile(
         Q, K, V, H, GROUP, q_len, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
@@ -349,6 +361,8 @@ def _sparse_attention_kernel(
         qk_scale, window, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
         PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE, WINDOWED=WINDOWED)
 
+    if HAS_SINKS:
+        acc, l_i = _add_sink(acc, l_i, m_i, SINKS, h)
     _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od,
                   TMA_IO=TMA_IO, OUT_DTYPE=q.dtype, WIDE=WIDE)
     if RETURN_COUNTS:
@@ -455,6 +469,7 @@ def sparse_attention_triton(
     is_causal: bool, scale: float, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     pvthreshd: torch.Tensor | None, return_counts: bool, tail: attention_hopper.TailSchedule | None = None,
     ticket: torch.Tensor | None = None, on_hopper: bool | None = None, key_positions: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Launch the attention kernel on (B, H, N, D) views, writing ``out_h``.
 
@@ -471,6 +486,9 @@ def sparse_attention_triton(
     ``key_positions``: (B, H_kv, N) int32 (stride 0 where broadcast, unit last stride) original positions of
     keys permuted within segments (``_inputs.PermutedKeys``; causal calls with an index compacted for that
     segment only); both kernels read them in their masked tiles.
+
+    ``sink_logits``: (H,) learned sink logits with unit stride (``_inputs.check_sink_logits``), added to each row's
+    normaliser before the output is written.
     """
     if key_positions is not None and (index is None or not is_causal):
         raise ValueError("key_positions needs a causal call with an index compacted for its key segment")
@@ -478,11 +496,11 @@ def sparse_attention_triton(
         raise ValueError("a sliding window needs a causal call with an index compacted for it")
     if on_hopper is None:
         on_hopper = attention_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None,
-                                            dense=index is None)
+                                            dense=index is None, is_causal=is_causal)
     if on_hopper:
         attention_hopper.hopper_block_sparse_attention(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale,
                                                        index=index, tail=tail, ticket=ticket,
-                                                       key_positions=key_positions)
+                                                       key_positions=key_positions, sink_logits=sink_logits)
         return None
     B, H = shape.batch, shape.heads
     nq = shape.q_blocks
@@ -499,6 +517,7 @@ def sparse_attention_triton(
     kpos_strides = (kpos.stride(0), kpos.stride(1)) if key_positions is not None else (0, 0)
     launch(_sparse_attention_kernel, (nq, B * H),
         q_arg, kh, vh, out_arg, idx, count, n_full, pv_thr, pv_count, kpos,
+        sink_logits if sink_logits is not None else pv_thr,
         scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
         shape.last_query_position, shape.window_arg, *kpos_strides,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
@@ -506,6 +525,7 @@ def sparse_attention_triton(
         IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,
         RETURN_COUNTS=return_counts, PAIR_TILES=pair_tiles(shape.head_dim, index is not None, pvthreshd is not None),
         TMA_IO=tma_io, PERMUTED_KEYS=key_positions is not None, WIDE=wide_offsets(qh, kh, vh, out_h),
-        WINDOWED=shape.sliding_window is not None, **_launch_config(shape.head_dim),
+        WINDOWED=shape.sliding_window is not None, HAS_SINKS=sink_logits is not None,
+        **_launch_config(shape.head_dim),
     )
     return pv_count if return_counts else None

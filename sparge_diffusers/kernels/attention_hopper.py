@@ -20,8 +20,9 @@ product is computed), arranged the way FlashAttention-3 arranges dense attention
   +5% / +16%, Llama-32K dense +10% / +12% (kernel-variants (x)).
 
 Measured against the Triton kernel on an H100 (benchmarks/results/kernel-variants-H100.txt (m), (n)):
-faster dense and at every density at D = 128, faster on masks at D = 64, where the Triton kernel's dense
-mode stays 4% faster (``prefer_triton`` keeps it there). Tried and not kept: FA3's intra-warpgroup overlap
+faster dense and at every density at D = 128, faster on masks at D = 64 and in the causal dense mode there;
+the non-causal dense mode at D = 64 measured the same on both and stays on the Triton kernel
+(``prefer_triton``). Tried and not kept: FA3's intra-warpgroup overlap
 (the next stage's QK^T issued before this stage's P.V: slower in dense mode, Flux 0.573 vs 0.527 ms with
 one consumer partition) and a one-block K/V stage in the loader for an odd last block (every dense mode 4-7%
 slower).
@@ -307,6 +308,17 @@ if GLUON_IMPORT_ERROR is None:
         return acc
 
     @gluon.jit
+    def _add_sink(acc, l_i, m_i, SINKS, h, rows_o: gl.constexpr):
+        """attention._add_sink in this kernel's layouts: head h's learned sink logit (natural units) joins the
+        normaliser, acc and l_i rescaled to the larger of the row max and the sink."""
+        sink = gl.load(SINKS + h).to(gl.float32) * 1.4426950408889634
+        top = gl.maximum(m_i, sink)
+        top = gl.where(top == float("-inf"), 0.0, top)  # no key and a -inf sink: nothing to rescale
+        alpha = gl.exp2(m_i - top)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+        return acc, l_i * alpha + gl.exp2(sink - top)
+
+    @gluon.jit
     def _store_output_rows(o_desc, o_smem, acc, l_i, b, h, first_row, rows_o: gl.constexpr):
         """Normalise a consumer's rows and write them at rows first_row.. of head (b, h) through ``o_smem`` by an
         asynchronous TMA store (waiting first for the previous tile's store to leave ``o_smem``)."""
@@ -327,10 +339,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                  INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset,
-                  last_position, window, n_tiles, STAGES: gl.constexpr, USE_INDEX: gl.constexpr,
+                  INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, H, GROUP, NQ, NK, kv_len,
+                  q_offset, last_position, window, n_tiles, STAGES: gl.constexpr, USE_INDEX: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, PERMUTED_KEYS: gl.constexpr, WINDOWED: gl.constexpr,
-                  NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
+                  HAS_SINKS: gl.constexpr, NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
         """Rows HALF * 64 .. HALF * 64 + 63 of each tile: both consumers wait on the same stage barriers and
         each releases every stage and Q buffer once (the empty barriers count two arrivals). With PERMUTED_KEYS
         (keys permuted within segments, always with an index), the causal test of a masked stage compares the
@@ -414,6 +426,8 @@ if GLUON_IMPORT_ERROR is None:
                     mbarrier.arrive(kv_empty.index(s))
                     kv_c += 1
             mbarrier.arrive(q_empty.index(i % 2))
+            if HAS_SINKS:
+                acc, l_i = _add_sink(acc, l_i, m_i, SINKS, h, rows_o)
             _store_output_rows(o_desc, o_smem, acc, l_i, b, h, (2 * m + HALF) * BLOCK_M, rows_o)
             i += 1
             t = _read_tile(tile_ids, q_ready, i, NUM_WARPS)
@@ -447,23 +461,24 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES,
-                                 KPOS, stride_pb, stride_ph,
+                                 KPOS, stride_pb, stride_ph, SINKS,
                                  tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset, last_position, window,
                                  n_tiles, HEAD_DIM: gl.constexpr,
                                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                                 PERMUTED_KEYS: gl.constexpr, WINDOWED: gl.constexpr, USE_TAIL: gl.constexpr,
+                                 PERMUTED_KEYS: gl.constexpr, WINDOWED: gl.constexpr, HAS_SINKS: gl.constexpr,
+                                 USE_TAIL: gl.constexpr,
                                  BUCKETS: gl.constexpr, NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         q_bufs, k_bufs, v_bufs, o_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty = _allocate_ring(
             q_desc, k_desc, HEAD_DIM, STAGES)
         gl.warp_specialize([
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
-                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,
-                         kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX, IS_CAUSAL,
-                         PERMUTED_KEYS, WINDOWED, NUM_WARPS, 0)),
+                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, H, GROUP, NQ,
+                         NK, kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX, IS_CAUSAL,
+                         PERMUTED_KEYS, WINDOWED, HAS_SINKS, NUM_WARPS, 0)),
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(1), tile_ids, q_ready, q_empty, kv_ready,
-                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, qk_scale, H, GROUP, NQ, NK,
-                         kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX, IS_CAUSAL,
-                         PERMUTED_KEYS, WINDOWED, NUM_WARPS, 1)),
+                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, H, GROUP, NQ,
+                         NK, kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX, IS_CAUSAL,
+                         PERMUTED_KEYS, WINDOWED, HAS_SINKS, NUM_WARPS, 1)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
                        kv_empty, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK,
                        kv_len, q_offset, last_position, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL, BUCKETS)),
@@ -537,13 +552,19 @@ def wants_tail_schedule(shape: AttentionShape, device: torch.device) -> bool:
     return shape.head_dim in HEAD_DIMS and runs_on(device)
 
 
-def prefer_triton(shape: AttentionShape, dense: bool) -> bool:
-    """Where both kernels can run and the Triton kernel measured faster: the dense mode at D = 64 (H100,
-    CogVideoX shape: 10.8 vs 11.2 ms; on masks this kernel is faster, 1.28 vs 1.37 ms at density 0.1)."""
-    return dense and shape.head_dim == 64
+def prefer_triton(shape: AttentionShape, dense: bool, is_causal: bool = False) -> bool:
+    """Where both kernels can run and the Triton kernel is not slower: the non-causal dense mode at D = 64.
+
+    H100 (kernel-variants (mm)), dense mode at D = 64, Triton / this kernel, ms: CogVideoX 10.69 / 10.70, SD3
+    0.484 / 0.469; causal: gpt-oss-20b heads at 32K 23.84 / 19.56, at 8K 1.661 / 1.343, 32 / 8 heads at 16K 3.16 /
+    2.64 (this kernel 16-20% faster causal; before session 52 every dense call at D = 64 ran the Triton kernel, from
+    a CogVideoX measurement of an earlier version of this kernel, 10.8 vs 11.2 ms). On masks this kernel is faster
+    (1.28 vs 1.37 ms at density 0.1)."""
+    return dense and shape.head_dim == 64 and not is_causal
 
 
-def usable(qh, kh, vh, out_h, shape: AttentionShape, pv_test: bool, dense: bool = False) -> bool:
+def usable(qh, kh, vh, out_h, shape: AttentionShape, pv_test: bool, dense: bool = False, is_causal: bool = False
+           ) -> bool:
     """Whether ``sparse_attention_triton`` hands the call to this kernel: it can run it (``why_not_usable``)
     and the Triton kernel is not the faster one there (``prefer_triton``). ``OVERRIDE`` True forces it
     (raising if it cannot run), False forbids it."""
@@ -554,7 +575,7 @@ def usable(qh, kh, vh, out_h, shape: AttentionShape, pv_test: bool, dense: bool 
         if reason is not None:
             raise RuntimeError(f"the Hopper kernel was forced but cannot run: {reason}")
         return True
-    return reason is None and not prefer_triton(shape, dense)
+    return reason is None and not prefer_triton(shape, dense, is_causal)
 
 
 @functools.lru_cache(maxsize=16)
@@ -642,13 +663,15 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
                                   shape: AttentionShape, *, is_causal: bool, scale: float,
                                   index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
                                   tail: TailSchedule | None = None, ticket: torch.Tensor | None = None,
-                                  key_positions: torch.Tensor | None = None) -> None:
+                                  key_positions: torch.Tensor | None = None,
+                                  sink_logits: torch.Tensor | None = None) -> None:
     """Write ``out_h`` (B, H, N, D views) = attention over the kept blocks of ``index`` (index, count, n_full
     from ``block_mask_to_index``), or over every visible block when ``index`` is None (the dense mode).
     ``tail`` (filled with the same index) reorders the last tickets; the result is the same. ``ticket``: a
     zeroed int32 counter for this call (``new_tail_schedule(with_counter=True)``); by default one is made.
     ``key_positions``: (B, H_kv, N) int32 with unit last stride, the original positions of keys permuted within
-    segments (causal calls with an index compacted for that segment; see ``attention.sparse_attention_triton``)."""
+    segments (causal calls with an index compacted for that segment; see ``attention.sparse_attention_triton``).
+    ``sink_logits``: (H,) learned sink logits with unit stride, added to each row's normaliser."""
     if key_positions is not None and (index is None or not is_causal):
         raise ValueError("key_positions needs a causal call with an index compacted for its key segment")
     if shape.sliding_window is not None and (index is None or not is_causal):
@@ -669,10 +692,12 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     kpos_strides = (kpos.stride(0), kpos.stride(1)) if key_positions is not None else (0, 0)
     launch(_hopper_attention_kernel, grid,
         _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
-        idx, count, n_full, ticket, sizes, tiles, kpos, *kpos_strides, tail_start, scale * LOG2E, shape.heads,
+        idx, count, n_full, ticket, sizes, tiles, kpos, *kpos_strides,
+        sink_logits if sink_logits is not None else ticket, tail_start, scale * LOG2E, shape.heads,
         shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, shape.causal_offset,
         shape.last_query_position, shape.window_arg, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
-        PERMUTED_KEYS=key_positions is not None, WINDOWED=shape.sliding_window is not None, USE_TAIL=use_tail,
+        PERMUTED_KEYS=key_positions is not None, WINDOWED=shape.sliding_window is not None,
+        HAS_SINKS=sink_logits is not None, USE_TAIL=use_tail,
         BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -31,6 +31,17 @@ def _normalised(acc: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     return torch.where(l[..., None] == 0, 0.0, acc / torch.where(l == 0, 1.0, l)[..., None])
 
 
+def _with_sink(acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor, sink: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(acc, l) of an online softmax whose running max is ``m`` (log2 units), after one more term exp2(sink) that
+    has no value vector (a learned attention sink, in the same units): both rescaled to max(m, sink), the sink's
+    weight added to l. A row that saw no key keeps acc = 0, so its output stays zero."""
+    top = torch.maximum(m, sink)
+    top = torch.where(top == -math.inf, 0.0, top)  # no key and no sink (a -inf logit): nothing to rescale
+    alpha = torch.exp2(m - top)
+    return acc * alpha[..., None], l * alpha + torch.exp2(sink - top)
+
+
 def reference_block_statistics(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block mean token and mean pairwise cosine similarity (the paper's CosSim, upstream's "meansim").
 
@@ -155,6 +166,7 @@ def reference_block_sparse_attention(
     tensor_layout: TensorLayout = "HND",
     key_positions: torch.Tensor | None = None,
     key_segment: int = BLOCK_K,
+    sink_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SparsityStats]:
     """Block-sparse FlashAttention with the sparse online softmax (stage 2), tile by tile, in float32.
 
@@ -167,7 +179,8 @@ def reference_block_sparse_attention(
     max over the tile's rows of (m_local - m_new) * scale * log2(e) <= -pvthreshd (upstream's units; the
     paper's lambda = -pvthreshd * ln 2). Departure: the granularity is the whole 128-row tile rather than a
     warp's 16 rows. Following Algorithm 1 line 13, the row sums still enter the normaliser when P.V is
-    skipped. Query rows that see no key get a zero output.
+    skipped. Query rows that see no key get a zero output. ``sink_logits`` (H,): each row's softmax also takes
+    exp(sink_logits[h]) with no value vector (gpt-oss's learned sinks), added to the normaliser at the end.
     """
     qh, kh, vh = (to_hnd(t, tensor_layout).float() for t in (q, k, v))
     B, H, Nq, D = qh.shape
@@ -184,6 +197,7 @@ def reference_block_sparse_attention(
         mask = mask & causal_block_visible(nq, nk, shape.kv_len, q.device, key_segment, q_len=shape.q_len,
                                            causal_offset=shape.causal_offset, sliding_window=shape.sliding_window)
     thr = None if pvthreshd is None else pvthreshd.view(1, H).to(q.device)
+    sink = None if sink_logits is None else (sink_logits.to(q.device).float() * LOG2E).view(1, H, 1)
     out = torch.zeros_like(qh)
     qk_counts = mask.sum(-1).to(torch.int64)
     pv_counts = torch.zeros(B, H, nq, dtype=torch.int64, device=q.device)
@@ -223,6 +237,8 @@ def reference_block_sparse_attention(
             acc = torch.where(do_pv[..., None, None], acc + p @ vh[:, :, cols], acc)
             m = torch.where(a, m_new, m)
             pv_counts[:, :, i] += do_pv
+        if sink is not None:
+            acc, l = _with_sink(acc, l, m, sink)
         out[:, :, rows] = _normalised(acc, l)
     stats = sparsity_stats(qk_counts, pv_counts, shape, is_causal)
     out = out.to(q.dtype)

@@ -1,0 +1,170 @@
+"""Learned attention sinks (``sink_logits``: one logit per query head joining each row's softmax with no value
+vector, gpt-oss's ``sinks``). The reference against the definition written here (transformers' eager formula of
+gpt-oss: the sink as one more logit column, dropped after the softmax), the Triton kernels in the interpreter against
+the reference, and the input checks."""
+
+import math
+
+import pytest
+import torch
+
+from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention, sparge_attention_op
+from sparge_diffusers.kernels._inputs import check_attention_inputs
+from test_kernels import L1_TOL, make_qkv, poisoned_like
+from test_sliding_window import random_mask, window_mask
+
+# one head without a sink (-inf), one whose sink outweighs every key (100: rows almost zero, never NaN), two ordinary
+SINKS = [0.5, -math.inf, 100.0, -2.0]
+
+# Nq, Nkv, causal, variant, window: odd lengths, N_q != N_kv both ways, a chunk against a cache, a window
+CASES = [
+    (200, 333, False, None, None),
+    (300, 300, True, None, None),
+    (77, 390, True, "lower_right", None),
+    (300, 300, True, None, 100),
+]
+
+
+def allowed_keys(nq, nkv, causal, variant, window):
+    if not causal:
+        return torch.ones(nq, nkv, dtype=torch.bool)
+    return window_mask(nq, nkv, variant, window if window is not None else nkv + nq)
+
+
+def exact_with_sinks(q, k, v, allowed, sinks, scale=None):
+    """float32 attention of (B, H, N, D) inputs with the sink as one more logit column, dropped after the softmax."""
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, -math.inf)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs @ v.float().repeat_interleave(group, 1)
+
+
+@pytest.mark.parametrize("Nq,Nkv,causal,variant,window", CASES)
+def test_reference_with_every_block_equals_the_definition(Nq, Nkv, causal, variant, window):
+    q, k, v = make_qkv(2, 4, 2, Nq, Nkv, 64, torch.float32, "HND", seed=Nq + Nkv)
+    sinks = torch.tensor(SINKS)
+    kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window)
+    out = block_sparse_attention(q, k, v, None, sink_logits=sinks, **kw)
+    expected = exact_with_sinks(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window), sinks)
+    assert relative_l1(out, expected) < 1e-5
+    without = block_sparse_attention(q, k, v, None, **kw)
+    assert relative_l1(without, expected) > 0.05, "the sinks must change the output for this test to mean anything"
+    assert out[:, 2].abs().max() < 1e-20, "a sink of 100 takes all of its head's weight"
+    assert torch.equal(out[:, 1], without[:, 1]), "a sink of -inf is no sink"
+
+
+# stage 2's gap (m_local - m_new) of a row that has seen no key yet is -inf - -inf in the interpreter's numpy, then
+# discarded by the kernel's where (test_sliding_window has the same)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Nq,Nkv,causal,variant,window", CASES)
+def test_kernel_matches_reference_with_sinks(Nq, Nkv, causal, variant, window, dtype, layout):
+    """A random mask (some rows empty), the dense call and the mask with stage 2's test, against the reference, sink
+    logits in float32 and in the inputs' dtype; every element written, no NaN."""
+    q, k, v = make_qkv(2, 4, 2, Nq, Nkv, 64, dtype, layout, seed=Nq + 7)
+    shape = check_attention_inputs(q, k, v, tensor_layout=layout, is_causal=causal, causal_variant=variant,
+                                   sliding_window=window)
+    kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window, tensor_layout=layout)
+    mask = random_mask(shape, 0.5, Nq)
+    mask[0, 0, 0] = False  # a row that sees no key: zeros, whatever the sink
+    for mask, pvthreshd, sink_dtype in ((mask, None, torch.float32), (None, None, dtype), (mask, 4.0, dtype)):
+        sinks = torch.tensor(SINKS).to(sink_dtype)
+        ref = block_sparse_attention(q, k, v, mask, backend="reference", pvthreshd=pvthreshd, sink_logits=sinks, **kw)
+        out = block_sparse_attention(q, k, v, mask, backend="triton", out=poisoned_like(q), pvthreshd=pvthreshd,
+                                     sink_logits=sinks, **kw)
+        assert not torch.isnan(out).any()
+        assert relative_l1(out.float(), ref.float()) < L1_TOL[dtype] / 2
+        if mask is not None:
+            rows = out[0, :, 0] if layout == "NHD" else out[0, 0]
+            assert not rows[:128].any()
+
+
+def test_whole_method_with_sinks_and_its_operator():
+    """sparge_attention keeping every block equals the definition, through the Triton kernels (interpreter), the
+    reference and the custom operator; a strided sink tensor is read as its values."""
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 64, torch.float16, "HND", seed=5)
+    sinks = torch.tensor([[x, 0.0] for x in SINKS])[:, 0]  # stride 2
+    expected = exact_with_sinks(q, k, v, allowed_keys(300, 300, True, None, None), sinks)
+    kw = dict(is_causal=True, cdfthreshd=1.0, pvthreshd=None, sink_logits=sinks)
+    for out in (sparge_attention(q, k, v, backend="triton", **kw), sparge_attention(q, k, v, **kw),
+                sparge_attention_op(q, k, v, **kw)):
+        assert relative_l1(out.float(), expected) < L1_TOL[torch.float16]
+    out, stats = sparge_attention(q, k, v, is_causal=True, simthreshd1=-1.0, cdfthreshd=0.5, sink_logits=sinks,
+                                  backend="triton", return_sparsity=True)
+    ref, ref_stats = sparge_attention(q, k, v, is_causal=True, simthreshd1=-1.0, cdfthreshd=0.5, sink_logits=sinks,
+                                      backend="reference", return_sparsity=True)
+    assert stats.sparsity > 0 and stats.sparsity == ref_stats.sparsity, "the sinks change no block decision"
+    assert relative_l1(out.float(), ref.float()) < L1_TOL[torch.float16]
+
+
+def test_keeping_every_block_skips_stage_1(monkeypatch):
+    """cdfthreshd=1 keeps every visible block, so sparge_attention runs the dense walk without stage 1: the output
+    and statistics of stage 1's all-kept mask, with or without a window; a bad cdfthreshd still raises."""
+    import sparge_diffusers.kernels.api as api
+
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 64, torch.float16, "HND", seed=9)
+    for window in (None, 100):
+        kw = dict(is_causal=True, sliding_window=window, simthreshd1=0.6, backend="triton")
+        with_stage_1, stats_1 = api.block_sparse_attention(
+            q, k, v, api.predict_block_mask(q, k, cdfthreshd=1.0, **kw), return_sparsity=True, pvthreshd=50, **{
+                name: value for name, value in kw.items() if name != "simthreshd1"})
+        monkeypatch.setattr(api, "_predict_checked", lambda *a, **kw: pytest.fail("stage 1 ran"))
+        out, stats = sparge_attention(q, k, v, cdfthreshd=[1.0] * 4, return_sparsity=True, **kw)
+        monkeypatch.undo()
+        assert relative_l1(out.float(), with_stage_1.float()) < 1e-3
+        assert stats.sparsity == stats_1.sparsity == 0 and stats.dense_blocks == stats_1.dense_blocks
+    with pytest.raises(ValueError, match="cdfthreshd"):
+        sparge_attention(q, k, v, cdfthreshd=1.5)
+
+
+def test_bad_sink_logits_raise():
+    q, k, v = make_qkv(1, 4, 2, 100, 100, 64, torch.float16, "HND", seed=0)
+    for bad, message in ((torch.zeros(2), r"shape \(4,\)"), (torch.zeros(1, 4), r"shape \(4,\)"),
+                         (torch.zeros(4, dtype=torch.int32), "float32, float16 or bfloat16"),
+                         ([0.0] * 4, "must be a torch.Tensor"), (torch.zeros(4, device="meta"), "is on meta")):
+        with pytest.raises(ValueError, match=message):
+            sparge_attention(q, k, v, sink_logits=bad)
+        with pytest.raises(ValueError, match=message):
+            block_sparse_attention(q, k, v, None, sink_logits=bad)
+    learned = torch.zeros(4, requires_grad=True)
+    with pytest.raises(ValueError, match="sink_logits requires grad"):
+        sparge_attention(q, k, v, sink_logits=learned)
+    with torch.no_grad():
+        sparge_attention(q, k, v, sink_logits=learned)  # inference: fine
+    with pytest.raises(ValueError, match="dense or sink_logits"):
+        sparge_attention_op(q, k, v, sink_logits=torch.zeros(4), dense=torch.tensor(False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Nq,Nkv,causal,variant,window", [(3000, 3000, False, None, None),
+                                                          (1000, 4567, True, "lower_right", None),
+                                                          (2049, 2049, True, None, 512)])
+def test_gpu_kernels_match_reference_with_sinks(Nq, Nkv, causal, variant, window, D, monkeypatch):
+    """On a GPU: the Hopper kernel (where it runs) and the Triton kernel, on a random mask and on every block,
+    against the float32 reference; the whole method keeping every block against the definition."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from sparge_diffusers.kernels import attention_hopper
+
+    q, k, v = (t.cuda() for t in make_qkv(1, 8, 2, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + D))
+    sinks = torch.tensor(SINKS * 2, device="cuda", dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal, causal_variant=variant,
+                                   sliding_window=window)
+    kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window, sink_logits=sinks)
+    for mask in (random_mask(shape, 0.3, Nq).cuda(), None):
+        ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(),
+                                     backend="reference", **{**kw, "sink_logits": sinks.cpu()})
+        for forced in (None, False):  # as chosen (the Hopper kernel on an H100), then the Triton kernel
+            monkeypatch.setattr(attention_hopper, "OVERRIDE", forced)
+            out = block_sparse_attention(q, k, v, mask, out=poisoned_like(q), **kw)
+            assert not torch.isnan(out).any()
+            assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
+    monkeypatch.setattr(attention_hopper, "OVERRIDE", None)
+    out = sparge_attention(q, k, v, cdfthreshd=1.0, pvthreshd=None, **kw)
+    expected = exact_with_sinks(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window).cuda(), sinks)
+    assert relative_l1(out.float(), expected) < L1_TOL[torch.bfloat16]
