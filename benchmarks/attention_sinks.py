@@ -17,7 +17,7 @@ Model level (``--model-lengths``): a prefill through ``--layers`` gpt-oss-20b-sh
 transformers' eager attention (gpt-oss's reference path: the only built-in one that computes the sinks without the
 kernels hub) and with ``sparge_diffusers.llm`` at default thresholds (before session 52 it raised on ``s_aux``; its
 sliding layers, 128 keys, keep every block in the window: ``min_predicted_window``), both against float32 attention
-with the sinks (``llm.exact_attention_with_sinks``, what the function falls back to).
+with the sinks (the function's fallback, ``llm.exact_attention_with_sinks``, on float32 copies of q, k and v).
 
 Usage: python benchmarks/attention_sinks.py [--cases 32768:0,32768:128,8192:0] [--model-lengths 8192] [--layers 2]
        [--out results.json]
@@ -30,7 +30,6 @@ import math
 import os
 import sys
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +115,24 @@ def kernel_case(n: int, window: int, flex) -> tuple[dict, str]:
     return entry, line
 
 
+def register_float32_reference(name: str) -> None:
+    """Register, as a transformers attention implementation, float32 attention with the sinks: the sinks' exact
+    fallback (``llm.exact_attention_with_sinks``) on float32 copies of q, k and v (the accuracy reference for eager
+    attention, whose softmax runs in bf16, and for ours)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from sparge_diffusers.llm import exact_attention_with_sinks
+
+    def float32_sinks(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        out = exact_attention_with_sinks(query.float(), key.float(), value.float(), attention_mask, kwargs["s_aux"],
+                                         scale=scaling, is_causal=True)
+        return out.to(query.dtype), None
+
+    AttentionInterface.register(name, float32_sinks)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
 def model_case(n: int, layers: int) -> tuple[dict, str]:
     import transformers
 
@@ -133,18 +150,14 @@ def model_case(n: int, layers: int) -> tuple[dict, str]:
                 layer.self_attn.sinks.normal_(0.0, 2.0)
     ids = torch.randint(0, 1024, (1, n), device="cuda", generator=torch.Generator(device="cuda").manual_seed(n))
     attention = register("sparge_bench_sinks", collect_stats=True, strict=True)
-    # S2O takes no sinks: every layer goes to the sinks' exact fallback (float32 scores and softmax), the accuracy
-    # reference for both eager (bf16 softmax) and ours
-    register("sparge_bench_exact", method="s2o")
+    register_float32_reference("float32_sinks")
 
     def prefill():
         with torch.no_grad():
             return model.model(input_ids=ids).last_hidden_state
 
-    model.set_attn_implementation("sparge_bench_exact")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exact = prefill().float()
+    model.set_attn_implementation("float32_sinks")
+    exact = prefill().float()
     model.set_attn_implementation("eager")
     eager = prefill().float()
     eager_ms = timed(prefill, reps=3, warmup=1)

@@ -164,22 +164,25 @@ def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Te
 
 
 def _s2o_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
-                  variant: str | None) -> dict:
+                  variant: str | None, sinks: torch.Tensor | None = None) -> dict:
     """s2o_attention's keyword arguments for one causal call, eager or through its operator."""
-    return dict(is_causal=True, scale=scale, tau=attention.tau, segment=attention.s2o_segment,
-                simthreshd1=attention.simthreshd1, pvthreshd=attention.pvthreshd,
-                attention_sink=attention.attention_sink, causal_variant=_causal_variant(q, k, variant))
+    settings = dict(is_causal=True, scale=scale, tau=attention.tau, segment=attention.s2o_segment,
+                    simthreshd1=attention.simthreshd1, pvthreshd=attention.pvthreshd,
+                    attention_sink=attention.attention_sink, causal_variant=_causal_variant(q, k, variant))
+    if sinks is not None:
+        settings["sink_logits"] = sinks
+    return settings
 
 
 def _s2o_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: float | None, variant: str | None, stats: bool):
+                 scale: float | None, variant: str | None, stats: bool, sinks: torch.Tensor | None = None):
     """S2O's selection: key blocks visited by compressed score, stopped once the normaliser stops growing."""
-    return s2o_attention(q, k, v, return_sparsity=stats, **_s2o_settings(attention, q, k, scale, variant))
+    return s2o_attention(q, k, v, return_sparsity=stats, **_s2o_settings(attention, q, k, scale, variant, sinks))
 
 
 def _s2o_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float | None, variant: str | None) -> torch.Tensor:
-    return s2o_attention_op(q, k, v, **_s2o_settings(attention, q, k, scale, variant))
+                  scale: float | None, variant: str | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return s2o_attention_op(q, k, v, **_s2o_settings(attention, q, k, scale, variant, sinks))
 
 
 def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -258,40 +261,44 @@ def check_call_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> N
 
 def exact_attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attention_mask: torch.Tensor | None, sinks: torch.Tensor, *, scale: float | None = None,
-                               is_causal: bool = False, dropout: float = 0.0, query_chunk: int = 1024) -> torch.Tensor:
+                               is_causal: bool = False, dropout: float = 0.0, max_scores: int = 1 << 26
+                               ) -> torch.Tensor:
     """Exact attention with learned sinks where a call does not run sparse (decode steps, masks the kernels do not
     take): each row's softmax takes one more logit, ``sinks[h]``, whose weight is dropped, as transformers' eager
     attention of gpt-oss computes it. transformers' SDPA function would drop the sinks instead.
 
     query (B, H, Nq, D), key/value (B, H_kv, Nkv, D); ``attention_mask``: transformers' (B|1, 1, Nq, >= Nkv) mask,
     boolean (True = attend) or additive, or None (then causal, upper left, if ``is_causal`` and Nq > 1, as
-    transformers' SDPA function decides). Scores and softmax in float32, ``query_chunk`` queries at a time (memory
-    O(query_chunk * Nkv) per head, not O(Nq * Nkv)); autograd records through it. Returns (B, Nq, H, D) in query's
-    dtype, as transformers' attention functions do."""
+    transformers' SDPA function decides). The products run in the inputs' dtype, as eager attention's do (no float32
+    copy of the cache at each decode step), the softmax in float32; grouped-query heads as they come (no repeat of
+    K/V); queries in chunks whose scores hold at most ``max_scores`` elements (not O(Nq * Nkv) at once). Autograd
+    records through it. Returns (B, Nq, H, D) in query's dtype, as transformers' attention functions do."""
     batch, heads, q_len, head_dim = query.shape
-    kv_len = key.shape[2]
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    group = heads // kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
-    group = heads // key.shape[1]
-    k = key.repeat_interleave(group, dim=1).float()
-    v = value.repeat_interleave(group, dim=1).float()
-    sink = sinks.float().view(1, heads, 1, 1).to(query.device)
+    grouped = query.reshape(batch, kv_heads, group, q_len, head_dim)
+    keys_t, values = key[:, :, None].transpose(-1, -2), value[:, :, None]  # broadcast over each group's heads
+    sink = sinks.float().view(1, kv_heads, group, 1, 1).to(query.device)
+    rows = max(1, max_scores // max(batch * heads * kv_len, 1))
     parts = []
-    for start in range(0, q_len, query_chunk):
-        stop = min(start + query_chunk, q_len)
-        scores = (query[:, :, start:stop].float() @ k.transpose(-1, -2)) * scale
+    for start in range(0, q_len, rows):
+        stop = min(start + rows, q_len)
+        scores = (grouped[:, :, :, start:stop] @ keys_t).float() * scale  # (B, H_kv, group, rows, Nkv)
         if attention_mask is not None:
-            mask = attention_mask[:, :, start:stop, :kv_len]
+            mask = attention_mask[:, :, start:stop, :kv_len][:, :, None]
             scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
         elif is_causal and q_len > 1:
-            rows = torch.arange(start, stop, device=query.device)
-            scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > rows[:, None],
+            positions = torch.arange(start, stop, device=query.device)
+            scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > positions[:, None],
                                         -math.inf)
-        logits = torch.cat([scores, sink.expand(batch, heads, stop - start, 1)], dim=-1)
+        logits = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
         probs = torch.softmax(logits, dim=-1)[..., :-1]
         if dropout:
             probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
-        parts.append(probs @ v)
-    return torch.cat(parts, dim=2).to(query.dtype).transpose(1, 2).contiguous()
+        parts.append(probs.to(value.dtype) @ values)
+    out = torch.cat(parts, dim=3).reshape(batch, heads, q_len, head_dim)
+    return out.transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True)
@@ -312,7 +319,7 @@ class PrefillMethod:
 
 PREFILL_METHODS: dict[str, PrefillMethod] = {
     "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, takes_window=True, takes_sinks=True),
-    "s2o": PrefillMethod(_s2o_prefill, _s2o_compiled),
+    "s2o": PrefillMethod(_s2o_prefill, _s2o_compiled, takes_sinks=True),
     "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled),
 }
 
@@ -351,8 +358,9 @@ class SpargeLLMAttention:
     Windows shorter than ``min_predicted_window`` keys keep every block in them (no stage 1).
 
     Learned attention sinks (``s_aux``, one logit per query head: gpt-oss and others) reach the kernels as
-    ``sink_logits``; where a call cannot run sparse (decode steps, other masks, a method that takes no sinks: S2O,
-    FSA, ``pbs_segment``) it goes to :func:`exact_attention_with_sinks` instead of SDPA's function.
+    ``sink_logits`` (methods "sparge" and "s2o"); where a call cannot run sparse (decode steps, other masks, a method
+    that takes no sinks: FSA, ``pbs_segment``) it goes to :func:`exact_attention_with_sinks` instead of SDPA's
+    function.
 
     Under torch.compile a call without a mask is one node per kernel operator; a call with a mask is one node of the
     operator ``sparge_diffusers::llm_masked_prefill``, which reads the mask at run time and routes the call as above

@@ -782,23 +782,27 @@ def test_a_model_with_attention_sinks_runs_sparse_with_them(tmp_path):
 
 
 def test_sinks_under_a_method_that_takes_none_fall_back_to_their_exact_path(tmp_path):
-    """S2O and PBS's permuted keys take no sinks: their calls go to the sinks' exact fallback (eager's logits) with a
-    warning, or raise under strict; the fallback in query chunks equals eager attention under a boolean, an additive
-    or no mask; sinks with softcapping raise (nobody computes both)."""
+    """FSA and PBS's permuted keys take no sinks: their calls go to the sinks' exact fallback (eager's logits) with a
+    warning, or raise under strict; S2O takes them (eager's logits with every block visited); the fallback in query
+    chunks equals eager attention under a boolean, an additive or no mask; sinks with softcapping raise (nobody
+    computes both)."""
     from sparge_diffusers.llm import exact_attention_with_sinks
 
     path = gpt_oss_with_sinks(tmp_path, window=4096)  # a window that hides no key here: the sinks decide alone
     ids = prompt(300)
     eager = logits(load(path, "eager"), ids)
-    for name, settings, what in (("s2o", dict(method="s2o"), "'s2o'"),
+    for name, settings, what in (("fsa", dict(method="fsa"), "'fsa'"),
                                  ("pbs", dict(pbs_segment=128), r"'sparge' \(with pbs_segment\)")):
         register(f"sparge_test_sinks_{name}", strict=True, **settings)
         with pytest.raises(ValueError, match=rf"attention sinks \(s_aux\), which the {what} method does not take"):
             logits(load(path, f"sparge_test_sinks_{name}"), ids)
-    falling_back = register("sparge_test_sinks_fallback", method="s2o")
+    falling_back = register("sparge_test_sinks_fallback", method="fsa")
     with pytest.warns(UserWarning, match="falling back to SDPA: attention sinks"):
         got = logits(load(path, "sparge_test_sinks_fallback"), ids)
     assert relative_l1(got, eager) < 1e-5 and falling_back.sparse_calls == 0
+    s2o = register("sparge_test_sinks_s2o_run", method="s2o", tau=0.0, simthreshd1=-1.0, strict=True)
+    assert relative_l1(logits(load(path, "sparge_test_sinks_s2o_run"), ids), eager) < 1e-5
+    assert s2o.sparse_calls == 2
 
     module, (q, k, v), attention = direct_call_setup(5)
     sinks = torch.tensor([0.5, -1.0, 3.0, -float("inf")])
@@ -809,8 +813,8 @@ def test_sinks_under_a_method_that_takes_none_fall_back_to_their_exact_path(tmp_
         masked = scores.masked_fill(~causal, -float("inf"))
         probs = torch.softmax(torch.cat([masked, sinks.view(1, 4, 1, 1).expand(1, 4, 130, 1)], -1), -1)[..., :-1]
         expected = (probs @ group_v).transpose(1, 2)
-        for chunk in (1024, 50):
-            out = exact_attention_with_sinks(q, k, v, mask, sinks, scale=0.125, is_causal=True, query_chunk=chunk)
+        for max_scores in (1 << 26, 4 * 130 * 50):  # all rows at once, chunks of 50 rows
+            out = exact_attention_with_sinks(q, k, v, mask, sinks, scale=0.125, is_causal=True, max_scores=max_scores)
             assert out.shape == (1, 130, 4, 64) and relative_l1(out, expected) < 1e-5
     with pytest.raises(ValueError, match="attention sinks \\(s_aux\\) together with softcapping"):
         attention(module, q, k, v, None, scaling=0.125, s_aux=sinks, softcap=30.0)

@@ -39,26 +39,28 @@ def test_forcing_the_walk_where_it_cannot_run_raises(monkeypatch):
         s2o_hopper.usable(q, q, q, q, shape, pv_test=False, early_stop=True, check_every=16)
 
 
-def compile_offline(causal: bool, early_stop: bool, dtype: str, head_dim: int, return_counts: bool) -> None:
-    """Compile the ordered walk for sm90 without a GPU."""
+def compile_offline(causal: bool, early_stop: bool, dtype: str, head_dim: int, return_counts: bool,
+                    sinks: str | None = None) -> None:
+    """Compile the ordered walk for sm90 without a GPU (``sinks``: the sink logits' element type, e.g. "bf16")."""
     sig = {"q_desc": descriptor_type(dtype, BLOCK_Q), "k_desc": descriptor_type(dtype, BLOCK_K),
            "v_desc": descriptor_type(dtype, BLOCK_K), "o_desc": descriptor_type(dtype, BLOCK_Q // 2),
            "INDEX": "*i32", "N_UNMASKED": "*i32", "N_FORCED": "*i32", "COUNT": "*i32", "TAU": "*fp32",
-           "VISITED": "*i32", "TICKET": "*i32", "qk_scale": "fp32"}
+           "VISITED": "*i32", "TICKET": "*i32", "SINKS": f"*{sinks or 'i32'}", "qk_scale": "fp32"}
     sig.update({name: "i32" for name in ("H", "GROUP", "NQ", "NK", "q_len", "kv_len", "q_offset", "n_tiles")})
     consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "IS_CAUSAL": causal, "EARLY_STOP": early_stop,
-              "CHECK_STAGES": 8, "RETURN_COUNTS": return_counts, "NUM_WARPS": attention_hopper.NUM_WARPS,
+              "CHECK_STAGES": 8, "RETURN_COUNTS": return_counts, "HAS_SINKS": sinks is not None,
+              "NUM_WARPS": attention_hopper.NUM_WARPS,
               "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
     compile_gluon_offline(s2o_hopper._hopper_ordered_kernel, sig, consts)
 
 
-@pytest.mark.parametrize("causal,early_stop,dtype,head_dim,return_counts",
-                         [(False, True, "bf16", 128, False), (True, True, "fp16", 64, True),
-                          (True, False, "bf16", 128, True)])
-def test_walk_compiles_for_sm90_offline(causal, early_stop, dtype, head_dim, return_counts):
+@pytest.mark.parametrize("causal,early_stop,dtype,head_dim,return_counts,sinks",
+                         [(False, True, "bf16", 128, False, None), (True, True, "fp16", 64, True, "fp32"),
+                          (True, False, "bf16", 128, True, "bf16")])
+def test_walk_compiles_for_sm90_offline(causal, early_stop, dtype, head_dim, return_counts, sinks):
     """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
     run_offline_compile(f"import test_s2o_hopper as t; t.compile_offline({causal}, {early_stop}, {dtype!r}, "
-                        f"{head_dim}, {return_counts})")
+                        f"{head_dim}, {return_counts}, {sinks!r})")
 
 
 def _on_hopper():

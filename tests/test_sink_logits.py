@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention, sparge_attention_op
+from sparge_diffusers import (block_sparse_attention, relative_l1, s2o_attention, s2o_attention_op, sparge_attention,
+                              sparge_attention_op)
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from test_kernels import L1_TOL, make_qkv, poisoned_like
 from test_sliding_window import random_mask, window_mask
@@ -101,6 +102,32 @@ def test_whole_method_with_sinks_and_its_operator():
     assert relative_l1(out.float(), ref.float()) < L1_TOL[torch.float16]
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_s2o_walk_with_sinks_matches_reference(causal, layout):
+    """S2O's ordered walk with sinks: the Triton walk (interpreter) against the reference, with stops taken (the same
+    blocks visited: the stop test weighs the keys' normaliser only) and with every block visited, which equals the
+    definition; through the operator too."""
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 64, torch.float16, layout, seed=11)
+    sinks = torch.tensor(SINKS)
+    for tau, check_every in ((0.5, 1), (0.0, 16)):
+        kw = dict(is_causal=causal, tau=tau, segment=128, check_every=check_every, simthreshd1=-1.0,
+                  tensor_layout=layout, sink_logits=sinks, return_sparsity=True)
+        ref, ref_stats = s2o_attention(q, k, v, backend="reference", **kw)
+        out, stats = s2o_attention(q, k, v, backend="triton", out=poisoned_like(q), **kw)
+        assert not torch.isnan(out).any() and relative_l1(out.float(), ref.float()) < L1_TOL[torch.float16]
+        torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
+        if tau == 0.0:
+            qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
+            expected = exact_with_sinks(qh, kh, vh, allowed_keys(300, 300, causal, None, None), sinks)
+            expected = expected if layout == "HND" else expected.transpose(1, 2)
+            assert relative_l1(out.float(), expected) < L1_TOL[torch.float16]
+            op = s2o_attention_op(q, k, v, **{name: value for name, value in kw.items() if name != "return_sparsity"})
+            assert relative_l1(op.float(), expected) < L1_TOL[torch.float16]
+        else:
+            assert stats.sparsity > 0, "the walk must stop somewhere for this case to mean anything"
+
+
 def test_keeping_every_block_skips_stage_1(monkeypatch):
     """cdfthreshd=1 keeps every visible block, so sparge_attention runs the dense walk without stage 1: the output
     and statistics of stage 1's all-kept mask, with or without a window; a bad cdfthreshd still raises."""
@@ -168,3 +195,11 @@ def test_gpu_kernels_match_reference_with_sinks(Nq, Nkv, causal, variant, window
     out = sparge_attention(q, k, v, cdfthreshd=1.0, pvthreshd=None, **kw)
     expected = exact_with_sinks(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window).cuda(), sinks)
     assert relative_l1(out.float(), expected) < L1_TOL[torch.bfloat16]
+    if window is None:  # S2O's walks (the Gluon one on an H100, then the Triton one) visiting every block
+        from sparge_diffusers.kernels import s2o_hopper
+
+        for forced in (None, False):
+            monkeypatch.setattr(s2o_hopper, "OVERRIDE", forced)
+            out = s2o_attention(q, k, v, is_causal=causal, causal_variant=variant, tau=0.0, sink_logits=sinks,
+                                out=poisoned_like(q))
+            assert relative_l1(out.float(), expected) < L1_TOL[torch.bfloat16], forced

@@ -431,6 +431,7 @@ def s2o_attention(
     out: torch.Tensor | None = None,
     order: VisitOrder | None = None,
     causal_variant: CausalVariant | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Sparse attention with S2O's selection: ranked key blocks and early stopping (see kernels/s2o.py).
 
@@ -457,6 +458,8 @@ def s2o_attention(
             shape and causal variant.
         causal_variant: as in :func:`sparge_attention` (a chunk of queries against a KV cache: "lower_right").
             The causal segment is then the one of each query block's first position (row + Nkv - Nq).
+        sink_logits: learned attention sinks, as in :func:`block_sparse_attention`; added to each row's normaliser
+            after the walk (the stop test weighs the keys' normaliser, as S2O defines it).
         Others as in :func:`sparge_attention`. Statistics count the key blocks not visited as skipped.
     """
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
@@ -470,6 +473,7 @@ def s2o_attention(
     theta = per_head(simthreshd1, shape.heads, "simthreshd1", q.device, low=-1.0, high=1.0)
     tau_t = None if tau is None else per_head(tau, shape.heads, "tau", q.device, low=0.0)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
+    sink_logits = check_sink_logits(sink_logits, shape, q.device)
     _check_out(out, q, k, v)
     if chosen == "triton":
         check_kernel_dtype(q.dtype)
@@ -486,7 +490,7 @@ def s2o_attention(
     if chosen == "reference":
         result, visited, pv_count = reference_ordered_attention(qh, kh, vh, order, shape=shape, is_causal=is_causal,
                                                                 scale=scale, tau=tau_t, pvthreshd=thr,
-                                                                check_every=check_every)
+                                                                check_every=check_every, sink_logits=sink_logits)
         result = result.to(q.dtype)
         result = result if tensor_layout == "HND" else result.transpose(1, 2)
         if out is not None:
@@ -496,7 +500,8 @@ def s2o_attention(
         result = out if out is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
         counts = ordered_attention_triton(qh, kh, vh, to_hnd(result, tensor_layout), shape, order,
                                           is_causal=is_causal, scale=scale, tau=tau_t, pvthreshd=thr,
-                                          return_counts=return_sparsity, check_every=check_every)
+                                          return_counts=return_sparsity, check_every=check_every,
+                                          sink_logits=sink_logits)
         if return_sparsity:
             visited, pv_count = counts
     if not return_sparsity:

@@ -155,17 +155,19 @@ def sparge_attention_op(
 def _s2o_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                       tau: list[float] | None, segment: int, check_every: int, simthreshd1: list[float],
                       pvthreshd: list[float] | None, attention_sink: bool, tensor_layout: str,
-                      causal_variant: str | None = None) -> torch.Tensor:
+                      causal_variant: str | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     return s2o_attention(q, k, v, is_causal=is_causal, scale=scale, tau=tau, segment=segment, check_every=check_every,
                          simthreshd1=simthreshd1, pvthreshd=pvthreshd, attention_sink=attention_sink,
-                         tensor_layout=tensor_layout, out=new_output(q), causal_variant=causal_variant)
+                         tensor_layout=tensor_layout, out=new_output(q), causal_variant=causal_variant,
+                         sink_logits=sink_logits)
 
 
 @_s2o_attention_op.register_fake
 def _(q, k, v, is_causal, scale, tau, segment, check_every, simthreshd1, pvthreshd, attention_sink, tensor_layout,
-      causal_variant=None):
-    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
-                           causal_variant=causal_variant)  # errors at trace time
+      causal_variant=None, sink_logits=None):
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)  # errors at trace time
+    check_sink_logits(sink_logits, shape, q.device)
     return new_output(q)
 
 
@@ -184,6 +186,7 @@ def s2o_attention_op(
     attention_sink: bool = False,
     tensor_layout: TensorLayout = "HND",
     causal_variant: CausalVariant | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~sparge_diffusers.kernels.api.s2o_attention` through its custom operator, for code compiled with
     ``torch.compile``: the same arguments (backend "auto"; no prebuilt ``order``) and output, no statistics;
@@ -192,7 +195,7 @@ def s2o_attention_op(
     return torch.ops.sparge_diffusers.s2o_attention(
         q, k, v, bool(is_causal), scale, _as_list(tau, "tau"), int(segment), int(check_every),
         _as_list(simthreshd1, "simthreshd1"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout,
-        causal_variant)
+        causal_variant, sink_logits)
 
 
 @torch.library.custom_op("sparge_diffusers::selected_block_attention", mutates_args=())

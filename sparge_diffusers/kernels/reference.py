@@ -247,14 +247,16 @@ def reference_block_sparse_attention(
 
 def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, shape: AttentionShape,
                                 is_causal: bool, scale: float, tau: torch.Tensor | None,
-                                pvthreshd: torch.Tensor | None, check_every: int = 16
+                                pvthreshd: torch.Tensor | None, check_every: int = 16,
+                                sink_logits: torch.Tensor | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 reference of the S2O ordered walk (kernels/s2o.py), one (batch, head, query block) at a time,
     (B, H, N, D) inputs, visiting order (index, n_unmasked, n_forced, count) from ``s2o_visit_order``.
 
     Same order, same online softmax in the log2 domain, same stop rule (mean relative gain of the last tile
     below tau, tested every ``check_every`` ranked tiles), same PV skip. Query row i sits at causal position
-    i + ``shape.causal_offset``. Returns (out float32, visited, pv_count) on q's device.
+    i + ``shape.causal_offset``. ``sink_logits`` (H,): learned sinks added to each row's normaliser after the walk
+    (the stop test weighs the keys' normaliser only). Returns (out float32, visited, pv_count) on q's device.
 
     The walk runs on the CPU whatever the inputs' device: it is a loop of tile-sized steps with a data-dependent
     stop, which on a GPU would be thousands of tiny launches and a sync per test.
@@ -263,6 +265,7 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
     qh, kh, vh = (t.detach().float().cpu() for t in (q, k, v))
     tau = None if tau is None else tau.cpu()
     pvthreshd = None if pvthreshd is None else pvthreshd.cpu()
+    sinks = None if sink_logits is None else sink_logits.detach().float().cpu() * LOG2E
     B, H, Nq, D = qh.shape
     group = H // kh.shape[1]
     kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
@@ -307,6 +310,8 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                         if float(gain.mean()) < float(tau[h]):
                             break
                 visited[b, h, i] = n
+                if sinks is not None:
+                    acc, l = _with_sink(acc, l, m, sinks[h])
                 out[b, h, rows] = _normalised(acc, l)
     return out.to(device), visited.to(device), pv_count.to(device)
 

@@ -41,8 +41,8 @@ import triton.language as tl
 from ._inputs import BLOCK_K, BLOCK_Q, NO_WINDOW, AttentionShape, causal_block_visible, wide_offsets
 from .._launch import cdiv, launch, next_power_of_2
 from . import attention, s2o_hopper
-from .attention import (LOG2E, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile, _store_output,
-                        _walk_blocks)
+from .attention import (LOG2E, _add_sink, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile,
+                        _store_output, _walk_blocks)
 from .predict import compressed_scores_triton
 
 _NO_WINDOW: tl.constexpr = tl.constexpr(NO_WINDOW)  # S2O's walks take no sliding window
@@ -53,7 +53,7 @@ CHECK_EVERY = 16
 
 @triton.jit
 def _ordered_attention_kernel(
-    Q, K, V, O, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, PV_THRESHOLD, VISITED, PV_COUNT,
+    Q, K, V, O, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, PV_THRESHOLD, VISITED, PV_COUNT, SINKS,
     qk_scale, H, GROUP, q_len, kv_len, NK, q_offset,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -61,7 +61,7 @@ def _ordered_attention_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, EARLY_STOP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
-    CHECK_EVERY: tl.constexpr, WIDE: tl.constexpr,
+    CHECK_EVERY: tl.constexpr, WIDE: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     b, h, row, offs_m, offs_d, d_mask, row_valid, q, K_base, V_base = _query_tile(
         Q, K, V, H, GROUP, q_len, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
@@ -128,6 +128,8 @@ def _ordered_attention_kernel(
             gain = tl.where(row_valid, gain, 0.0)
             go = go & (visited < count) & (tl.sum(gain, axis=0) / n_valid >= tau)
 
+    if HAS_SINKS:  # after the stop test, which weighs the keys' normaliser only
+        acc, l_i = _add_sink(acc, l_i, m_i, SINKS, h)
     _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid, stride_ob, stride_oh, stride_on, stride_od,
                   WIDE=WIDE)
     if RETURN_COUNTS:
@@ -293,14 +295,16 @@ def _launch_config(head_dim: int) -> dict:
 
 def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: VisitOrder, *, is_causal: bool,
                              scale: float, tau: torch.Tensor | None, pvthreshd: torch.Tensor | None,
-                             return_counts: bool, check_every: int = CHECK_EVERY
-                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                             return_counts: bool, check_every: int = CHECK_EVERY,
+                             sink_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Launch the ordered walk on (B, H, N, D) views; ``tau`` None visits every block without the check.
-    Returns (visited, pv_count) per (b, h, query block) when ``return_counts``."""
+    Returns (visited, pv_count) per (b, h, query block) when ``return_counts``. ``sink_logits``: (H,) learned sink
+    logits with unit stride, added to each row's normaliser after the walk."""
     if s2o_hopper.usable(qh, kh, vh, out_h, shape, pv_test=pvthreshd is not None, early_stop=tau is not None,
                          check_every=check_every):
         return s2o_hopper.hopper_ordered_attention(qh, kh, vh, out_h, shape, order, is_causal=is_causal, scale=scale,
-                                                   tau=tau, return_counts=return_counts, check_every=check_every)
+                                                   tau=tau, return_counts=return_counts, check_every=check_every,
+                                                   sink_logits=sink_logits)
     B, H, nq, nk = shape.batch, shape.heads, shape.q_blocks, shape.k_blocks
     unused = attention._placeholder(qh.device, torch.int32)
     unused_f = attention._placeholder(qh.device, torch.float32)
@@ -310,11 +314,12 @@ def ordered_attention_triton(qh, kh, vh, out_h, shape: AttentionShape, order: Vi
     launch(_ordered_attention_kernel, (nq, B * H),
         qh, kh, vh, out_h, index, n_unmasked, n_forced, count,
         tau if tau is not None else unused_f, pvthreshd if pvthreshd is not None else unused_f,
-        visited, pv_count, scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
+        visited, pv_count, sink_logits if sink_logits is not None else unused_f, scale * LOG2E, H,
+        H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_K,
         IS_CAUSAL=is_causal, PV_SKIP=pvthreshd is not None, EARLY_STOP=tau is not None,
         RETURN_COUNTS=return_counts, CHECK_EVERY=check_every, WIDE=wide_offsets(qh, kh, vh, out_h),
-        **_launch_config(shape.head_dim),
+        HAS_SINKS=sink_logits is not None, **_launch_config(shape.head_dim),
     )
     return (visited, pv_count) if return_counts else None

@@ -48,8 +48,8 @@ if GLUON_IMPORT_ERROR is None:
     # some Gluon releases name it thread_barrier, others barrier
     _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-    from .attention_hopper import (_allocate_ring, _issue_stage, _load_rows, _mask_scores, _publish_tile, _read_tile,
-                                   _softmax_step, _stage_pv, _stage_scores, _store_output_rows, _tile_of)
+    from .attention_hopper import (_add_sink, _allocate_ring, _issue_stage, _load_rows, _mask_scores, _publish_tile,
+                                   _read_tile, _softmax_step, _stage_pv, _stage_scores, _store_output_rows, _tile_of)
 
     @gluon.jit
     def _walk_extent(N_FORCED, COUNT, row):
@@ -145,10 +145,11 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _ordered_consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                          gains, gain_ready, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, VISITED, qk_scale, H, GROUP, NQ,
-                          NK, q_len, kv_len, q_offset, n_tiles, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                          EARLY_STOP: gl.constexpr, CHECK_STAGES: gl.constexpr, RETURN_COUNTS: gl.constexpr,
-                          NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
+                          gains, gain_ready, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, VISITED, SINKS, qk_scale, H,
+                          GROUP, NQ, NK, q_len, kv_len, q_offset, n_tiles, STAGES: gl.constexpr,
+                          IS_CAUSAL: gl.constexpr, EARLY_STOP: gl.constexpr, CHECK_STAGES: gl.constexpr,
+                          RETURN_COUNTS: gl.constexpr, HAS_SINKS: gl.constexpr, NUM_WARPS: gl.constexpr,
+                          HALF: gl.constexpr):
         """Rows HALF * 64 .. HALF * 64 + 63 of each tile, over the stages of its walk (see the module's notes)."""
         BLOCK_M: gl.constexpr = o_desc.block_type.shape[2]
         D: gl.constexpr = o_smem.type.shape[1]
@@ -227,6 +228,8 @@ if GLUON_IMPORT_ERROR is None:
                 if HALF == 0:
                     visited = gl.where(end == n_stages, count, n_forced + 2 * (end - forced_stages))
                     gl.store(VISITED + row, visited)
+            if HAS_SINKS:  # after the stop test, which weighs the keys' normaliser only
+                acc, l_i = _add_sink(acc, l_i, m_i, SINKS, h, rows_o)
             _store_output_rows(o_desc, o_smem, acc, l_i, b, h, first_row, rows_o)
             i += 1
             t = _read_tile(tile_ids, q_ready, i, NUM_WARPS)
@@ -234,10 +237,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _hopper_ordered_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, VISITED, TICKET,
-                               qk_scale, H, GROUP, NQ, NK, q_len, kv_len, q_offset, n_tiles,
+                               SINKS, qk_scale, H, GROUP, NQ, NK, q_len, kv_len, q_offset, n_tiles,
                                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                EARLY_STOP: gl.constexpr, CHECK_STAGES: gl.constexpr, RETURN_COUNTS: gl.constexpr,
-                               NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                               HAS_SINKS: gl.constexpr, NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         q_bufs, k_bufs, v_bufs, o_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty = _allocate_ring(
             q_desc, k_desc, HEAD_DIM, STAGES)
         # the stop test's row sums of gains, [check parity * 2 + consumer], and their barriers (one arrival per
@@ -248,13 +251,13 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(gain_ready.index(j), count=2)
         gl.warp_specialize([
             (_ordered_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
-                                 kv_empty, gains, gain_ready, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, VISITED,
+                                 kv_empty, gains, gain_ready, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, VISITED, SINKS,
                                  qk_scale, H, GROUP, NQ, NK, q_len, kv_len, q_offset, n_tiles, STAGES, IS_CAUSAL,
-                                 EARLY_STOP, CHECK_STAGES, RETURN_COUNTS, NUM_WARPS, 0)),
+                                 EARLY_STOP, CHECK_STAGES, RETURN_COUNTS, HAS_SINKS, NUM_WARPS, 0)),
             (_ordered_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(1), tile_ids, q_ready, q_empty, kv_ready,
-                                 kv_empty, gains, gain_ready, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, VISITED,
+                                 kv_empty, gains, gain_ready, INDEX, N_UNMASKED, N_FORCED, COUNT, TAU, VISITED, SINKS,
                                  qk_scale, H, GROUP, NQ, NK, q_len, kv_len, q_offset, n_tiles, STAGES, IS_CAUSAL,
-                                 EARLY_STOP, CHECK_STAGES, RETURN_COUNTS, NUM_WARPS, 1)),
+                                 EARLY_STOP, CHECK_STAGES, RETURN_COUNTS, HAS_SINKS, NUM_WARPS, 1)),
             (_ordered_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
                                kv_empty, gains, gain_ready, INDEX, N_FORCED, COUNT, TAU, TICKET, H, GROUP, NQ, NK,
                                q_len, n_tiles, STAGES, EARLY_STOP, CHECK_STAGES)),
@@ -289,11 +292,12 @@ def usable(qh, kh, vh, out_h, shape: AttentionShape, *, pv_test: bool, early_sto
 
 def hopper_ordered_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
                              shape: AttentionShape, order: tuple[torch.Tensor, ...], *, is_causal: bool, scale: float,
-                             tau: torch.Tensor | None, return_counts: bool, check_every: int
-                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                             tau: torch.Tensor | None, return_counts: bool, check_every: int,
+                             sink_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Write ``out_h`` (B, H, N, D views) = S2O's ordered walk over ``order`` (``s2o.VisitOrder``); ``tau`` (per
     head, float32) None visits every block without the test. Returns (visited, P.V products) per (b, h, query
-    block) when ``return_counts`` (equal: this walk has no stage-2 test)."""
+    block) when ``return_counts`` (equal: this walk has no stage-2 test). ``sink_logits``: (H,) learned sink logits
+    with unit stride, added to each row's normaliser after the walk."""
     index, n_unmasked, n_forced, count = order
     n_tiles = shape.batch * shape.heads * shape.q_blocks
     ticket = torch.zeros(1, device=qh.device, dtype=torch.int32)
@@ -302,11 +306,13 @@ def hopper_ordered_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tenso
     descriptor, sm_count = attention_hopper._descriptor, attention_hopper._sm_count
     launch(_hopper_ordered_kernel, (min(sm_count(qh.device), n_tiles),),
         descriptor(qh, BLOCK_Q), descriptor(kh, BLOCK_K), descriptor(vh, BLOCK_K), descriptor(out_h, BLOCK_Q // 2),
-        index, n_unmasked, n_forced, count, tau if tau is not None else ticket, visited, ticket, scale * LOG2E,
+        index, n_unmasked, n_forced, count, tau if tau is not None else ticket, visited, ticket,
+        sink_logits if sink_logits is not None else ticket, scale * LOG2E,
         shape.heads, shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.q_len, shape.kv_len,
         shape.causal_offset, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=attention_hopper.STAGES, IS_CAUSAL=is_causal, EARLY_STOP=tau is not None,
-        CHECK_STAGES=max(check_every // 2, 1), RETURN_COUNTS=return_counts, NUM_WARPS=attention_hopper.NUM_WARPS,
+        CHECK_STAGES=max(check_every // 2, 1), RETURN_COUNTS=return_counts, HAS_SINKS=sink_logits is not None,
+        NUM_WARPS=attention_hopper.NUM_WARPS,
         CONSUMER_REGS=attention_hopper.CONSUMER_REGS, num_warps=attention_hopper.NUM_WARPS,
         maxnreg=attention_hopper.MAXNREG)
     return (visited, visited) if return_counts else None
