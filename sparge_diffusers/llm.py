@@ -40,7 +40,8 @@ from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
 from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_attention_inputs, check_no_grad,
-                              check_threshold_values, pick_backend, resolve_scale, unsupported_reason)
+                              check_sink_logits, check_threshold_values, pick_backend, resolve_scale,
+                              unsupported_reason)
 from .kernels.api import new_output
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
@@ -74,7 +75,8 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
             the always-computed diagonal segment wider. PBS-Attn uses 256.
         causal_variant: the causal mask's alignment when Nq != Nkv (see :func:`sparge_attention`).
         sparge_settings: :func:`sparge_attention`'s thresholds (simthreshd1, cdfthreshd, pvthreshd,
-            attention_sink), backend and ``out``.
+            attention_sink), backend, ``out`` and ``sink_logits`` (learned sinks: the key order does not matter to
+            them).
     """
     if sparge_settings.get("tensor_layout", "HND") != "HND" or "is_causal" in sparge_settings:
         raise ValueError("pbs_sparge_attention takes HND inputs and is always causal")
@@ -93,16 +95,19 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
 @torch.library.custom_op("sparge_diffusers::pbs_sparge_attention", mutates_args=())
 def _pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment: int, scale: float,
                              simthreshd1: list[float], cdfthreshd: list[float], pvthreshd: list[float] | None,
-                             attention_sink: bool, causal_variant: str | None = None) -> torch.Tensor:
+                             attention_sink: bool, causal_variant: str | None = None,
+                             sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     # written into the buffer the fake describes (as the kernels' operators do)
     return pbs_sparge_attention(q, k, v, segment=segment, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
                                 pvthreshd=pvthreshd, attention_sink=attention_sink, causal_variant=causal_variant,
-                                out=new_output(q))
+                                out=new_output(q), sink_logits=sink_logits)
 
 
 @_pbs_sparge_attention_op.register_fake
-def _(q, k, v, segment, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, causal_variant=None):
-    check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=True, causal_variant=causal_variant)
+def _(q, k, v, segment, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, causal_variant=None,
+      sink_logits=None):
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=True, causal_variant=causal_variant)
+    check_sink_logits(sink_logits, shape, q.device)
     PermutedKeys(k.new_empty(1, 1, k.shape[2], dtype=torch.int32), segment)  # a bad segment fails while tracing
     return new_output(q)
 
@@ -110,7 +115,8 @@ def _(q, k, v, segment, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sin
 def pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = 256,
                             scale: float | None = None, simthreshd1: PerHead = 0.6, cdfthreshd: PerHead = 0.98,
                             pvthreshd: PerHead | None = 50, attention_sink: bool = False,
-                            causal_variant: CausalVariant | None = None) -> torch.Tensor:
+                            causal_variant: CausalVariant | None = None, sink_logits: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """:func:`pbs_sparge_attention` through its custom operator (``torch.ops.sparge_diffusers.pbs_sparge_attention``),
     for code compiled with ``torch.compile``: the key ranking, the permutation and the sparse call are one opaque
     node. The same arguments (backend "auto") and output, no statistics; thresholds become lists of floats, which
@@ -118,7 +124,8 @@ def pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     may sit inside a CUDA graph."""
     return torch.ops.sparge_diffusers.pbs_sparge_attention(
         q, k, v, int(segment), resolve_scale(scale, q.shape[-1]), _as_list(simthreshd1, "simthreshd1"),
-        _as_list(cdfthreshd, "cdfthreshd"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), causal_variant)
+        _as_list(cdfthreshd, "cdfthreshd"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), causal_variant,
+        sink_logits)
 
 
 def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> str | None:
@@ -186,22 +193,23 @@ def _s2o_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tenso
 
 
 def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: float | None, variant: str | None, stats: bool):
+                 scale: float | None, variant: str | None, stats: bool, sinks: torch.Tensor | None = None):
     """NSA-style selection of ``top_k`` key blocks per query token, computed by FSA's KV-outer kernel."""
     settings = dict(block_size=attention.block_size, is_causal=True, causal_variant=_causal_variant(q, k, variant))
     selection = select_key_blocks(q, k, top_k=attention.top_k, scale=scale, **settings)
     out = selected_block_attention(q, k, v, selection, scale=scale, validate=False,  # the selector's are in range
-                                   **settings)
+                                   sink_logits=sinks, **settings)
     if not stats:
         return out
     return out, selection_sparsity(selection, heads=q.shape[1], kv_len=k.shape[2], **settings)
 
 
 def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float | None, variant: str | None) -> torch.Tensor:
+                  scale: float | None, variant: str | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     settings = dict(block_size=attention.block_size, is_causal=True, causal_variant=_causal_variant(q, k, variant))
     selection = select_key_blocks_op(q, k, top_k=attention.top_k, scale=scale, **settings)
-    return selected_block_attention_op(q, k, v, selection, scale=scale, validate=False, **settings)
+    return selected_block_attention_op(q, k, v, selection, scale=scale, validate=False, sink_logits=sinks,
+                                       **settings)
 
 
 # Keyword arguments of transformers' attention calls (transformers 5.x models) that change the result. A call
@@ -320,7 +328,7 @@ class PrefillMethod:
 PREFILL_METHODS: dict[str, PrefillMethod] = {
     "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, takes_window=True, takes_sinks=True),
     "s2o": PrefillMethod(_s2o_prefill, _s2o_compiled, takes_sinks=True),
-    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled),
+    "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled, takes_sinks=True),
 }
 
 
@@ -358,9 +366,8 @@ class SpargeLLMAttention:
     Windows shorter than ``min_predicted_window`` keys keep every block in them (no stage 1).
 
     Learned attention sinks (``s_aux``, one logit per query head: gpt-oss and others) reach the kernels as
-    ``sink_logits`` (methods "sparge" and "s2o"); where a call cannot run sparse (decode steps, other masks, a method
-    that takes no sinks: FSA, ``pbs_segment``) it goes to :func:`exact_attention_with_sinks` instead of SDPA's
-    function.
+    ``sink_logits``, under every method; where a call cannot run sparse (decode steps, other masks) it goes to
+    :func:`exact_attention_with_sinks` instead of SDPA's function.
 
     Under torch.compile a call without a mask is one node per kernel operator; a call with a mask is one node of the
     operator ``sparge_diffusers::llm_masked_prefill``, which reads the mask at run time and routes the call as above
@@ -498,10 +505,9 @@ class SpargeLLMAttention:
 
     def _sinks_reason(self, sinks: torch.Tensor | None) -> str | None:
         """Why a call with these learned sink logits (``s_aux``; None: none) cannot run sparse, None when it can."""
-        if sinks is None or (PREFILL_METHODS[self.method].takes_sinks and self.pbs_segment is None):
+        if sinks is None or PREFILL_METHODS[self.method].takes_sinks:
             return None
-        method = f"{self.method!r}" + (" (with pbs_segment)" if self.pbs_segment is not None else "")
-        return f"attention sinks (s_aux), which the {method} method does not take"
+        return f"attention sinks (s_aux), which the {self.method!r} method does not take"
 
     def _window_route(self, window: int | None, span: int) -> tuple[str | None, int | None]:
         """(why a call whose queries see up to ``span`` keys cannot run sparse under its sliding window, None when

@@ -781,28 +781,30 @@ def test_a_model_with_attention_sinks_runs_sparse_with_them(tmp_path):
     assert relative_l1(logits(load(path, "sparge_test_sinks_skip"), ids), eager) > 1e-3
 
 
-def test_sinks_under_a_method_that_takes_none_fall_back_to_their_exact_path(tmp_path):
-    """FSA and PBS's permuted keys take no sinks: their calls go to the sinks' exact fallback (eager's logits) with a
-    warning, or raise under strict; S2O takes them (eager's logits with every block visited); the fallback in query
-    chunks equals eager attention under a boolean, an additive or no mask; sinks with softcapping raise (nobody
-    computes both)."""
+def test_every_method_takes_sinks_and_a_method_without_falls_back_to_their_exact_path(tmp_path, monkeypatch):
+    """S2O (every block visited), FSA (every block selected) and PBS's permuted keys (every block kept) run sparse with
+    the sinks, eager's logits; a method registered without them goes to the sinks' exact fallback (eager's logits)
+    with a warning, or raises under strict; the fallback in query chunks equals eager attention under a boolean, an
+    additive or no mask; sinks with softcapping raise (nobody computes both)."""
+    import sparge_diffusers.llm as llm
     from sparge_diffusers.llm import exact_attention_with_sinks
 
     path = gpt_oss_with_sinks(tmp_path, window=4096)  # a window that hides no key here: the sinks decide alone
     ids = prompt(300)
     eager = logits(load(path, "eager"), ids)
-    for name, settings, what in (("fsa", dict(method="fsa"), "'fsa'"),
-                                 ("pbs", dict(pbs_segment=128), r"'sparge' \(with pbs_segment\)")):
-        register(f"sparge_test_sinks_{name}", strict=True, **settings)
-        with pytest.raises(ValueError, match=rf"attention sinks \(s_aux\), which the {what} method does not take"):
-            logits(load(path, f"sparge_test_sinks_{name}"), ids)
-    falling_back = register("sparge_test_sinks_fallback", method="fsa")
+    for name, settings in (("s2o", dict(method="s2o", tau=0.0)), ("fsa", dict(method="fsa", top_k=8)),
+                           ("pbs", dict(pbs_segment=128, cdfthreshd=1.0, pvthreshd=None))):
+        attention = register(f"sparge_test_sinks_{name}", simthreshd1=-1.0, strict=True, **settings)
+        assert relative_l1(logits(load(path, f"sparge_test_sinks_{name}"), ids), eager) < 1e-5, name
+        assert attention.sparse_calls == 2, name
+    monkeypatch.setitem(llm.PREFILL_METHODS, "no_sinks", llm.PrefillMethod(llm._s2o_prefill, llm._s2o_compiled))
+    register("sparge_test_sinks_strict", method="no_sinks", strict=True)
+    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\), which the 'no_sinks' method does not take"):
+        logits(load(path, "sparge_test_sinks_strict"), ids)
+    falling_back = register("sparge_test_sinks_fallback", method="no_sinks")
     with pytest.warns(UserWarning, match="falling back to SDPA: attention sinks"):
         got = logits(load(path, "sparge_test_sinks_fallback"), ids)
     assert relative_l1(got, eager) < 1e-5 and falling_back.sparse_calls == 0
-    s2o = register("sparge_test_sinks_s2o_run", method="s2o", tau=0.0, simthreshd1=-1.0, strict=True)
-    assert relative_l1(logits(load(path, "sparge_test_sinks_s2o_run"), ids), eager) < 1e-5
-    assert s2o.sparse_calls == 2
 
     module, (q, k, v), attention = direct_call_setup(5)
     sinks = torch.tensor([0.5, -1.0, 3.0, -float("inf")])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparge_diffusers import (block_sparse_attention, relative_l1, s2o_attention, s2o_attention_op, sparge_attention,
-                              sparge_attention_op)
+                              sparge_attention_op, selected_block_attention, selected_block_attention_op)
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from test_kernels import L1_TOL, make_qkv, poisoned_like
 from test_sliding_window import random_mask, window_mask
@@ -128,6 +128,31 @@ def test_s2o_walk_with_sinks_matches_reference(causal, layout):
             assert stats.sparsity > 0, "the walk must stop somewhere for this case to mean anything"
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fsa_merge_adds_the_sinks(causal, layout, monkeypatch):
+    """FSA's per-query selection with sinks: the KV-outer kernel and its merge (interpreter) against the reference on a
+    random selection (-1s, repeats, rows that see no key), and with every block selected against the definition;
+    through the operator too."""
+    from sparge_diffusers.kernels import selected as selected_module
+
+    monkeypatch.setattr(selected_module, "QUERY_CHUNK", 64)  # blocks split over several work items
+    q, k, v = make_qkv(1, 4, 2, 200, 200, 64, torch.float16, layout, seed=13)
+    sinks = torch.tensor(SINKS)
+    g = torch.Generator().manual_seed(3)
+    kw = dict(block_size=64, is_causal=causal, tensor_layout=layout, sink_logits=sinks)
+    for selection in (torch.randint(-1, 4, (1, 2, 200, 3), generator=g, dtype=torch.int32),
+                      torch.arange(4, dtype=torch.int32).expand(1, 2, 200, 4)):
+        ref = selected_block_attention(q, k, v, selection, backend="reference", **kw)
+        out = selected_block_attention(q, k, v, selection, backend="triton", out=poisoned_like(q), **kw)
+        assert not torch.isnan(out).any() and relative_l1(out.float(), ref.float()) < L1_TOL[torch.float16]
+    qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
+    expected = exact_with_sinks(qh, kh, vh, allowed_keys(200, 200, causal, None, None), sinks)
+    expected = expected if layout == "HND" else expected.transpose(1, 2)
+    assert relative_l1(out.float(), expected) < L1_TOL[torch.float16]
+    assert relative_l1(selected_block_attention_op(q, k, v, selection, **kw).float(), expected) < L1_TOL[torch.float16]
+
+
 def test_keeping_every_block_skips_stage_1(monkeypatch):
     """cdfthreshd=1 keeps every visible block, so sparge_attention runs the dense walk without stage 1: the output
     and statistics of stage 1's all-kept mask, with or without a window; a bad cdfthreshd still raises."""
@@ -203,3 +228,7 @@ def test_gpu_kernels_match_reference_with_sinks(Nq, Nkv, causal, variant, window
             out = s2o_attention(q, k, v, is_causal=causal, causal_variant=variant, tau=0.0, sink_logits=sinks,
                                 out=poisoned_like(q))
             assert relative_l1(out.float(), expected) < L1_TOL[torch.bfloat16], forced
+        every_block = torch.arange(math.ceil(Nkv / 64), dtype=torch.int32, device="cuda").expand(1, 2, Nq, -1)
+        out = selected_block_attention(q, k, v, every_block, is_causal=causal, causal_variant=variant,
+                                       sink_logits=sinks, out=poisoned_like(q))  # FSA's kernels and merge
+        assert relative_l1(out.float(), expected) < L1_TOL[torch.bfloat16]

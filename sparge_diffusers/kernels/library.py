@@ -201,18 +201,21 @@ def s2o_attention_op(
 @torch.library.custom_op("sparge_diffusers::selected_block_attention", mutates_args=())
 def _selected_block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
                                  block_size: int, is_causal: bool, scale: float, tensor_layout: str, validate: bool,
-                                 max_partial_bytes: int, causal_variant: str | None = None) -> torch.Tensor:
+                                 max_partial_bytes: int, causal_variant: str | None = None,
+                                 sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     return selected_block_attention(q, k, v, block_indices, block_size=block_size, is_causal=is_causal, scale=scale,
                                     tensor_layout=tensor_layout, validate=validate, out=new_output(q),
-                                    max_partial_bytes=max_partial_bytes, causal_variant=causal_variant)
+                                    max_partial_bytes=max_partial_bytes, causal_variant=causal_variant,
+                                    sink_logits=sink_logits)
 
 
 @_selected_block_attention_op.register_fake
 def _(q, k, v, block_indices, block_size, is_causal, scale, tensor_layout, validate, max_partial_bytes,
-      causal_variant=None):
-    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
-                           causal_variant=causal_variant)  # errors at trace time
+      causal_variant=None, sink_logits=None):
+    shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                                   causal_variant=causal_variant)  # errors at trace time
     _check_block_size(block_size)
+    check_sink_logits(sink_logits, shape, q.device)
     return new_output(q)
 
 
@@ -229,6 +232,7 @@ def selected_block_attention_op(
     validate: bool = True,
     max_partial_bytes: int = MAX_PARTIAL_BYTES,
     causal_variant: CausalVariant | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~sparge_diffusers.kernels.selected.selected_block_attention` through its custom operator, for code
     compiled with ``torch.compile``: the same arguments (a per-query ``block_indices`` tensor; a prebuilt
@@ -237,7 +241,7 @@ def selected_block_attention_op(
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.selected_block_attention(
         q, k, v, block_indices, int(block_size), bool(is_causal), scale, tensor_layout, bool(validate),
-        int(max_partial_bytes), causal_variant)
+        int(max_partial_bytes), causal_variant, sink_logits)
 
 
 @torch.library.custom_op("sparge_diffusers::select_key_blocks", mutates_args=())

@@ -318,12 +318,14 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
 
 def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, shape: AttentionShape,
                                        block_size: int, is_causal: bool, scale: float,
-                                       tensor_layout: TensorLayout = "HND", causal_offset: int = 0) -> torch.Tensor:
+                                       tensor_layout: TensorLayout = "HND", causal_offset: int = 0,
+                                       sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each query over the keys of its own selected blocks (``kernels/selected.py``), in float32.
 
     The selection becomes a dense (Nq, Nkv) key mask per KV head (indices < 0 or past the last block select
     nothing; repeats are harmless), intersected with the causal mask (query row i at key position i +
-    ``causal_offset``); a query that sees no key gets a zero row.
+    ``causal_offset``); a query that sees no key gets a zero row. ``sink_logits`` (H,): one more logit per row,
+    its weight dropped (learned attention sinks).
     """
     qh, kh, vh = (to_hnd(t, tensor_layout).float() for t in (q, k, v))
     B, H, Nq, D = qh.shape
@@ -339,8 +341,10 @@ def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, 
     keys = keys.repeat_interleave(group, dim=1)
     s = (qh @ kh.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
     s = s.masked_fill(~keys, -math.inf)
+    if sink_logits is not None:
+        s = torch.cat([s, sink_logits.to(q.device).float().view(1, H, 1, 1).expand(B, H, Nq, 1)], dim=-1)
     # rows with no visible key (all -inf) get zeros; NaN from NaN or inf inputs stays, as in SDPA
-    p = torch.softmax(s, dim=-1).masked_fill(~keys.any(-1, keepdim=True), 0.0)
+    p = torch.softmax(s, dim=-1)[..., :Nkv].masked_fill(~keys.any(-1, keepdim=True), 0.0)
     out = (p @ vh.repeat_interleave(group, dim=1)).to(q.dtype)
     return out if tensor_layout == "HND" else out.transpose(1, 2)
 

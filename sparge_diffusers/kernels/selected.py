@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .._launch import cdiv, launch, next_power_of_2
 from .api import _check_out, new_output
-from .attention import LOG2E
+from .attention import LOG2E, _add_sink
 from .stats import SparsityStats
 from ._inputs import (
     AttentionShape,
@@ -57,6 +57,7 @@ from ._inputs import (
     causal_offset,
     check_attention_inputs,
     check_kernel_dtype,
+    check_sink_logits,
     pick_backend,
     resolve_scale,
     to_hnd,
@@ -244,10 +245,10 @@ def _kv_outer_kernel(
 
 @triton.jit
 def _merge_kernel(
-    O_PART, LSE_PART, SLOT, OUT,
+    O_PART, LSE_PART, SLOT, OUT, SINKS,
     H, GROUP, n_rows, q_start, pairs, TOP_K,
     stride_ob, stride_oh, stride_on, stride_od,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     bhq = tl.program_id(1).to(tl.int64)
@@ -277,6 +278,8 @@ def _merge_kernel(
         acc = acc * alpha[:, None] + w[:, None] * o
         den = den * alpha + w
         m = m_new
+    if HAS_SINKS:  # the learned sink joins the merged normaliser (m and the partials' lse are in log2 units)
+        acc, den = _add_sink(acc, den, m, SINKS, h)
     # a row with no partial (den == 0) gets zeros; a NaN denominator stays NaN in the output, as in SDPA
     out = tl.where(den[:, None] == 0.0, 0.0, acc / tl.where(den == 0.0, 1.0, den)[:, None])
     out_rows = OUT + b * stride_ob + h * stride_oh + (q_start + rows[:, None]).to(tl.int64) * stride_on
@@ -285,9 +288,10 @@ def _merge_kernel(
 
 
 def selected_attention_triton(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
-                              shape: AttentionShape, index: SelectionIndex, *, scale: float) -> None:
+                              shape: AttentionShape, index: SelectionIndex, *, scale: float,
+                              sink_logits: torch.Tensor | None = None) -> None:
     """Launch the KV-outer kernel and the merge on (B, H, N, D) views; writes every element of the rows of
-    ``out_h`` that the index covers."""
+    ``out_h`` that the index covers. ``sink_logits``: (H,) learned sink logits with unit stride, added by the merge."""
     BH = shape.batch * shape.kv_heads
     group = shape.heads // shape.kv_heads
     pairs = index.query_list.shape[1]
@@ -309,8 +313,9 @@ def selected_attention_triton(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tens
            QUERY_CHUNK=QUERY_CHUNK, IS_CAUSAL=index.is_causal, **config)
     n_rows = index.slot.shape[1]
     launch(_merge_kernel, (cdiv(n_rows, BLOCK_R), shape.batch * shape.heads),
-           o_part, lse_part, index.slot, out_h, shape.heads, group, n_rows, index.q_start, pairs, index.slot.shape[-1],
-           *out_h.stride(), HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_R=BLOCK_R, **MERGE_LAUNCH)
+           o_part, lse_part, index.slot, out_h, sink_logits if sink_logits is not None else lse_part, shape.heads,
+           group, n_rows, index.q_start, pairs, index.slot.shape[-1], *out_h.stride(), HEAD_DIM=shape.head_dim,
+           D_PAD=d_pad, BLOCK_R=BLOCK_R, HAS_SINKS=sink_logits is not None, **MERGE_LAUNCH)
 
 
 def selected_block_attention(
@@ -328,6 +333,7 @@ def selected_block_attention(
     out: torch.Tensor | None = None,
     max_partial_bytes: int = MAX_PARTIAL_BYTES,
     causal_variant: CausalVariant | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each query token over its own selected key blocks (NSA's selection branch), FSA's way.
 
@@ -353,6 +359,9 @@ def selected_block_attention(
         max_partial_bytes: the partial outputs take ``top_k * H * (D * 2 + 4)`` bytes per query; above this cap the
             call runs in equal query chunks (each builds its own index), which bounds the extra memory. A
             prebuilt ``SelectionIndex`` runs in one piece.
+        sink_logits: learned attention sinks, as in :func:`~sparge_diffusers.block_sparse_attention` (one logit per
+            query head joining each query's softmax with no value vector); the merge adds them. They change no
+            selection.
     Returns:
         The output in q's layout and dtype; a query whose selection holds no visible key gets a zero row.
 
@@ -365,6 +374,7 @@ def selected_block_attention(
     scale = resolve_scale(scale, shape.head_dim)
     chosen = pick_backend(backend, q.device)
     _check_out(out, q, k, v)
+    sink_logits = check_sink_logits(sink_logits, shape, q.device)
     if not isinstance(max_partial_bytes, int) or isinstance(max_partial_bytes, bool) or max_partial_bytes <= 0:
         raise ValueError(f"max_partial_bytes must be a positive int, got {max_partial_bytes!r}")
     if isinstance(block_indices, SelectionIndex):
@@ -391,7 +401,7 @@ def selected_block_attention(
 
         result = reference_selected_block_attention(q, k, v, block_indices, shape=shape, block_size=block_size,
                                                     is_causal=is_causal, scale=scale, tensor_layout=tensor_layout,
-                                                    causal_offset=shape.causal_offset)
+                                                    causal_offset=shape.causal_offset, sink_logits=sink_logits)
         if out is not None:
             out.copy_(result)
             return out
@@ -401,7 +411,7 @@ def selected_block_attention(
         out = new_output(q)
     views = [to_hnd(t, tensor_layout) for t in (q, k, v, out)]
     if index is not None:
-        selected_attention_triton(*views, shape, index, scale=scale)
+        selected_attention_triton(*views, shape, index, scale=scale, sink_logits=sink_logits)
         return out
     top_k = block_indices.shape[-1]
     per_query = top_k * shape.heads * (shape.head_dim * q.element_size() + 4)
@@ -411,7 +421,7 @@ def selected_block_attention(
         index = build_selection_index(block_indices[:, :, start:start + rows], q_len=shape.q_len,
                                       kv_len=shape.kv_len, block_size=block_size, is_causal=is_causal, q_start=start,
                                       causal_offset=shape.causal_offset)
-        selected_attention_triton(*views, shape, index, scale=scale)
+        selected_attention_triton(*views, shape, index, scale=scale, sink_logits=sink_logits)
     return out
 
 
