@@ -17,7 +17,7 @@ Model level (``--model-lengths``): a prefill through ``--layers`` gpt-oss-20b-sh
 transformers' eager attention (gpt-oss's reference path: the only built-in one that computes the sinks without the
 kernels hub) and with ``sparge_diffusers.llm`` at default thresholds (before session 52 it raised on ``s_aux``; its
 sliding layers, 128 keys, keep every block in the window: ``min_predicted_window``), both against float32 attention
-with the sinks (the function's fallback, ``llm.exact_attention_with_sinks``, on float32 copies of q, k and v).
+with the sinks (the function's fallback, ``llm.eager_attention``, on float32 copies of q, k and v).
 
 Usage: python benchmarks/attention_sinks.py [--cases 32768:0,32768:128,8192:0] [--model-lengths 8192] [--layers 2]
        [--out results.json]
@@ -117,16 +117,16 @@ def kernel_case(n: int, window: int, flex) -> tuple[dict, str]:
 
 def register_float32_reference(name: str) -> None:
     """Register, as a transformers attention implementation, float32 attention with the sinks: the sinks' exact
-    fallback (``llm.exact_attention_with_sinks``) on float32 copies of q, k and v (the accuracy reference for eager
+    fallback (``llm.eager_attention``) on float32 copies of q, k and v (the accuracy reference for eager
     attention, whose softmax runs in bf16, and for ours)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from sparge_diffusers.llm import exact_attention_with_sinks
+    from sparge_diffusers.llm import eager_attention
 
     def float32_sinks(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        out = exact_attention_with_sinks(query.float(), key.float(), value.float(), attention_mask, kwargs["s_aux"],
-                                         scale=scaling, is_causal=True)
+        out = eager_attention(query.float(), key.float(), value.float(), attention_mask, sinks=kwargs["s_aux"],
+                              scale=scaling, is_causal=True)
         return out.to(query.dtype), None
 
     AttentionInterface.register(name, float32_sinks)

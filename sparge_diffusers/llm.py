@@ -10,10 +10,11 @@ come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (few
 lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``; against a static cache only
 its filled slots), left-padded batches (each prompt its own call without its padding), layers with a sliding
 window (Mistral, Gemma 3's local layers: the kernels take ``sliding_window``) and models with learned attention sinks
-(gpt-oss's ``s_aux``: the kernels take ``sink_logits``; calls that cannot run sparse then go to
-:func:`exact_attention_with_sinks`, not to SDPA's function, which would drop them). Everything else is left to
-transformers' own SDPA function, the one ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with
-one warning per reason, right padding or other explicit masks, dropout, softcapping, sliding windows that hide keys
+(gpt-oss's ``s_aux``: the kernels take ``sink_logits``) or logit soft-capping (Gemma 2's ``softcap``); calls with
+either that cannot run sparse go to :func:`eager_attention`, not to SDPA's function, which would drop the sinks and
+raises on softcap. Everything else is left to transformers' own SDPA function, the one ``attn_implementation="sdpa"``
+uses: decode steps (one query), and, with one warning per reason, right padding or other explicit masks, dropout,
+sliding windows that hide keys
 under a method that takes none (S2O, FSA, PBS's permuted keys), position biases, non-causal modules, unsupported
 dtypes or head dims and shapes the kernels refuse (a value head dim unlike the query's). ``strict=True`` raises
 instead of falling back. Calls that neither the kernels nor SDPA compute raise ValueError whatever ``strict`` says
@@ -40,11 +41,25 @@ from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
 from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_attention_inputs, check_no_grad,
-                              check_sink_logits, check_threshold_values, pick_backend, resolve_scale,
+                              check_sink_logits, check_softcap, check_threshold_values, pick_backend, resolve_scale,
                               unsupported_reason)
 from .kernels.api import new_output
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
+
+
+class ScoreTerms(NamedTuple):
+    """What a layer adds to its attention scores beyond causal masking and a window: learned sink logits (``s_aux``,
+    one per query head: gpt-oss) and logit soft-capping (``softcap``: Gemma 2). None: none of that kind."""
+
+    sinks: torch.Tensor | None = None
+    softcap: float | None = None
+
+    def any(self) -> bool:
+        return self.sinks is not None or self.softcap is not None
+
+
+NO_TERMS = ScoreTerms()
 
 
 def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = 256,
@@ -75,8 +90,8 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
             the always-computed diagonal segment wider. PBS-Attn uses 256.
         causal_variant: the causal mask's alignment when Nq != Nkv (see :func:`sparge_attention`).
         sparge_settings: :func:`sparge_attention`'s thresholds (simthreshd1, cdfthreshd, pvthreshd,
-            attention_sink), backend, ``out`` and ``sink_logits`` (learned sinks: the key order does not matter to
-            them).
+            attention_sink), backend, ``out``, ``sink_logits`` (learned sinks: the key order does not matter to
+            them) and ``softcap`` (the key ranking ignores it).
     """
     if sparge_settings.get("tensor_layout", "HND") != "HND" or "is_causal" in sparge_settings:
         raise ValueError("pbs_sparge_attention takes HND inputs and is always causal")
@@ -96,18 +111,19 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
 def _pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment: int, scale: float,
                              simthreshd1: list[float], cdfthreshd: list[float], pvthreshd: list[float] | None,
                              attention_sink: bool, causal_variant: str | None = None,
-                             sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+                             sink_logits: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     # written into the buffer the fake describes (as the kernels' operators do)
     return pbs_sparge_attention(q, k, v, segment=segment, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
                                 pvthreshd=pvthreshd, attention_sink=attention_sink, causal_variant=causal_variant,
-                                out=new_output(q), sink_logits=sink_logits)
+                                out=new_output(q), sink_logits=sink_logits, softcap=softcap)
 
 
 @_pbs_sparge_attention_op.register_fake
 def _(q, k, v, segment, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, causal_variant=None,
-      sink_logits=None):
+      sink_logits=None, softcap=None):
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=True, causal_variant=causal_variant)
     check_sink_logits(sink_logits, shape, q.device)
+    check_softcap(softcap)
     PermutedKeys(k.new_empty(1, 1, k.shape[2], dtype=torch.int32), segment)  # a bad segment fails while tracing
     return new_output(q)
 
@@ -115,8 +131,8 @@ def _(q, k, v, segment, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sin
 def pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = 256,
                             scale: float | None = None, simthreshd1: PerHead = 0.6, cdfthreshd: PerHead = 0.98,
                             pvthreshd: PerHead | None = 50, attention_sink: bool = False,
-                            causal_variant: CausalVariant | None = None, sink_logits: torch.Tensor | None = None
-                            ) -> torch.Tensor:
+                            causal_variant: CausalVariant | None = None, sink_logits: torch.Tensor | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """:func:`pbs_sparge_attention` through its custom operator (``torch.ops.sparge_diffusers.pbs_sparge_attention``),
     for code compiled with ``torch.compile``: the key ranking, the permutation and the sparse call are one opaque
     node. The same arguments (backend "auto") and output, no statistics; thresholds become lists of floats, which
@@ -125,7 +141,7 @@ def pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     return torch.ops.sparge_diffusers.pbs_sparge_attention(
         q, k, v, int(segment), resolve_scale(scale, q.shape[-1]), _as_list(simthreshd1, "simthreshd1"),
         _as_list(cdfthreshd, "cdfthreshd"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), causal_variant,
-        sink_logits)
+        sink_logits, None if softcap is None else float(softcap))
 
 
 def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> str | None:
@@ -134,9 +150,11 @@ def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> st
 
 
 def _sparge_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
-                     variant: str | None, window: int | None = None, sinks: torch.Tensor | None = None) -> dict:
+                     variant: str | None, window: int | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None) -> dict:
     """sparge_attention's keyword arguments for one causal call, eager or through its operator (``window``: a
-    sliding window that hides keys from some query, else None; ``sinks``: the layer's learned sink logits)."""
+    sliding window that hides keys from some query, else None; ``sinks``, ``softcap``: the layer's
+    :class:`ScoreTerms`)."""
     settings = dict(is_causal=True, scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
                     pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink,
                     causal_variant=_causal_variant(q, k, variant))
@@ -146,14 +164,16 @@ def _sparge_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Te
             settings["cdfthreshd"] = 1.0  # every block in the window, without stage 1 (see min_predicted_window)
     if sinks is not None:
         settings["sink_logits"] = sinks
+    if softcap is not None:
+        settings["softcap"] = softcap
     return settings
 
 
 def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float | None, variant: str | None, stats: bool, window: int | None = None,
-                    sinks: torch.Tensor | None = None):
+                    sinks: torch.Tensor | None = None, softcap: float | None = None):
     """SpargeAttn (stage 1's TopCdf mask, then the block-sparse kernel); PBS's key order where asked."""
-    settings = _sparge_settings(attention, q, k, scale, variant, window, sinks)
+    settings = _sparge_settings(attention, q, k, scale, variant, window, sinks, softcap)
     if attention.pbs_segment is not None:
         del settings["is_causal"]  # pbs_sparge_attention is always causal
         return pbs_sparge_attention(q, k, v, segment=attention.pbs_segment, return_sparsity=stats, **settings)
@@ -162,8 +182,8 @@ def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Ten
 
 def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float | None, variant: str | None, window: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    settings = _sparge_settings(attention, q, k, scale, variant, window, sinks)
+                     sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    settings = _sparge_settings(attention, q, k, scale, variant, window, sinks, softcap)
     if attention.pbs_segment is not None:
         del settings["is_causal"]
         return pbs_sparge_attention_op(q, k, v, segment=attention.pbs_segment, **settings)
@@ -216,10 +236,10 @@ def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tenso
 # carrying one of the first kind goes to transformers' SDPA function, which computes it; one of the second kind
 # raises, because neither the kernels nor that function compute it (it would drop the argument silently: on a tiny
 # random gpt-oss, ignoring its sinks moved the logits by a relative L1 of 0.033 against eager attention, 0.005 once
-# the sinks were set to -1e4). Learned sinks (``s_aux``: gpt-oss and others) are computed by the kernels and, where a
-# call cannot run sparse, by :func:`exact_attention_with_sinks` instead of SDPA's function, which drops them.
+# the sinks were set to -1e4). Learned sinks (``s_aux``: gpt-oss and others) and logit soft-capping (``softcap``: Gemma
+# 2) are computed by the kernels and, where a call cannot run sparse, by :func:`eager_attention` instead of SDPA's
+# function, which drops the sinks and raises on softcap (:class:`ScoreTerms`).
 SDPA_COMPUTED_ARGUMENTS: dict[str, str] = {
-    "softcap": "softcapping",
     "sliding_window": "a sliding window",  # only where it hides keys (see SpargeLLMAttention.route)
     "position_bias": "a position bias (ALiBi or relative positions)",
 }
@@ -248,12 +268,10 @@ def check_call_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> N
             raise ValueError(f"SpargeLLMAttention: the model passes {what}, which neither the sparse kernels nor "
                              "transformers' SDPA function compute; load it with an attention implementation that "
                              "does (e.g. attn_implementation='eager')")
-    if kwargs.get("s_aux") is not None:
-        for name in ("softcap", "position_bias"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"SpargeLLMAttention: the model passes attention sinks (s_aux) together with "
-                                 f"{SDPA_COMPUTED_ARGUMENTS[name]}, which neither the sparse kernels nor the sinks' "
-                                 "exact fallback compute; use attn_implementation='eager'")
+    if kwargs.get("position_bias") is not None and _score_terms(kwargs).any():
+        raise ValueError("SpargeLLMAttention: the model passes a position bias together with attention sinks (s_aux) "
+                         "or softcapping, which neither the sparse kernels nor the exact fallback compute; use "
+                         "attn_implementation='eager'")
     if kwargs.get("position_bias") is not None and "position_bias" not in _sdpa_function_parameters():
         raise ValueError("SpargeLLMAttention: the model passes a position bias (position_bias), which this "
                          "transformers version's SDPA function (the fallback) does not add; upgrade transformers or "
@@ -267,13 +285,13 @@ def check_call_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> N
                              "attn_implementation='flash_attention_2'")
 
 
-def exact_attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               attention_mask: torch.Tensor | None, sinks: torch.Tensor, *, scale: float | None = None,
-                               is_causal: bool = False, dropout: float = 0.0, max_scores: int = 1 << 26
-                               ) -> torch.Tensor:
-    """Exact attention with learned sinks where a call does not run sparse (decode steps, masks the kernels do not
-    take): each row's softmax takes one more logit, ``sinks[h]``, whose weight is dropped, as transformers' eager
-    attention of gpt-oss computes it. transformers' SDPA function would drop the sinks instead.
+def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    *, sinks: torch.Tensor | None = None, softcap: float | None = None, scale: float | None = None,
+                    is_causal: bool = False, dropout: float = 0.0, max_scores: int = 1 << 26) -> torch.Tensor:
+    """Exact attention with a layer's :class:`ScoreTerms` where a call does not run sparse (decode steps, masks the
+    kernels do not take), as transformers' eager attention of gpt-oss and Gemma 2 computes it: the scores soft-capped
+    (``softcap`` c: c * tanh(s / c)) before the mask, and each row's softmax taking one more logit, ``sinks[h]``, whose
+    weight is dropped. transformers' SDPA function would drop the sinks and raises on softcap.
 
     query (B, H, Nq, D), key/value (B, H_kv, Nkv, D); ``attention_mask``: transformers' (B|1, 1, Nq, >= Nkv) mask,
     boolean (True = attend) or additive, or None (then causal, upper left, if ``is_causal`` and Nq > 1, as
@@ -287,12 +305,14 @@ def exact_attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: to
     scale = head_dim ** -0.5 if scale is None else scale
     grouped = query.reshape(batch, kv_heads, group, q_len, head_dim)
     keys_t, values = key[:, :, None].transpose(-1, -2), value[:, :, None]  # broadcast over each group's heads
-    sink = sinks.float().view(1, kv_heads, group, 1, 1).to(query.device)
+    sink = None if sinks is None else sinks.float().view(1, kv_heads, group, 1, 1).to(query.device)
     rows = max(1, max_scores // max(batch * heads * kv_len, 1))
     parts = []
     for start in range(0, q_len, rows):
         stop = min(start + rows, q_len)
         scores = (grouped[:, :, :, start:stop] @ keys_t).float() * scale  # (B, H_kv, group, rows, Nkv)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         if attention_mask is not None:
             mask = attention_mask[:, :, start:stop, :kv_len][:, :, None]
             scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
@@ -300,8 +320,9 @@ def exact_attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: to
             positions = torch.arange(start, stop, device=query.device)
             scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > positions[:, None],
                                         -math.inf)
-        logits = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
-        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        if sink is not None:
+            scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :kv_len]
         if dropout:
             probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
         parts.append(probs.to(value.dtype) @ values)
@@ -317,16 +338,18 @@ class PrefillMethod:
     SparsityStats | None)`` when ``stats``; ``compiled(attention, q, k, v, scale, variant)`` is its form inside
     torch.compile (custom operators only, no statistics). Both take whole prompts and lower-right chunks against a
     cache (``variant``). ``takes_window``: both also take a sliding window (``window=W``) that hides keys;
-    ``takes_sinks``: both also take learned sink logits (``sinks=``, one per query head)."""
+    ``takes_sinks``: both also take learned sink logits (``sinks=``, one per query head); ``takes_softcap``: logit
+    soft-capping (``softcap=``)."""
 
     eager: Callable[..., Any]
     compiled: Callable[..., torch.Tensor]
     takes_window: bool = False
     takes_sinks: bool = False
+    takes_softcap: bool = False
 
 
 PREFILL_METHODS: dict[str, PrefillMethod] = {
-    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, takes_window=True, takes_sinks=True),
+    "sparge": PrefillMethod(_sparge_prefill, _sparge_compiled, takes_window=True, takes_sinks=True, takes_softcap=True),
     "s2o": PrefillMethod(_s2o_prefill, _s2o_compiled, takes_sinks=True),
     "fsa": PrefillMethod(_fsa_prefill, _fsa_compiled, takes_sinks=True),
 }
@@ -366,8 +389,9 @@ class SpargeLLMAttention:
     Windows shorter than ``min_predicted_window`` keys keep every block in them (no stage 1).
 
     Learned attention sinks (``s_aux``, one logit per query head: gpt-oss and others) reach the kernels as
-    ``sink_logits``, under every method; where a call cannot run sparse (decode steps, other masks) it goes to
-    :func:`exact_attention_with_sinks` instead of SDPA's function.
+    ``sink_logits``, under every method; logit soft-capping (``softcap``: Gemma 2) as ``softcap``, under "sparge"
+    (with or without ``pbs_segment``). Where a call with either cannot run sparse (decode steps, other masks, S2O or
+    FSA with softcap) it goes to :func:`eager_attention` instead of SDPA's function.
 
     Under torch.compile a call without a mask is one node per kernel operator; a call with a mask is one node of the
     operator ``sparge_diffusers::llm_masked_prefill``, which reads the mask at run time and routes the call as above
@@ -500,14 +524,17 @@ class SpargeLLMAttention:
             span = verdict[2].keys if verdict[2] is not None else key.shape[2]
         reason, window = self._window_route(window, span)
         if reason is None:
-            reason = self._sinks_reason(kwargs.get("s_aux"))
+            reason = self._terms_reason(_score_terms(kwargs))
         return (reason, None, None, None) if reason is not None else (*verdict, window)
 
-    def _sinks_reason(self, sinks: torch.Tensor | None) -> str | None:
-        """Why a call with these learned sink logits (``s_aux``; None: none) cannot run sparse, None when it can."""
-        if sinks is None or PREFILL_METHODS[self.method].takes_sinks:
-            return None
-        return f"attention sinks (s_aux), which the {self.method!r} method does not take"
+    def _terms_reason(self, terms: ScoreTerms) -> str | None:
+        """Why a call with these :class:`ScoreTerms` cannot run sparse, None when it can."""
+        method = PREFILL_METHODS[self.method]
+        for present, taken, what in ((terms.sinks is not None, method.takes_sinks, "attention sinks (s_aux)"),
+                                     (terms.softcap is not None, method.takes_softcap, "softcapping")):
+            if present and not taken:
+                return f"{what}, which the {self.method!r} method does not take"
+        return None
 
     def _window_route(self, window: int | None, span: int) -> tuple[str | None, int | None]:
         """(why a call whose queries see up to ``span`` keys cannot run sparse under its sliding window, None when
@@ -555,14 +582,14 @@ class SpargeLLMAttention:
         """query (B, H, N, D), key/value (B, H_kv, N, D) -> ((B, N, H, D), None), as transformers' SDPA function."""
         reason, variant, layout, window = self.route(module, query, key, value, attention_mask, dropout, is_causal,
                                                      kwargs)
-        sinks = kwargs.get("s_aux")
+        terms = _score_terms(kwargs)
         if reason is not None:
             if reason:
                 self._warn(reason)
-            if sinks is not None:  # transformers' SDPA function would drop them
+            if terms.any():  # transformers' SDPA function would drop the sinks, and raises on softcap
                 causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-                return exact_attention_with_sinks(query, key, value, attention_mask, sinks, scale=scaling,
-                                                  is_causal=causal, dropout=dropout), None
+                return eager_attention(query, key, value, attention_mask, sinks=terms.sinks, softcap=terms.softcap,
+                                       scale=scaling, is_causal=causal, dropout=dropout), None
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -577,29 +604,29 @@ class SpargeLLMAttention:
             if attention_mask is not None:
                 window = kwargs.get("sliding_window")  # whether it hides keys depends on the mask: decided there
                 return torch.ops.sparge_diffusers.llm_masked_prefill(query, key, value, attention_mask, scaling,
-                                                                     self._handle, window, sinks), None
+                                                                     self._handle, window, *terms), None
             if self.collect_stats:
                 return torch.ops.sparge_diffusers.llm_prefill(query, key, value, scaling, variant, self._handle,
-                                                              window, sinks), None
+                                                              window, *terms), None
             compiled = PREFILL_METHODS[self.method].compiled
-            out = compiled(self, query, key, value, scaling, variant, **_method_extras(window, sinks))
+            out = compiled(self, query, key, value, scaling, variant, **_method_extras(window, terms))
             return out.transpose(1, 2).contiguous(), None
-        out, stats = self._sparse_call(query, key, value, scaling, variant, layout, window, sinks)
+        out, stats = self._sparse_call(query, key, value, scaling, variant, layout, window, terms)
         self._record(stats)
         return out, None
 
     def _sparse_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
                      variant: str | None, layout: CausalMaskLayout | None, window: int | None = None,
-                     sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
+                     terms: ScoreTerms = NO_TERMS) -> tuple[torch.Tensor, SparsityStats | None]:
         """A routed sparse call, eager or inside an operator: the (B, Nq, H, D) output and its stats when collected.
         With a mask's layout, only the keys in use are attended (a static cache's empty slots are left out: views,
-        no copy). ``window``: a sliding window that hides keys from some query (None: none that does); ``sinks``: the
-        layer's learned sink logits (``s_aux``), or None."""
+        no copy). ``window``: a sliding window that hides keys from some query (None: none that does); ``terms``: the
+        layer's :class:`ScoreTerms`."""
         if layout is not None and layout.keys < key.shape[2]:
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         if layout is not None and any(layout.padding):
-            return self._left_padded_prefill(query, key, value, layout.padding, scale, window, sinks)
-        out, stats = self._prefill(query, key, value, scale, variant, window, sinks)
+            return self._left_padded_prefill(query, key, value, layout.padding, scale, window, terms)
+        out, stats = self._prefill(query, key, value, scale, variant, window, terms)
         return out.transpose(1, 2).contiguous(), stats
 
     def _record(self, stats: SparsityStats | None) -> None:
@@ -609,8 +636,7 @@ class SpargeLLMAttention:
         self.sparse_calls += 1
 
     def _masked_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scale: float | None, window: int | None = None, sinks: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     scale: float | None, window: int | None = None, terms: ScoreTerms = NO_TERMS) -> torch.Tensor:
         """A call with an explicit mask under torch.compile, run eagerly inside the ``llm_masked_prefill`` operator:
         the mask's contents route it as :meth:`__call__` routes an eager call (sparse for the lower-right and
         left-padded masks, also cut by the layer's sliding ``window`` if any, else SDPA under the mask, with one
@@ -619,41 +645,41 @@ class SpargeLLMAttention:
         if reason is None:
             reason, window = self._window_route(window, layout.keys)
         if reason is None:
-            reason = self._sinks_reason(sinks)
+            reason = self._terms_reason(terms)
         if reason is not None:
             self._warn(reason)
-            if sinks is not None:
-                return exact_attention_with_sinks(query, key, value, mask, sinks, scale=scale)
+            if terms.any():
+                return eager_attention(query, key, value, mask, sinks=terms.sinks, softcap=terms.softcap, scale=scale)
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask[:, :, :, :key.shape[2]], scale=scale,
                 enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous()
-        out, stats = self._sparse_call(query, key, value, scale, variant, layout, window, sinks)
+        out, stats = self._sparse_call(query, key, value, scale, variant, layout, window, terms)
         if self.collect_stats:
             self._record(stats)
         return out
 
     def _compiled_call(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                       variant: str | None, window: int | None = None, sinks: torch.Tensor | None = None
+                       variant: str | None, window: int | None = None, terms: ScoreTerms = NO_TERMS
                        ) -> torch.Tensor:
         """A call without a mask under torch.compile with ``collect_stats``, run eagerly inside the ``llm_prefill``
         operator: counted, its statistics kept. Returns (B, Nq, H, D)."""
-        out, stats = self._sparse_call(query, key, value, scale, variant, None, window, sinks)
+        out, stats = self._sparse_call(query, key, value, scale, variant, None, window, terms)
         self._record(stats)
         return out
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                 variant: str | None, window: int | None = None, sinks: torch.Tensor | None = None
+                 variant: str | None, window: int | None = None, terms: ScoreTerms = NO_TERMS
                  ) -> tuple[torch.Tensor, SparsityStats | None]:
         """One causal call without padding, by the configured method: (B, H, Nq, D) output, its stats when
         collected."""
         out = PREFILL_METHODS[self.method].eager(self, query, key, value, scale, variant, self.collect_stats,
-                                                 **_method_extras(window, sinks))
+                                                 **_method_extras(window, terms))
         return out if self.collect_stats else (out, None)
 
     def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              padding: list[int], scale: float | None, window: int | None = None,
-                             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, SparsityStats | None]:
+                             terms: ScoreTerms = NO_TERMS) -> tuple[torch.Tensor, SparsityStats | None]:
         """A left-padded batch: each prompt runs as its own causal call without its padding, the queries aligned
         to the keys' end (lower right). Rows of padding queries, which see no key, stay zero, as SDPA gives them.
         Returns the (B, Nq, H, D) output and, when collected, the prompts' stats joined over the batch."""
@@ -668,7 +694,7 @@ class SpargeLLMAttention:
                 continue  # this prompt's queries are all padding
             rows = slice(b, b + 1)
             q_b, k_b, v_b = query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:]
-            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right", window, sinks)
+            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right", window, terms)
             out[b, first:] = o[0].transpose(0, 1)
             if s is not None:
                 parts.append(s)
@@ -686,13 +712,21 @@ _LIVE_FUNCTIONS: weakref.WeakValueDictionary[int, SpargeLLMAttention] = weakref.
 _HANDLES = itertools.count()
 
 
-def _method_extras(window: int | None, sinks: torch.Tensor | None) -> dict[str, Any]:
+def _score_terms(kwargs: dict) -> ScoreTerms:
+    """The :class:`ScoreTerms` of a transformers attention call's keyword arguments."""
+    softcap = kwargs.get("softcap")
+    return ScoreTerms(kwargs.get("s_aux"), None if softcap is None else float(softcap))
+
+
+def _method_extras(window: int | None, terms: ScoreTerms) -> dict[str, Any]:
     """A prefill method's optional keyword arguments for one call: only those it has (:class:`PrefillMethod`)."""
     extras: dict[str, Any] = {}
     if window is not None:
         extras["window"] = window
-    if sinks is not None:
-        extras["sinks"] = sinks
+    if terms.sinks is not None:
+        extras["sinks"] = terms.sinks
+    if terms.softcap is not None:
+        extras["softcap"] = terms.softcap
     return extras
 
 
@@ -707,21 +741,23 @@ def _live_function(handle: int, operator: str) -> SpargeLLMAttention:
 @torch.library.custom_op("sparge_diffusers::llm_masked_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _llm_masked_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                            scale: float | None, handle: int, window: int | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """A compiled model's prefill call with an explicit mask (and the layer's sliding window and sink logits, if
     any): :meth:`SpargeLLMAttention._masked_call` of the function ``handle`` names. Its route depends on the mask's
     contents (a read-back), hence an operator opaque to the compiler and kept out of CUDA graphs."""
-    return _live_function(handle, "llm_masked_prefill")._masked_call(query, key, value, mask, scale, window, sinks)
+    return _live_function(handle, "llm_masked_prefill")._masked_call(query, key, value, mask, scale, window,
+                                                                     ScoreTerms(sinks, softcap))
 
 
 @torch.library.custom_op("sparge_diffusers::llm_prefill", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def _llm_prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
                     variant: str | None, handle: int, window: int | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """A compiled model's prefill call without a mask when its function collects statistics:
     :meth:`SpargeLLMAttention._compiled_call`. It records the call when it runs, so it stays out of CUDA graphs (a
     replay would skip the recording)."""
-    return _live_function(handle, "llm_prefill")._compiled_call(query, key, value, scale, variant, window, sinks)
+    return _live_function(handle, "llm_prefill")._compiled_call(query, key, value, scale, variant, window,
+                                                                ScoreTerms(sinks, softcap))
 
 
 def _transformers_output(query: torch.Tensor) -> torch.Tensor:
@@ -731,12 +767,12 @@ def _transformers_output(query: torch.Tensor) -> torch.Tensor:
 
 
 @_llm_prefill_op.register_fake
-def _(query, key, value, scale, variant, handle, window=None, sinks=None):
+def _(query, key, value, scale, variant, handle, window=None, sinks=None, softcap=None):
     return _transformers_output(query)
 
 
 @_llm_masked_prefill_op.register_fake
-def _(query, key, value, mask, scale, handle, window=None, sinks=None):
+def _(query, key, value, mask, scale, handle, window=None, sinks=None, softcap=None):
     return _transformers_output(query)
 
 

@@ -92,17 +92,19 @@ def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
 
 
 def compile_offline(causal: bool, use_index: bool, dtype: str, head_dim: int, use_tail: bool = False,
-                    permuted_keys: bool = False, windowed: bool = False, sinks: str | None = None) -> None:
+                    permuted_keys: bool = False, windowed: bool = False, sinks: str | None = None,
+                    softcap: bool = False) -> None:
     """Compile the mask walk for sm90 without a GPU (``sinks``: the sink logits' element type, e.g. "bf16")."""
     sig = {"q_desc": descriptor_type(dtype, BLOCK_Q), "k_desc": descriptor_type(dtype, BLOCK_K),
            "v_desc": descriptor_type(dtype, BLOCK_K), "o_desc": descriptor_type(dtype, BLOCK_Q // 2),
            "INDEX": "*i32", "COUNT": "*i32", "NFULL": "*i32", "TICKET": "*i32", "TAIL_SIZES": "*i32",
-           "TAIL_TILES": "*i32", "KPOS": "*i32", "SINKS": f"*{sinks or 'i32'}", "qk_scale": "fp32"}
+           "TAIL_TILES": "*i32", "KPOS": "*i32", "SINKS": f"*{sinks or 'i32'}", "qk_scale": "fp32", "cap_in": "fp32",
+           "cap_out": "fp32"}
     sig.update({name: "i32" for name in ("stride_pb", "stride_ph", "tail_start", "H", "GROUP", "NQ", "NK", "kv_len",
                                          "q_offset", "last_position", "window", "n_tiles")})
     consts = {"HEAD_DIM": head_dim, "STAGES": attention_hopper.STAGES, "USE_INDEX": use_index,
               "IS_CAUSAL": causal, "PERMUTED_KEYS": permuted_keys, "WINDOWED": windowed, "HAS_SINKS": sinks is not None,
-              "USE_TAIL": use_tail,
+              "SOFTCAP": softcap, "USE_TAIL": use_tail,
               "BUCKETS": attention_hopper.TAIL_BUCKETS, "NUM_WARPS": attention_hopper.NUM_WARPS,
               "CONSUMER_REGS": attention_hopper.CONSUMER_REGS}
     compile_gluon_offline(attention_hopper._hopper_attention_kernel, sig, consts)
@@ -128,15 +130,16 @@ def run_offline_compile(call: str) -> None:
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail,permuted_keys,windowed,sinks",
-                         [(False, True, "bf16", 128, True, False, False, None),
-                          (True, False, "fp16", 64, False, False, False, "fp32"),
-                          (True, True, "bf16", 128, True, True, False, None),
-                          (True, True, "fp16", 64, True, False, True, "bf16")])
-def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail, permuted_keys, windowed, sinks):
+@pytest.mark.parametrize("causal,use_index,dtype,head_dim,use_tail,permuted_keys,windowed,sinks,softcap",
+                         [(False, True, "bf16", 128, True, False, False, None, False),
+                          (True, False, "fp16", 64, False, False, False, "fp32", True),
+                          (True, True, "bf16", 128, True, True, False, None, False),
+                          (True, True, "fp16", 64, True, False, True, "bf16", True)])
+def test_kernel_compiles_for_sm90_offline(causal, use_index, dtype, head_dim, use_tail, permuted_keys, windowed, sinks,
+                                          softcap):
     """Catches Gluon compile errors without a GPU (needs a Triton whose Gluon compiles offline)."""
     run_offline_compile(f"import test_attention_hopper as t; t.compile_offline({causal}, {use_index}, {dtype!r}, "
-                        f"{head_dim}, {use_tail}, {permuted_keys}, {windowed}, {sinks!r})")
+                        f"{head_dim}, {use_tail}, {permuted_keys}, {windowed}, {sinks!r}, {softcap})")
 
 
 @pytest.mark.parametrize("B,H,nq,nkv,width,causal", [(1, 24, 36, 4608, 264, False), (2, 3, 5, 300, 7, False),

@@ -785,9 +785,10 @@ def test_every_method_takes_sinks_and_a_method_without_falls_back_to_their_exact
     """S2O (every block visited), FSA (every block selected) and PBS's permuted keys (every block kept) run sparse with
     the sinks, eager's logits; a method registered without them goes to the sinks' exact fallback (eager's logits)
     with a warning, or raises under strict; the fallback in query chunks equals eager attention under a boolean, an
-    additive or no mask; sinks with softcapping raise (nobody computes both)."""
+    additive or no mask, with or without softcapping, which a direct call runs sparse with the sinks; sinks with a
+    position bias raise (nobody computes both)."""
     import sparge_diffusers.llm as llm
-    from sparge_diffusers.llm import exact_attention_with_sinks
+    from sparge_diffusers.llm import eager_attention
 
     path = gpt_oss_with_sinks(tmp_path, window=4096)  # a window that hides no key here: the sinks decide alone
     ids = prompt(300)
@@ -811,17 +812,64 @@ def test_every_method_takes_sinks_and_a_method_without_falls_back_to_their_exact
     causal = torch.ones(130, 130, dtype=torch.bool).tril()
     group_k, group_v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     scores = (q @ group_k.transpose(-1, -2)) * 0.125
-    for mask in (causal[None, None], torch.zeros(130, 130).masked_fill(~causal, -1e9)[None, None], None):
-        masked = scores.masked_fill(~causal, -float("inf"))
-        probs = torch.softmax(torch.cat([masked, sinks.view(1, 4, 1, 1).expand(1, 4, 130, 1)], -1), -1)[..., :-1]
-        expected = (probs @ group_v).transpose(1, 2)
-        for max_scores in (1 << 26, 4 * 130 * 50):  # all rows at once, chunks of 50 rows
-            out = exact_attention_with_sinks(q, k, v, mask, sinks, scale=0.125, is_causal=True, max_scores=max_scores)
-            assert out.shape == (1, 130, 4, 64) and relative_l1(out, expected) < 1e-5
-    with pytest.raises(ValueError, match="attention sinks \\(s_aux\\) together with softcapping"):
-        attention(module, q, k, v, None, scaling=0.125, s_aux=sinks, softcap=30.0)
-    out, _ = attention(module, q, k, v, None, scaling=0.125, s_aux=sinks)
-    assert attention.sparse_calls == 1 and relative_l1(out, expected) < 1e-5
+    for softcap in (None, 1.5):
+        capped = scores if softcap is None else softcap * torch.tanh(scores / softcap)
+        for mask in (causal[None, None], torch.zeros(130, 130).masked_fill(~causal, -1e9)[None, None], None):
+            masked = capped.masked_fill(~causal, -float("inf"))
+            probs = torch.softmax(torch.cat([masked, sinks.view(1, 4, 1, 1).expand(1, 4, 130, 1)], -1), -1)[..., :-1]
+            expected = (probs @ group_v).transpose(1, 2)
+            for max_scores in (1 << 26, 4 * 130 * 50):  # all rows at once, chunks of 50 rows
+                out = eager_attention(q, k, v, mask, sinks=sinks, softcap=softcap, scale=0.125, is_causal=True,
+                                      max_scores=max_scores)
+                assert out.shape == (1, 130, 4, 64) and relative_l1(out, expected) < 1e-5, (softcap, mask)
+        calls = attention.sparse_calls
+        out, _ = attention(module, q, k, v, None, scaling=0.125, s_aux=sinks, softcap=softcap)
+        assert attention.sparse_calls == calls + 1 and relative_l1(out, expected) < 1e-5, softcap
+    with pytest.raises(ValueError, match="a position bias together with attention sinks"):
+        attention(module, q, k, v, None, scaling=0.125, s_aux=sinks, position_bias=torch.zeros(1, 4, 130, 130))
+
+
+def test_a_model_with_softcapping_runs_sparse_with_it(tmp_path):
+    """Gemma 2 caps its attention logits (``softcap``, here 1.0 so that it matters on random weights) and alternates
+    sliding-window (100 keys) and global layers: both run sparse with the cap, eager's logits and tokens (decode steps
+    on the exact path: transformers' SDPA function raises on softcap); S2O, which takes no cap, falls back to the
+    exact path with a warning (strict raises); compiled (aot_eager, fullgraph) gives the eager logits."""
+    if "gemma2" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 2")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "gemma2", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, sliding_window=100,
+        attn_logit_softcapping=1.0, layer_types=["sliding_attention", "full_attention"])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # scores of a few units (the initialisation gives ~0.01), which a cap of 1 bends
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    model.save_pretrained(tmp_path)
+    ids = prompt(300).clamp(min=1)  # Gemma's pad token is 0: generate would read 0s in the prompt as padding
+    eager = logits(load(tmp_path, "eager"), ids)
+    uncapped = load(tmp_path, "eager")
+    uncapped.config.attn_logit_softcapping = None
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert relative_l1(logits(uncapped, ids), eager) > 1e-2, "the cap must matter for this test to mean anything"
+    attention = register("sparge_test_softcap", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True)
+    model = load(tmp_path, "sparge_test_softcap")
+    assert relative_l1(logits(model, ids), eager) < 1e-5 and attention.sparse_calls == 2
+    options = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids[:, :200], **options), load(tmp_path, "eager").generate(ids[:, :200],
+                                                                                                 **options))
+    register("sparge_test_softcap_s2o", method="s2o", strict=True)
+    with pytest.raises(ValueError, match="softcapping, which the 's2o' method does not take"):
+        logits(load(tmp_path, "sparge_test_softcap_s2o"), prompt(90))  # within the window: the cap decides alone
+    falling_back = register("sparge_test_softcap_fallback", method="s2o")
+    with pytest.warns(UserWarning, match="falling back to SDPA: softcapping"):
+        got = logits(load(tmp_path, "sparge_test_softcap_fallback"), prompt(90))
+    assert relative_l1(got, logits(load(tmp_path, "eager"), prompt(90))) < 1e-5 and falling_back.sparse_calls == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert relative_l1(logits(compiled, ids), eager) < 1e-5
 
 
 def test_a_model_with_sinks_compiles_to_one_graph(tmp_path):

@@ -170,6 +170,16 @@ def check_sliding_window(sliding_window: int | None, is_causal: bool) -> int | N
     return sliding_window if sliding_window < NO_WINDOW else None
 
 
+def check_softcap(softcap: float | None) -> float | None:
+    """A call's logit soft-capping (None: none): a positive finite number c, the scores then c * tanh(s / c) (Gemma
+    2's ``attn_logit_softcapping``, FlashAttention's ``softcap``); ValueError otherwise."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not _is_number(softcap) or not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a positive finite number (scores become c * tanh(s / c)), got {softcap!r}")
+    return float(softcap)
+
+
 def check_sink_logits(sink_logits: torch.Tensor | None, shape: AttentionShape, device: torch.device
                       ) -> torch.Tensor | None:
     """A call's learned attention-sink logits (None: none), as the kernels read them: a 1-D tensor of one logit per

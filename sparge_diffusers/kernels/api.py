@@ -24,6 +24,7 @@ from ._inputs import (
     check_permuted_keys,
     check_kernel_dtype,
     check_sink_logits,
+    check_softcap,
     pick_backend,
     per_head,
     resolve_scale,
@@ -86,7 +87,7 @@ def _stage2_thresholds(values: tuple[float, ...], heads: int, device: str, backe
 
 
 def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend,
-             permuted_keys=None, causal_variant=None, sliding_window=None) -> CompactBlockMask:
+             permuted_keys=None, causal_variant=None, sliding_window=None, softcap=None) -> CompactBlockMask:
     """Stage 1 with its input checks; the kernel walk is None on the reference path."""
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal,
                                    causal_variant=causal_variant, sliding_window=sliding_window)
@@ -94,12 +95,12 @@ def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
     return _predict_checked(q, k, shape, is_causal=is_causal, scale=resolve_scale(scale, shape.head_dim),
                             simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, attention_sink=attention_sink,
                             tensor_layout=tensor_layout, chosen=pick_backend(backend, q.device),
-                            key_segment=key_segment)[0]
+                            key_segment=key_segment, softcap=check_softcap(softcap))[0]
 
 
 def _predict_checked(q, k, shape: AttentionShape, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
-                     tensor_layout, chosen, with_ticket: bool = False, key_segment: int = BLOCK_K
-                     ) -> tuple[CompactBlockMask, torch.Tensor | None]:
+                     tensor_layout, chosen, with_ticket: bool = False, key_segment: int = BLOCK_K,
+                     softcap: float | None = None) -> tuple[CompactBlockMask, torch.Tensor | None]:
     """Stage 1 on checked inputs. With ``with_ticket`` (one sparse call follows) also returns the Hopper kernel's
     zeroed ticket counter, taken from the allocation that holds the tail order's buckets (no memset of its own);
     None where no Hopper launch will read it. ``key_segment``: that of the call's ``PermutedKeys``."""
@@ -108,7 +109,8 @@ def _predict_checked(q, k, shape: AttentionShape, *, is_causal, scale, simthresh
         mask = reference_predict_block_mask(q, k, is_causal=is_causal, scale=scale, simthreshd1=theta,
                                             cdfthreshd=tau, attention_sink=attention_sink,
                                             tensor_layout=tensor_layout, key_segment=key_segment,
-                                            causal_offset=shape.causal_offset, sliding_window=shape.sliding_window)
+                                            causal_offset=shape.causal_offset, sliding_window=shape.sliding_window,
+                                            softcap=softcap)
         return from_kernel_walk(mask, None, shape, is_causal, key_segment=key_segment), None
     check_kernel_dtype(q.dtype)
     # the Hopper kernel's tail order, filled by the same stage-1 kernel
@@ -116,7 +118,8 @@ def _predict_checked(q, k, shape: AttentionShape, *, is_causal, scale, simthresh
                     if attention_hopper.wants_tail_schedule(shape, q.device) else (None, None))
     mask, walk = predict_block_mask_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), shape,
                                            is_causal=is_causal, scale=scale, simthreshd1=theta, cdfthreshd=tau,
-                                           attention_sink=attention_sink, tail=tail, key_segment=key_segment)
+                                           attention_sink=attention_sink, tail=tail, key_segment=key_segment,
+                                           softcap=softcap)
     return from_kernel_walk(mask, walk, shape, is_causal, tail, key_segment), ticket
 
 
@@ -134,6 +137,7 @@ def predict_block_mask(
     permuted_keys: PermutedKeys | None = None,
     causal_variant: CausalVariant | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Stage 1 of SpargeAttn: predict which (128-query, 64-key) blocks of the attention map to compute.
 
@@ -158,12 +162,15 @@ def predict_block_mask(
             included (the query at causal position p sees keys p - W + 1 .. p: transformers' ``sliding_window``,
             FlashAttention's ``window_size=(W - 1, 0)``). Blocks wholly before every query's window are hidden
             (not kept, and left out of TopCdf's softmax). Not with ``permuted_keys``.
+        softcap: logit soft-capping c (Gemma 2's ``attn_logit_softcapping``, FlashAttention's ``softcap``): the
+            compressed scores become c * tanh(s / c), as the attention scores do.
     Returns:
         (B, H, ceil(Nq/128), ceil(Nkv/64)) bool mask; every query block keeps at least one key block.
     """
     return _predict(q, k, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
                     attention_sink=attention_sink, tensor_layout=tensor_layout, backend=backend,
-                    permuted_keys=permuted_keys, causal_variant=causal_variant, sliding_window=sliding_window).mask
+                    permuted_keys=permuted_keys, causal_variant=causal_variant, sliding_window=sliding_window,
+                    softcap=softcap).mask
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -226,6 +233,7 @@ def block_sparse_attention(
     causal_variant: CausalVariant | None = None,
     sliding_window: int | None = None,
     sink_logits: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """Block-sparse attention for any block mask (stage 2 of SpargeAttn, usable alone).
 
@@ -258,6 +266,8 @@ def block_sparse_attention(
             ``sinks``, which transformers passes as ``s_aux``): each row's softmax takes one more term,
             exp(sink_logits[h]), that has no value vector, so the row's weights sum to less than 1. In the units of
             the scaled scores (``scale * q . k``); -inf is no sink. It changes no block decision.
+        softcap: logit soft-capping c: the scores become c * tanh(s / c) before the softmax (Gemma 2's 50, Grok's
+            30; FlashAttention's ``softcap``). None: none.
     Returns:
         The output in q's layout and dtype, with q's strides where q's last dim is contiguous (as SDPA's
         output has), else contiguous; query rows that see no key (an empty mask row, or rows before the first
@@ -276,12 +286,14 @@ def block_sparse_attention(
                                  scale=resolve_scale(scale, shape.head_dim),
                                  thr=_pv_thresholds(pvthreshd, shape, q.device, chosen), tensor_layout=tensor_layout,
                                  return_sparsity=return_sparsity, chosen=chosen, out=out, permuted_keys=permuted_keys,
-                                 sink_logits=check_sink_logits(sink_logits, shape, q.device))
+                                 sink_logits=check_sink_logits(sink_logits, shape, q.device),
+                                 softcap=check_softcap(softcap))
 
 
 def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_causal, scale, thr, tensor_layout,
                           return_sparsity, chosen, out, ticket: torch.Tensor | None = None,
-                          permuted_keys: PermutedKeys | None = None, sink_logits: torch.Tensor | None = None):
+                          permuted_keys: PermutedKeys | None = None, sink_logits: torch.Tensor | None = None,
+                          softcap: float | None = None):
     """:func:`block_sparse_attention` on checked inputs (``block_mask``, ``permuted_keys`` and ``sink_logits``
     checked against them). ``ticket``: a zeroed counter for a Hopper launch (from ``_predict_checked``), saving the
     launch its own memset."""
@@ -297,7 +309,7 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
         result, stats = reference_block_sparse_attention(
             q, k, v, block_mask, shape=shape, is_causal=is_causal, scale=scale, pvthreshd=thr,
             tensor_layout=tensor_layout, key_positions=None if permuted_keys is None else permuted_keys.positions,
-            key_segment=key_segment, sink_logits=sink_logits)
+            key_segment=key_segment, sink_logits=sink_logits, softcap=softcap)
         if out is not None:
             result = out.copy_(result)
         return (result, stats) if return_sparsity else result
@@ -325,7 +337,8 @@ def _block_sparse_checked(q, k, v, block_mask, shape: AttentionShape, *, is_caus
         index = block_mask_to_index(block_mask, shape, is_causal, tail=tail, key_segment=key_segment)
     pv_count = sparse_attention_triton(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale, index=index,
                                        pvthreshd=thr, return_counts=return_sparsity, tail=tail, ticket=ticket,
-                                       on_hopper=on_hopper, key_positions=key_positions, sink_logits=sink_logits)
+                                       on_hopper=on_hopper, key_positions=key_positions, sink_logits=sink_logits,
+                                       softcap=softcap)
     if not return_sparsity:
         return out
     if index is not None:
@@ -367,6 +380,7 @@ def sparge_attention(
     causal_variant: CausalVariant | None = None,
     sliding_window: int | None = None,
     sink_logits: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]:
     """SpargeAttn: predict a block mask (stage 1) and run sparse attention with the PV filter (stage 2).
 
@@ -377,7 +391,9 @@ def sparge_attention(
     pbs_sparge_attention`` builds them; ``causal_variant``: the causal mask's alignment when Nq != Nkv, e.g.
     "lower_right" for a chunk of queries against a KV cache; ``sliding_window``: each query sees its W most
     recent keys, as a Mistral or Gemma local layer does; ``sink_logits``: gpt-oss's learned attention sinks, one
-    logit per query head joining each row's softmax with no value vector). Stage 1 ignores the sink logits: TopCdf
+    logit per query head joining each row's softmax with no value vector; ``softcap``: Gemma 2's logit
+    soft-capping, applied to stage 1's compressed scores as to the attention scores). Stage 1 ignores the sink
+    logits: TopCdf
     ranks the key blocks by their share of the keys' mass, which a sink scales alike for every block of a row.
     With ``cdfthreshd`` >= 1 for every head (given as numbers) TopCdf keeps every visible block, so stage 1 is
     skipped and the dense walk computes them (the same blocks and statistics, without stage 1's cost).
@@ -396,6 +412,7 @@ def sparge_attention(
     chosen = pick_backend(backend, q.device)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
     sink_logits = check_sink_logits(sink_logits, shape, q.device)
+    softcap = check_softcap(softcap)
     _check_out(out, q, k, v)
     if _keeps_every_block(cdfthreshd):
         # TopCdf at tau >= 1 keeps every visible block whatever theta forces: the dense walk computes the same
@@ -406,10 +423,10 @@ def sparge_attention(
         compact, ticket = _predict_checked(q, k, shape, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
                                            cdfthreshd=cdfthreshd, attention_sink=attention_sink,
                                            tensor_layout=tensor_layout, chosen=chosen, with_ticket=True,
-                                           key_segment=key_segment)
+                                           key_segment=key_segment, softcap=softcap)
     return _block_sparse_checked(q, k, v, compact, shape, is_causal=is_causal, scale=scale, thr=thr,
                                  tensor_layout=tensor_layout, return_sparsity=return_sparsity, chosen=chosen, out=out,
-                                 ticket=ticket, permuted_keys=permuted_keys, sink_logits=sink_logits)
+                                 ticket=ticket, permuted_keys=permuted_keys, sink_logits=sink_logits, softcap=softcap)
 
 
 def s2o_attention(

@@ -136,18 +136,27 @@ def _dense_row_extent(first_q, kv_len, NK, q_offset, last_position, IS_CAUSAL: t
 
 
 @triton.jit
+def _soft_cap(scores, cap_in, cap_out):
+    """cap_out * tanh(scores * cap_in) (logit soft-capping: cap_in = scale / c, cap_out = c), tanh from exp2: exact
+    at +-inf (+-1), within float32 rounding of c elsewhere, and the same in the interpreter and on every GPU."""
+    return cap_out * (1.0 - 2.0 / (tl.exp2(scores * (cap_in * 2.8853900817779268)) + 1.0))
+
+
+@triton.jit
 def _attend_tile(
     acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
     stride_kn, stride_kd, stride_vn, stride_vd,
     q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale, window,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False,
-    WIDE: tl.constexpr = False, WINDOWED: tl.constexpr = False,
+    WIDE: tl.constexpr = False, WINDOWED: tl.constexpr = False, cap_in=1.0, cap_out=1.0,
+    SOFTCAP: tl.constexpr = False,
 ):
     """One key tile (the keys in slots ``cols``) folded into the online-softmax state. ``q_pos``: the rows'
     causal positions (row + ``AttentionShape.causal_offset``). With PERMUTED_KEYS the causal test of a masked
     tile compares each slot's original position (``KPOS_base[cols]``) with the row's; with WINDOWED it also
     hides keys ``window`` or more positions before the row's. ``WIDE``: K/V row offsets in int64
-    (``_inputs.wide_offsets``)."""
+    (``_inputs.wide_offsets``). With SOFTCAP the scores are capped (``_soft_cap``) before any masking; qk_scale is
+    then log2(e) alone, the softmax scale being inside cap_in."""
     kv_mask = d_mask[None, :]
     if MASKED:
         kv_mask = kv_mask & (cols < kv_len)[:, None]
@@ -156,6 +165,8 @@ def _attend_tile(
         kv_rows = cols.to(tl.int64)
     k = tl.load(K_base + kv_rows[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        qk = _soft_cap(qk, cap_in, cap_out)
     if MASKED:
         visible = (cols < kv_len)[None, :]
         if IS_CAUSAL:
@@ -198,7 +209,7 @@ def _walk_blocks(
     stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold, qk_scale,
     window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_SKIP: tl.constexpr,
     USE_INDEX: tl.constexpr, PERMUTED_KEYS: tl.constexpr = False, WIDE: tl.constexpr = False,
-    WINDOWED: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False, cap_in=1.0, cap_out=1.0, SOFTCAP: tl.constexpr = False,
 ):
     """Tiles start .. end-1 of a row's walk: key block index[it], whose index the caller loaded one step ahead
     into ``j_next`` (returned one step further), or key block ``it`` itself without an index."""
@@ -210,7 +221,8 @@ def _walk_blocks(
             acc, l_i, m_i, pv_count, q, j * BLOCK_N + offs_n, K_base, V_base, KPOS_base,
             stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
             pv_threshold, qk_scale, window, MASKED=MASKED, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP,
-            PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE, WINDOWED=WINDOWED)
+            PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE, WINDOWED=WINDOWED, cap_in=cap_in, cap_out=cap_out,
+            SOFTCAP=SOFTCAP)
     return acc, l_i, m_i, pv_count, j_next
 
 
@@ -298,7 +310,7 @@ def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
 @triton.jit
 def _sparse_attention_kernel(
     Q, K, V, O, INDEX, COUNT, NFULL, PV_THRESHOLD, PV_COUNT, KPOS, SINKS,
-    qk_scale, H, GROUP, q_len, kv_len, NK, q_offset, last_position, window, stride_pb, stride_ph,
+    qk_scale, cap_in, cap_out, H, GROUP, q_len, kv_len, NK, q_offset, last_position, window, stride_pb, stride_ph,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -306,7 +318,7 @@ def _sparse_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_INDEX: tl.constexpr, PV_SKIP: tl.constexpr, RETURN_COUNTS: tl.constexpr,
     PAIR_TILES: tl.constexpr, TMA_IO: tl.constexpr, PERMUTED_KEYS: tl.constexpr, WIDE: tl.constexpr,
-    WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b, h, row, offs_m, offs_d, d_mask, row_valid, q, K_base, V_base = _query_tile(
         Q, K, V, H, GROUP, q_len, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_vb,
@@ -348,18 +360,19 @@ def _sparse_attention_kernel(
             acc, l_i, m_i, pv_count = _attend_tile(
                 acc, l_i, m_i, pv_count, q, cols, K_base, V_base, KPOS_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len,
-                pv_threshold, qk_scale, window, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, WIDE=WIDE)
+                pv_threshold, qk_scale, window, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, WIDE=WIDE,
+                cap_in=cap_in, cap_out=cap_out, SOFTCAP=SOFTCAP)
         first_single = 2 * n_pairs
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, first_single, n_full, index, count, q, offs_n, K_base, V_base, KPOS_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, window, BLOCK_N=BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
-        WIDE=WIDE)
+        WIDE=WIDE, cap_in=cap_in, cap_out=cap_out, SOFTCAP=SOFTCAP)
     acc, l_i, m_i, pv_count, j_next = _walk_blocks(
         acc, l_i, m_i, pv_count, j_next, n_full, count, index, count, q, offs_n, K_base, V_base, KPOS_base,
         stride_kn, stride_kd, stride_vn, stride_vd, q_pos, offs_d, d_mask, row_valid, kv_len, pv_threshold,
         qk_scale, window, BLOCK_N=BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, PV_SKIP=PV_SKIP, USE_INDEX=USE_INDEX,
-        PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE, WINDOWED=WINDOWED)
+        PERMUTED_KEYS=PERMUTED_KEYS, WIDE=WIDE, WINDOWED=WINDOWED, cap_in=cap_in, cap_out=cap_out, SOFTCAP=SOFTCAP)
 
     if HAS_SINKS:
         acc, l_i = _add_sink(acc, l_i, m_i, SINKS, h)
@@ -469,7 +482,7 @@ def sparse_attention_triton(
     is_causal: bool, scale: float, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     pvthreshd: torch.Tensor | None, return_counts: bool, tail: attention_hopper.TailSchedule | None = None,
     ticket: torch.Tensor | None = None, on_hopper: bool | None = None, key_positions: torch.Tensor | None = None,
-    sink_logits: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor | None:
     """Launch the attention kernel on (B, H, N, D) views, writing ``out_h``.
 
@@ -488,7 +501,7 @@ def sparse_attention_triton(
     segment only); both kernels read them in their masked tiles.
 
     ``sink_logits``: (H,) learned sink logits with unit stride (``_inputs.check_sink_logits``), added to each row's
-    normaliser before the output is written.
+    normaliser before the output is written. ``softcap``: logit soft-capping c (scores c * tanh(s / c)), or None.
     """
     if key_positions is not None and (index is None or not is_causal):
         raise ValueError("key_positions needs a causal call with an index compacted for its key segment")
@@ -500,7 +513,8 @@ def sparse_attention_triton(
     if on_hopper:
         attention_hopper.hopper_block_sparse_attention(qh, kh, vh, out_h, shape, is_causal=is_causal, scale=scale,
                                                        index=index, tail=tail, ticket=ticket,
-                                                       key_positions=key_positions, sink_logits=sink_logits)
+                                                       key_positions=key_positions, sink_logits=sink_logits,
+                                                       softcap=softcap)
         return None
     B, H = shape.batch, shape.heads
     nq = shape.q_blocks
@@ -517,15 +531,15 @@ def sparse_attention_triton(
     kpos_strides = (kpos.stride(0), kpos.stride(1)) if key_positions is not None else (0, 0)
     launch(_sparse_attention_kernel, (nq, B * H),
         q_arg, kh, vh, out_arg, idx, count, n_full, pv_thr, pv_count, kpos,
-        sink_logits if sink_logits is not None else pv_thr,
-        scale * LOG2E, H, H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
+        sink_logits if sink_logits is not None else pv_thr, *attention_hopper.softcap_args(scale, softcap), H,
+        H // shape.kv_heads, shape.q_len, shape.kv_len, nk, shape.causal_offset,
         shape.last_query_position, shape.window_arg, *kpos_strides,
         *qh.stride(), *kh.stride(), *vh.stride(), *out_h.stride(),
         HEAD_DIM=shape.head_dim, D_PAD=next_power_of_2(shape.head_dim), BLOCK_M=BLOCK_Q, BLOCK_N=block_n,
         IS_CAUSAL=is_causal, USE_INDEX=index is not None, PV_SKIP=pvthreshd is not None,
         RETURN_COUNTS=return_counts, PAIR_TILES=pair_tiles(shape.head_dim, index is not None, pvthreshd is not None),
         TMA_IO=tma_io, PERMUTED_KEYS=key_positions is not None, WIDE=wide_offsets(qh, kh, vh, out_h),
-        WINDOWED=shape.sliding_window is not None, HAS_SINKS=sink_logits is not None,
+        WINDOWED=shape.sliding_window is not None, HAS_SINKS=sink_logits is not None, SOFTCAP=softcap is not None,
         **_launch_config(shape.head_dim),
     )
     return pv_count if return_counts else None

@@ -308,6 +308,11 @@ if GLUON_IMPORT_ERROR is None:
         return acc
 
     @gluon.jit
+    def _soft_cap(scores, cap_in, cap_out):
+        """attention._soft_cap: cap_out * tanh(scores * cap_in), tanh from exp2."""
+        return cap_out * (1.0 - 2.0 / (gl.exp2(scores * (cap_in * 2.8853900817779268)) + 1.0))
+
+    @gluon.jit
     def _add_sink(acc, l_i, m_i, SINKS, h, rows_o: gl.constexpr):
         """attention._add_sink in this kernel's layouts: head h's learned sink logit (natural units) joins the
         normaliser, acc and l_i rescaled to the larger of the row max and the sink."""
@@ -339,10 +344,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
-                  INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, H, GROUP, NQ, NK, kv_len,
-                  q_offset, last_position, window, n_tiles, STAGES: gl.constexpr, USE_INDEX: gl.constexpr,
+                  INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, cap_in, cap_out, H, GROUP, NQ,
+                  NK, kv_len, q_offset, last_position, window, n_tiles, STAGES: gl.constexpr, USE_INDEX: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, PERMUTED_KEYS: gl.constexpr, WINDOWED: gl.constexpr,
-                  HAS_SINKS: gl.constexpr, NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
+                  HAS_SINKS: gl.constexpr, SOFTCAP: gl.constexpr, NUM_WARPS: gl.constexpr, HALF: gl.constexpr):
         """Rows HALF * 64 .. HALF * 64 + 63 of each tile: both consumers wait on the same stage barriers and
         each releases every stage and Q buffer once (the empty barriers count two arrivals). With PERMUTED_KEYS
         (keys permuted within segments, always with an index), the causal test of a masked stage compares the
@@ -385,6 +390,8 @@ if GLUON_IMPORT_ERROR is None:
                 n_pairs = (count + 1) // 2
             for p in range(n_pairs):
                 qk = _stage_scores(q_s, k_bufs, kv_ready, kv_c, STAGES, BLOCK_M, BLOCK_N, s_layout)
+                if SOFTCAP:  # before any masking (qk_scale is then log2 e alone)
+                    qk = _soft_cap(qk, cap_in, cap_out)
                 if 2 * p + 2 > n_full:
                     # a stage holding the ragged last block, a causal diagonal block or a repeated odd block
                     j0, j1 = _stage_blocks(INDEX, row, NK, p, count, USE_INDEX)
@@ -410,6 +417,8 @@ if GLUON_IMPORT_ERROR is None:
                                        gl.zeros([BLOCK_M, BLOCK_K], gl.float32, h_layout), use_acc=False,
                                        is_async=True)
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+                    if SOFTCAP:
+                        qk = _soft_cap(qk, cap_in, cap_out)
                     cols = j0 * BLOCK_K + offs_h
                     key_pos = cols
                     if PERMUTED_KEYS:
@@ -461,24 +470,23 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _hopper_attention_kernel(q_desc, k_desc, v_desc, o_desc, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES,
-                                 KPOS, stride_pb, stride_ph, SINKS,
-                                 tail_start, qk_scale, H, GROUP, NQ, NK, kv_len, q_offset, last_position, window,
-                                 n_tiles, HEAD_DIM: gl.constexpr,
+                                 KPOS, stride_pb, stride_ph, SINKS, tail_start, qk_scale, cap_in, cap_out, H, GROUP,
+                                 NQ, NK, kv_len, q_offset, last_position, window, n_tiles, HEAD_DIM: gl.constexpr,
                                  STAGES: gl.constexpr, USE_INDEX: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                  PERMUTED_KEYS: gl.constexpr, WINDOWED: gl.constexpr, HAS_SINKS: gl.constexpr,
-                                 USE_TAIL: gl.constexpr,
+                                 SOFTCAP: gl.constexpr, USE_TAIL: gl.constexpr,
                                  BUCKETS: gl.constexpr, NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         q_bufs, k_bufs, v_bufs, o_bufs, tile_ids, q_ready, q_empty, kv_ready, kv_empty = _allocate_ring(
             q_desc, k_desc, HEAD_DIM, STAGES)
         gl.warp_specialize([
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(0), tile_ids, q_ready, q_empty, kv_ready,
-                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, H, GROUP, NQ,
-                         NK, kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX, IS_CAUSAL,
-                         PERMUTED_KEYS, WINDOWED, HAS_SINKS, NUM_WARPS, 0)),
+                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, cap_in, cap_out,
+                         H, GROUP, NQ, NK, kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX,
+                         IS_CAUSAL, PERMUTED_KEYS, WINDOWED, HAS_SINKS, SOFTCAP, NUM_WARPS, 0)),
             (_consumer, (o_desc, q_bufs, k_bufs, v_bufs, o_bufs.index(1), tile_ids, q_ready, q_empty, kv_ready,
-                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, H, GROUP, NQ,
-                         NK, kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX, IS_CAUSAL,
-                         PERMUTED_KEYS, WINDOWED, HAS_SINKS, NUM_WARPS, 1)),
+                         kv_empty, INDEX, COUNT, NFULL, KPOS, stride_pb, stride_ph, SINKS, qk_scale, cap_in, cap_out,
+                         H, GROUP, NQ, NK, kv_len, q_offset, last_position, window, n_tiles, STAGES, USE_INDEX,
+                         IS_CAUSAL, PERMUTED_KEYS, WINDOWED, HAS_SINKS, SOFTCAP, NUM_WARPS, 1)),
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, tile_ids, q_ready, q_empty, kv_ready,
                        kv_empty, INDEX, COUNT, NFULL, TICKET, TAIL_SIZES, TAIL_TILES, tail_start, H, GROUP, NQ, NK,
                        kv_len, q_offset, last_position, n_tiles, STAGES, USE_INDEX, IS_CAUSAL, USE_TAIL, BUCKETS)),
@@ -497,6 +505,14 @@ STAGES = 2
 
 # Tests and benchmarks set this to force (True) or forbid (False) this path; None decides by ``usable``.
 OVERRIDE: bool | None = None
+
+
+def softcap_args(scale: float, softcap: float | None) -> tuple[float, float, float]:
+    """(qk_scale, cap_in, cap_out) for the kernels: without soft-capping the scale and log2(e) in qk_scale; with it
+    the scale inside cap_in (the scores c * tanh(s * scale / c)) and log2(e) alone in qk_scale."""
+    if softcap is None:
+        return scale * LOG2E, 1.0, 1.0
+    return LOG2E, scale / softcap, softcap
 
 
 def why_not_usable(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, out_h: torch.Tensor,
@@ -664,14 +680,15 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
                                   index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
                                   tail: TailSchedule | None = None, ticket: torch.Tensor | None = None,
                                   key_positions: torch.Tensor | None = None,
-                                  sink_logits: torch.Tensor | None = None) -> None:
+                                  sink_logits: torch.Tensor | None = None, softcap: float | None = None) -> None:
     """Write ``out_h`` (B, H, N, D views) = attention over the kept blocks of ``index`` (index, count, n_full
     from ``block_mask_to_index``), or over every visible block when ``index`` is None (the dense mode).
     ``tail`` (filled with the same index) reorders the last tickets; the result is the same. ``ticket``: a
     zeroed int32 counter for this call (``new_tail_schedule(with_counter=True)``); by default one is made.
     ``key_positions``: (B, H_kv, N) int32 with unit last stride, the original positions of keys permuted within
     segments (causal calls with an index compacted for that segment; see ``attention.sparse_attention_triton``).
-    ``sink_logits``: (H,) learned sink logits with unit stride, added to each row's normaliser."""
+    ``sink_logits``: (H,) learned sink logits with unit stride, added to each row's normaliser. ``softcap``: logit
+    soft-capping c (scores c * tanh(s / c)), or None."""
     if key_positions is not None and (index is None or not is_causal):
         raise ValueError("key_positions needs a causal call with an index compacted for its key segment")
     if shape.sliding_window is not None and (index is None or not is_causal):
@@ -693,11 +710,11 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     launch(_hopper_attention_kernel, grid,
         _descriptor(qh, BLOCK_Q), _descriptor(kh, BLOCK_K), _descriptor(vh, BLOCK_K), _descriptor(out_h, BLOCK_Q // 2),
         idx, count, n_full, ticket, sizes, tiles, kpos, *kpos_strides,
-        sink_logits if sink_logits is not None else ticket, tail_start, scale * LOG2E, shape.heads,
+        sink_logits if sink_logits is not None else ticket, tail_start, *softcap_args(scale, softcap), shape.heads,
         shape.heads // shape.kv_heads, shape.q_blocks, shape.k_blocks, shape.kv_len, shape.causal_offset,
         shape.last_query_position, shape.window_arg, n_tiles,
         HEAD_DIM=shape.head_dim, STAGES=STAGES, USE_INDEX=index is not None, IS_CAUSAL=is_causal,
         PERMUTED_KEYS=key_positions is not None, WINDOWED=shape.sliding_window is not None,
-        HAS_SINKS=sink_logits is not None, USE_TAIL=use_tail,
+        HAS_SINKS=sink_logits is not None, SOFTCAP=softcap is not None, USE_TAIL=use_tail,
         BUCKETS=TAIL_BUCKETS, NUM_WARPS=NUM_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._inputs import (CausalVariant, PerHead, TensorLayout, _is_number, check_attention_inputs, check_sink_logits,
-                      resolve_scale, to_hnd)
+                      check_softcap, resolve_scale, to_hnd)
 from .api import new_output, s2o_attention, sparge_attention
 from .block_selection import select_key_blocks
 from .s2o import CHECK_EVERY
@@ -24,21 +24,23 @@ from .selected import MAX_PARTIAL_BYTES, _check_block_size, selected_block_atten
 def _sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                          simthreshd1: list[float], cdfthreshd: list[float], pvthreshd: list[float] | None,
                          attention_sink: bool, tensor_layout: str, causal_variant: str | None = None,
-                         sliding_window: int | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+                         sliding_window: int | None = None, sink_logits: torch.Tensor | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     # an operator's output must have the strides its fake gives: written into the same kind of buffer (the
     # reference path returns a fresh tensor of its own layout, which sparge_attention copies into ``out``)
     return sparge_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
                             cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, attention_sink=attention_sink,
                             tensor_layout=tensor_layout, out=new_output(q), causal_variant=causal_variant,
-                            sliding_window=sliding_window, sink_logits=sink_logits)
+                            sliding_window=sliding_window, sink_logits=sink_logits, softcap=softcap)
 
 
 @_sparge_attention_op.register_fake
 def _(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink, tensor_layout,
-      causal_variant=None, sliding_window=None, sink_logits=None):
+      causal_variant=None, sliding_window=None, sink_logits=None, softcap=None):
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
                                    causal_variant=causal_variant, sliding_window=sliding_window)  # errors at trace time
     check_sink_logits(sink_logits, shape, q.device)
+    check_softcap(softcap)
     return new_output(q)
 
 
@@ -124,6 +126,7 @@ def sparge_attention_op(
     dense: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sink_logits: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`sparge_attention` through its custom operator: the same arguments and output (in q's layout, with
     q's strides where its last dim is contiguous), no statistics. For code compiled with ``torch.compile``;
@@ -134,13 +137,13 @@ def sparge_attention_op(
     way without recompiling (the flag is a graph input, not a constant). Such calls go through the operator
     ``sparge_diffusers::sparge_attention_or_exact``, which is tagged ``cudagraph_unsafe``: under
     ``mode="reduce-overhead"`` inductor keeps it out of CUDA graphs, since a replay would repeat one path.
-    ``sliding_window`` and ``sink_logits`` (see :func:`sparge_attention`) are not taken with ``dense``, whose exact
-    path has neither."""
+    ``sliding_window``, ``sink_logits`` and ``softcap`` (see :func:`sparge_attention`) are not taken with ``dense``,
+    whose exact path has none of them."""
     scale = resolve_scale(scale, q.shape[-1])
     thresholds = (_as_list(simthreshd1, "simthreshd1"), _as_list(cdfthreshd, "cdfthreshd"),
                   _as_list(pvthreshd, "pvthreshd"))
     if dense is not None:
-        for name, value in (("sliding_window", sliding_window), ("sink_logits", sink_logits)):
+        for name, value in (("sliding_window", sliding_window), ("sink_logits", sink_logits), ("softcap", softcap)):
             if value is not None:
                 raise ValueError(f"sparge_attention_op takes dense or {name}, not both (the exact path that dense "
                                  f"switches to has no {name.replace('_', ' ')})")
@@ -148,7 +151,7 @@ def sparge_attention_op(
             q, k, v, dense, bool(is_causal), scale, *thresholds, bool(attention_sink), tensor_layout, causal_variant)
     return torch.ops.sparge_diffusers.sparge_attention(
         q, k, v, bool(is_causal), scale, *thresholds, bool(attention_sink), tensor_layout, causal_variant,
-        sliding_window, sink_logits)
+        sliding_window, sink_logits, None if softcap is None else float(softcap))
 
 
 @torch.library.custom_op("sparge_diffusers::s2o_attention", mutates_args=())

@@ -23,7 +23,7 @@ import triton.language as tl
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, wide_offsets
 from .._launch import cdiv, launch, next_power_of_2
 from . import attention_hopper
-from .attention import LOG2E, _key_block_flags, _record_tail_tiles, _walk_positions, tail_kernel_args
+from .attention import _key_block_flags, _record_tail_tiles, _soft_cap, _walk_positions, tail_kernel_args
 
 _BITS_ABOVE_ONE = 0x3F800001  # int32 bit pattern of the float right after 1.0
 
@@ -96,10 +96,11 @@ def _qk_block_statistics_kernel(
 
 
 @triton.jit
-def _compressed_scores_kernel(QMEAN, KMEAN, S, H, GROUP, NQ, NK, scale_log2,
+def _compressed_scores_kernel(QMEAN, KMEAN, S, H, GROUP, NQ, NK, scale_log2, cap_in, cap_out,
                               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
-                              PRECISION: tl.constexpr = "tf32x3"):
-    """S[b, h] = (mean(Q_i) . mean(K_j)) * scale * log2(e), float32, one TILE x TILE tile per program.
+                              PRECISION: tl.constexpr = "tf32x3", SOFTCAP: tl.constexpr = False):
+    """S[b, h] = (mean(Q_i) . mean(K_j)) * scale * log2(e), float32, one TILE x TILE tile per program; with SOFTCAP
+    the dot product is soft-capped first (``attention._soft_cap``; scale_log2 is then log2(e) alone).
 
     tf32x3 (three tf32 tensor-core products) keeps float32 accuracy; an "ieee" 64 x 64 tile spills and
     took 2.5 ms at the Mochi shape on an H100 against 0.03 ms (benchmarks/predict_breakdown.py).
@@ -116,7 +117,10 @@ def _compressed_scores_kernel(QMEAN, KMEAN, S, H, GROUP, NQ, NK, scale_log2,
                  mask=(rq < NQ)[:, None] & dm[None, :], other=0.0)
     km = tl.load(KMEAN + (bhk.to(tl.int64) * NK + rk[:, None]) * HEAD_DIM + d[None, :],
                  mask=(rk < NK)[:, None] & dm[None, :], other=0.0)
-    s = tl.dot(qm, tl.trans(km), input_precision=PRECISION) * scale_log2
+    s = tl.dot(qm, tl.trans(km), input_precision=PRECISION)
+    if SOFTCAP:
+        s = _soft_cap(s, cap_in, cap_out)
+    s = s * scale_log2
     tl.store(S + (pid_bh.to(tl.int64) * NQ + rq[:, None]) * NK + rk[None, :], s,
              mask=(rq < NQ)[:, None] & (rk < NK)[None, :])
 
@@ -241,15 +245,17 @@ def qk_block_statistics_triton(qh: torch.Tensor, kh: torch.Tensor, num_warps: in
 
 
 def compressed_scores_triton(q_means: torch.Tensor, k_means: torch.Tensor, shape: AttentionShape,
-                             scale: float) -> torch.Tensor:
+                             scale: float, softcap: float | None = None) -> torch.Tensor:
     """(B, H, nq, nk) float32 compressed scores (mean(Q_i) . mean(K_j)) * scale * log2(e) from contiguous block
-    means (B, H, nq, D) and (B, H_kv, nk, D)."""
+    means (B, H, nq, D) and (B, H_kv, nk, D); with ``softcap`` c the scores c * tanh(s / c), as attention sees them."""
     nq, nk = shape.q_blocks, shape.k_blocks
     scores = torch.empty(shape.batch, shape.heads, nq, nk, device=q_means.device, dtype=torch.float32)
     tile = 64
     launch(_compressed_scores_kernel, (cdiv(nq, tile), cdiv(nk, tile), shape.batch * shape.heads),
-        q_means, k_means, scores, shape.heads, shape.heads // shape.kv_heads, nq, nk, scale * LOG2E,
-        HEAD_DIM=shape.head_dim, D_PAD=next_power_of_2(shape.head_dim), TILE=tile, num_warps=4)
+        q_means, k_means, scores, shape.heads, shape.heads // shape.kv_heads, nq, nk,
+        *attention_hopper.softcap_args(scale, softcap),
+        HEAD_DIM=shape.head_dim, D_PAD=next_power_of_2(shape.head_dim), TILE=tile, SOFTCAP=softcap is not None,
+        num_warps=4)
     return scores
 
 
@@ -301,16 +307,17 @@ def topcdf_block_mask_triton(
 def predict_block_mask_triton(
     qh: torch.Tensor, kh: torch.Tensor, shape: AttentionShape, *, is_causal: bool, scale: float,
     simthreshd1: torch.Tensor, cdfthreshd: torch.Tensor, attention_sink: bool,
-    tail: attention_hopper.TailSchedule | None = None, key_segment: int = BLOCK_K,
+    tail: attention_hopper.TailSchedule | None = None, key_segment: int = BLOCK_K, softcap: float | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Launch stage 1 on (B, H, N, D) views (``key_segment``: see ``_inputs.PermutedKeys``).
+    """Launch stage 1 on (B, H, N, D) views (``key_segment``: see ``_inputs.PermutedKeys``; ``softcap``: the
+    compressed scores soft-capped as the attention scores are).
 
     Returns the (B, H, nq, nk) bool block mask and its compacted form (index, count, n_full) as
     :func:`attention.block_mask_to_index` builds it, so the attention kernel needs no extra pass; fills
     ``tail`` (an empty ``attention_hopper.new_tail_schedule``) as that function does.
     """
     (q_means, q_sim), (k_means, k_sim) = qk_block_statistics_triton(qh, kh)
-    scores = compressed_scores_triton(q_means, k_means, shape, scale)
+    scores = compressed_scores_triton(q_means, k_means, shape, scale, softcap)
     mask, walk = topcdf_block_mask_triton(scores, q_sim, k_sim, shape, is_causal=is_causal, simthreshd1=simthreshd1,
                                           cdfthreshd=cdfthreshd, attention_sink=attention_sink, tail=tail,
                                           key_segment=key_segment)

@@ -93,11 +93,13 @@ def reference_prediction_details(
     key_segment: int = BLOCK_K,
     causal_offset: int = 0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Stage 1 with every intermediate exposed (used by tests to locate borderline decisions).
     ``key_segment``: keys permuted within segments of that many positions (``_inputs.PermutedKeys``);
     ``causal_offset``: query row i sits at causal position i + causal_offset (``AttentionShape.causal_offset``);
-    ``sliding_window``: blocks wholly outside every query's window are hidden, as under causal masking."""
+    ``sliding_window``: blocks wholly outside every query's window are hidden, as under causal masking;
+    ``softcap``: the compressed scores soft-capped (c * tanh(s / c)) as the attention scores are."""
     qh, kh = to_hnd(q, tensor_layout), to_hnd(k, tensor_layout)
     B, H, Nq, D = qh.shape
     HK, Nkv = kh.shape[1], kh.shape[2]
@@ -112,6 +114,8 @@ def reference_prediction_details(
     k_similar = k_sim > theta  # (B, H, nk)
 
     scores = (q_means @ k_means.transpose(-1, -2)) * scale  # compressed Q.K^T, (B, H, nq, nk)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     if is_causal:
         visible = causal_block_visible(nq, nk, Nkv, q.device, key_segment, q_len=Nq, causal_offset=causal_offset,
@@ -167,6 +171,7 @@ def reference_block_sparse_attention(
     key_positions: torch.Tensor | None = None,
     key_segment: int = BLOCK_K,
     sink_logits: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, SparsityStats]:
     """Block-sparse FlashAttention with the sparse online softmax (stage 2), tile by tile, in float32.
 
@@ -181,6 +186,7 @@ def reference_block_sparse_attention(
     warp's 16 rows. Following Algorithm 1 line 13, the row sums still enter the normaliser when P.V is
     skipped. Query rows that see no key get a zero output. ``sink_logits`` (H,): each row's softmax also takes
     exp(sink_logits[h]) with no value vector (gpt-oss's learned sinks), added to the normaliser at the end.
+    ``softcap`` c: the scores are c * tanh(s / c) before masking (Gemma 2's logit soft-capping).
     """
     qh, kh, vh = (to_hnd(t, tensor_layout).float() for t in (q, k, v))
     B, H, Nq, D = qh.shape
@@ -214,7 +220,10 @@ def reference_block_sparse_attention(
             if not active.any():
                 continue
             cols = slice(j * BLOCK_K, min((j + 1) * BLOCK_K, shape.kv_len))
-            s = (qi @ kh[:, :, cols].transpose(-1, -2)) * (scale * LOG2E)  # log2 domain, like the kernel
+            s = (qi @ kh[:, :, cols].transpose(-1, -2)) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            s = s * LOG2E  # log2 domain, like the kernel
             if is_causal:
                 k_pos = key_positions[:, :, cols]  # (B, H, keys): original positions
                 hidden = k_pos[:, :, None, :] > q_pos[:, None]
