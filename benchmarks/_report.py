@@ -14,6 +14,34 @@ def save_report(results: dict, table: str, out: str | None) -> None:
             f.write(table + "\n")
 
 
+def graph_ms(fn) -> float:
+    """Median kernel ms of ``fn`` from CUDA-graph replays (Triton's do_bench_cudagraph, as benchmarks/attention.py
+    times): no host time in it, for every method alike."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+def fastest_graph_ms(calls: dict, rounds: int = 3) -> dict[str, float]:
+    """Per name of ``calls`` (no-argument callables), the fastest of ``rounds`` interleaved :func:`graph_ms`
+    timings (each round times every call once, so a drift of the GPU's clocks spreads over all of them)."""
+    times: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name] = min(times.get(name, float("inf")), graph_ms(fn))
+    return times
+
+
+def cases_arguments(doc: str, default_cases: str, argv=None):
+    """The ``--cases N:W,...`` and ``--out`` arguments of the length-by-window benchmarks."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=default_cases)
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
 def timed(fn, reps: int = 5, warmup: int = 3) -> float:
     """Median wall ms of ``fn`` on CUDA (synchronised around each call) after ``warmup`` calls.
 

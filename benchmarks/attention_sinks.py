@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import save_report, timed  # noqa: E402
-from sliding_window import graph_ms  # noqa: E402
+from _report import cases_arguments, fastest_graph_ms, save_report, timed  # noqa: E402
 
 from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
@@ -92,10 +91,7 @@ def kernel_case(n: int, window: int, flex) -> tuple[dict, str]:
         "ours_all_no_sinks": lambda: block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=win),
         "ours_default": lambda: sparge_attention(q, k, v, is_causal=True, sliding_window=win, sink_logits=sinks),
     }
-    times: dict[str, float] = {}
-    for _ in range(3):  # interleaved rounds
-        for name, fn in calls.items():
-            times[name] = min(times.get(name, float("inf")), graph_ms(fn))
+    times = fastest_graph_ms(calls)
     rows = torch.randperm(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))[:1024]
     rows = rows.sort().values
     ref = exact_rows(q, k, v, sinks, window, rows)

@@ -18,7 +18,6 @@ Usage: python benchmarks/sliding_window.py [--cases 32768:4096,32768:1024,8192:1
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -27,20 +26,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import save_report  # noqa: E402
+from _report import cases_arguments, fastest_graph_ms, save_report  # noqa: E402
 
 from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-
-
-def graph_ms(fn) -> float:
-    """Median kernel ms of ``fn`` from CUDA-graph replays (Triton's do_bench_cudagraph, as benchmarks/attention.py
-    times): no host time in it, for every method alike."""
-    import triton.testing
-
-    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
 def exact_rows(q, k, v, window: int, rows: torch.Tensor) -> torch.Tensor:
@@ -56,10 +47,7 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="32768:4096,32768:1024,8192:1024")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    args = cases_arguments(__doc__, "32768:4096,32768:1024,8192:1024", argv)
     flex = torch.compile(flex_attention)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                "cases": []}
@@ -92,11 +80,7 @@ def main(argv=None):
             "ours_all": lambda: block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=window),
             "ours_default": lambda: sparge_attention(q, k, v, is_causal=True, sliding_window=window),
         }
-        times: dict[str, float] = {}
-        for _ in range(3):  # interleaved rounds
-            for name, fn in calls.items():
-                ms = graph_ms(fn)
-                times[name] = min(times.get(name, float("inf")), ms)
+        times = fastest_graph_ms(calls)
         rows = torch.randperm(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))[:1024]
         rows = rows.sort().values
         ref = exact_rows(q, k, v, window, rows)

@@ -15,7 +15,6 @@ Usage: python benchmarks/softcap.py [--cases 8192:0,8192:4096,32768:0] [--out re
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,8 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import save_report  # noqa: E402
-from sliding_window import graph_ms  # noqa: E402
+from _report import cases_arguments, fastest_graph_ms, save_report  # noqa: E402
 
 from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
@@ -35,10 +33,7 @@ HEADS, KV_HEADS, HEAD_DIM, CAP = 32, 16, 128, 50.0
 def main(argv=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="8192:0,8192:4096,32768:0")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    args = cases_arguments(__doc__, "8192:0,8192:4096,32768:0", argv)
     flex = torch.compile(flex_attention)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                "cap": CAP, "cases": []}
@@ -67,10 +62,7 @@ def main(argv=None):
             "ours_default_cap": lambda: sparge_attention(q, k, v, is_causal=True, sliding_window=win, softcap=CAP),
             "flex_cap": lambda: flex(q, k, v, score_mod=capped, block_mask=block_mask, enable_gqa=True),
         }
-        times: dict[str, float] = {}
-        for _ in range(3):  # interleaved rounds
-            for name, fn in calls.items():
-                times[name] = min(times.get(name, float("inf")), graph_ms(fn))
+        times = fastest_graph_ms(calls)
         l1 = relative_l1(calls["ours_all_cap"]().float(), calls["flex_cap"]().float())
         entry = {"n": n, "window": window, "ms": times, "relative_l1_ours_all_cap_vs_flex": l1,
                  "ratios": {"cap_cost": times["ours_all_cap"] / times["ours_all"] - 1,
