@@ -8,20 +8,20 @@
 The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as they
 come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (fewer queries than keys, with the
 lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``; against a static cache only
-its filled slots), left-padded batches (each prompt its own call without its padding), layers with a sliding
-window (Mistral, Gemma 3's local layers: the kernels take ``sliding_window``) and models with learned attention sinks
+its filled slots), left-padded batches (each prompt its own call without its padding), layers with a sliding window
+(Mistral, Gemma 3's local layers: the kernels take ``sliding_window``) and models with learned attention sinks
 (gpt-oss's ``s_aux``: the kernels take ``sink_logits``) or logit soft-capping (Gemma 2's ``softcap``); calls with
 either that cannot run sparse go to :func:`eager_attention`, not to SDPA's function, which would drop the sinks and
-raises on softcap. Everything else is left to transformers' own SDPA function, the one ``attn_implementation="sdpa"``
-uses: decode steps (one query), and, with one warning per reason, right padding or other explicit masks, dropout,
-sliding windows that hide keys
-under a method that takes none (S2O, FSA, PBS's permuted keys), position biases, non-causal modules, unsupported
-dtypes or head dims and shapes the kernels refuse (a value head dim unlike the query's). ``strict=True`` raises
-instead of falling back. Calls that neither the kernels nor SDPA compute raise ValueError whatever ``strict`` says
-(per-token sinks, key indices chosen by the model, packed sequences given only as ``cu_seq_lens``:
-:func:`check_call_arguments`). Composes the kernels (SpargeAttn by default; S2O's ranked walk or FSA's per-token
-block selection with ``method=``, a small registry: :data:`PREFILL_METHODS`) and the segmented key permutation of
-PBS-Attn (``pbs_segment``, see :func:`pbs_sparge_attention` and its operator); knows nothing of diffusers.
+raises on softcap. Everything else is left to transformers' own SDPA function, the one
+``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, right padding or
+other explicit masks, dropout, sliding windows that hide keys under a method that takes none (S2O, FSA, PBS's
+permuted keys), position biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse
+(a value head dim unlike the query's). ``strict=True`` raises instead of falling back. Calls that neither the
+kernels nor SDPA compute raise ValueError whatever ``strict`` says (per-token sinks, key indices chosen by the
+model, packed sequences given only as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels
+(SpargeAttn by default; S2O's ranked walk or FSA's per-token block selection with ``method=``, a small registry:
+:data:`PREFILL_METHODS`) and the segmented key permutation of PBS-Attn (``pbs_segment``, see
+:func:`pbs_sparge_attention` and its operator); knows nothing of diffusers.
 """
 
 from __future__ import annotations
