@@ -585,7 +585,7 @@ class SpargeLLMAttention:
         terms = _score_terms(kwargs)
         if reason is not None:
             if reason:
-                self._warn(reason)
+                self._warn(reason, terms)
             if terms.any():  # transformers' SDPA function would drop the sinks, and raises on softcap
                 causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
                 return eager_attention(query, key, value, attention_mask, sinks=terms.sinks, softcap=terms.softcap,
@@ -647,7 +647,7 @@ class SpargeLLMAttention:
         if reason is None:
             reason = self._terms_reason(terms)
         if reason is not None:
-            self._warn(reason)
+            self._warn(reason, terms)
             if terms.any():
                 return eager_attention(query, key, value, mask, sinks=terms.sinks, softcap=terms.softcap, scale=scale)
             out = torch.nn.functional.scaled_dot_product_attention(
@@ -700,10 +700,13 @@ class SpargeLLMAttention:
                 parts.append(s)
         return out, (SparsityStats.concat(parts) if parts else None)
 
-    def _warn(self, reason: str) -> None:
+    def _warn(self, reason: str, terms: ScoreTerms = NO_TERMS) -> None:
+        """Raise under ``strict``, else warn once per reason, naming where the call goes: SDPA, or with sinks or a
+        cap (``terms``) the exact :func:`eager_attention`."""
+        target = "exact attention (llm.eager_attention)" if terms.any() else "SDPA"
         if self.strict:
-            raise ValueError(f"SpargeLLMAttention: {reason}; strict=True forbids falling back to SDPA")
-        warn_once(f"SpargeLLMAttention: falling back to SDPA: {reason}", self._warned, stacklevel=3)
+            raise ValueError(f"SpargeLLMAttention: {reason}; strict=True forbids falling back to {target}")
+        warn_once(f"SpargeLLMAttention: falling back to {target}: {reason}", self._warned, stacklevel=3)
 
 
 # SpargeLLMAttention functions by handle, for the operator below (a compiled graph holds the handle, an int; handles

@@ -803,7 +803,7 @@ def test_every_method_takes_sinks_and_a_method_without_falls_back_to_their_exact
     with pytest.raises(ValueError, match=r"attention sinks \(s_aux\), which the 'no_sinks' method does not take"):
         logits(load(path, "sparge_test_sinks_strict"), ids)
     falling_back = register("sparge_test_sinks_fallback", method="no_sinks")
-    with pytest.warns(UserWarning, match="falling back to SDPA: attention sinks"):
+    with pytest.warns(UserWarning, match=r"falling back to exact attention \(llm.eager_attention\): attention sinks"):
         got = logits(load(path, "sparge_test_sinks_fallback"), ids)
     assert relative_l1(got, eager) < 1e-5 and falling_back.sparse_calls == 0
 
@@ -864,7 +864,7 @@ def test_a_model_with_softcapping_runs_sparse_with_it(tmp_path):
     with pytest.raises(ValueError, match="softcapping, which the 's2o' method does not take"):
         logits(load(tmp_path, "sparge_test_softcap_s2o"), prompt(90))  # within the window: the cap decides alone
     falling_back = register("sparge_test_softcap_fallback", method="s2o")
-    with pytest.warns(UserWarning, match="falling back to SDPA: softcapping"):
+    with pytest.warns(UserWarning, match=r"falling back to exact attention \(llm.eager_attention\): softcapping"):
         got = logits(load(tmp_path, "sparge_test_softcap_fallback"), prompt(90))
     assert relative_l1(got, logits(load(tmp_path, "eager"), prompt(90))) < 1e-5 and falling_back.sparse_calls == 0
     torch._dynamo.reset()

@@ -508,7 +508,8 @@ OVERRIDE: bool | None = None
 
 
 def softcap_args(scale: float, softcap: float | None) -> tuple[float, float, float]:
-    """(qk_scale, cap_in, cap_out) for the kernels: without soft-capping the scale and log2(e) in qk_scale; with it
+    """(qk_scale, cap_in, cap_out) for the kernels (here, not in attention.py, which imports this module: the Triton
+    launchers and stage 1 share it): without soft-capping the scale and log2(e) in qk_scale; with it
     the scale inside cap_in (the scores c * tanh(s * scale / c)) and log2(e) alone in qk_scale."""
     if softcap is None:
         return scale * LOG2E, 1.0, 1.0
