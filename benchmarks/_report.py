@@ -32,6 +32,37 @@ def fastest_graph_ms(calls: dict, rounds: int = 3) -> dict[str, float]:
     return times
 
 
+def exact_causal_rows(q, k, v, rows, *, window: int = 0, sinks=None, softcap: float | None = None):
+    """float32 causal attention of (B, H, N, D) inputs (grouped-query heads) for the query rows ``rows`` only, the
+    accuracy reference of the LLM-shaped benchmarks: under a sliding window of ``window`` keys (0: none), with the
+    scores soft-capped (c * tanh(s / c)) and learned sink logits (one more logit per row, its weight dropped) where
+    given."""
+    import math
+
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    keys = torch.arange(k.shape[2], device=q.device)
+    allowed = keys[None, :] <= rows[:, None]
+    if window:
+        allowed &= keys[None, :] > rows[:, None] - window
+    scores = (q[:, :, rows].float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    return torch.softmax(scores, dim=-1)[..., :k.shape[2]] @ v.float().repeat_interleave(group, 1)
+
+
+def sampled_rows(n: int, count: int = 1024):
+    """``count`` query rows of ``n`` drawn once (seed 0), ascending, on the GPU: where the references are computed."""
+    import torch
+
+    rows = torch.randperm(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))[:count]
+    return rows.sort().values
+
+
 def cases_arguments(doc: str, default_cases: str, argv=None):
     """The ``--cases N:W,...`` and ``--out`` arguments of the length-by-window benchmarks."""
     import argparse

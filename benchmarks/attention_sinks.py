@@ -26,7 +26,6 @@ Usage: python benchmarks/attention_sinks.py [--cases 32768:0,32768:128,8192:0] [
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -35,26 +34,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import cases_arguments, fastest_graph_ms, save_report, timed  # noqa: E402
+from _report import exact_causal_rows, fastest_graph_ms, sampled_rows, save_report, timed  # noqa: E402
 
 from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 64, 8, 64
-
-
-def exact_rows(q, k, v, sinks, window: int, rows: torch.Tensor) -> torch.Tensor:
-    """float32 attention with the sinks (one more logit per row, dropped after the softmax) for the query rows
-    ``rows`` (HND, GQA); window 0: full causal."""
-    group = q.shape[1] // k.shape[1]
-    keys = torch.arange(k.shape[2], device=q.device)
-    allowed = keys[None, :] <= rows[:, None]
-    if window:
-        allowed &= keys[None, :] > rows[:, None] - window
-    scores = (q[:, :, rows].float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~allowed, -math.inf)
-    logits = torch.cat([scores, sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
-    return torch.softmax(logits, dim=-1)[..., :-1] @ v.float().repeat_interleave(group, 1)
 
 
 def kernel_case(n: int, window: int, flex) -> tuple[dict, str]:
@@ -92,9 +77,8 @@ def kernel_case(n: int, window: int, flex) -> tuple[dict, str]:
         "ours_default": lambda: sparge_attention(q, k, v, is_causal=True, sliding_window=win, sink_logits=sinks),
     }
     times = fastest_graph_ms(calls)
-    rows = torch.randperm(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))[:1024]
-    rows = rows.sort().values
-    ref = exact_rows(q, k, v, sinks, window, rows)
+    rows = sampled_rows(n)
+    ref = exact_causal_rows(q, k, v, rows, window=window, sinks=sinks)
     _, stats = sparge_attention(q, k, v, is_causal=True, sliding_window=win, sink_logits=sinks, return_sparsity=True)
     l1 = {name: relative_l1(calls[name]()[:, :, rows].float(), ref)
           for name in ("flex_sinks", "ours_all", "ours_all_no_sinks", "ours_default")}

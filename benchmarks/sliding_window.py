@@ -26,21 +26,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import cases_arguments, fastest_graph_ms, save_report  # noqa: E402
+from _report import cases_arguments, exact_causal_rows, fastest_graph_ms, sampled_rows, save_report  # noqa: E402
 
 from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-
-
-def exact_rows(q, k, v, window: int, rows: torch.Tensor) -> torch.Tensor:
-    """float32 attention under the causal sliding window for the query rows ``rows`` (HND, GQA)."""
-    group = q.shape[1] // k.shape[1]
-    keys = torch.arange(k.shape[2], device=q.device)
-    allowed = (keys[None, :] <= rows[:, None]) & (keys[None, :] > rows[:, None] - window)
-    return F.scaled_dot_product_attention(q[:, :, rows].float(), k.float().repeat_interleave(group, 1),
-                                          v.float().repeat_interleave(group, 1), attn_mask=allowed)
 
 
 def main(argv=None):
@@ -81,9 +72,8 @@ def main(argv=None):
             "ours_default": lambda: sparge_attention(q, k, v, is_causal=True, sliding_window=window),
         }
         times = fastest_graph_ms(calls)
-        rows = torch.randperm(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))[:1024]
-        rows = rows.sort().values
-        ref = exact_rows(q, k, v, window, rows)
+        rows = sampled_rows(n)
+        ref = exact_causal_rows(q, k, v, rows, window=window)
         _, stats = sparge_attention(q, k, v, is_causal=True, sliding_window=window, return_sparsity=True)
         l1 = {name: relative_l1(calls[name]()[:, :, rows].float(), ref)
               for name in ("ours_all", "ours_default", "flex")}
