@@ -31,19 +31,18 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import exact_causal_rows, fastest_graph_ms, sampled_rows, save_report, timed  # noqa: E402
 
 from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
+from sparge_diffusers.workloads import cudnn_attention_fn  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 64, 8, 64
 
 
 def kernel_case(n: int, window: int, flex) -> tuple[dict, str]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask
 
     q, k, v = llm_like_qkv(n, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cuda", seed=n + window)
@@ -56,21 +55,15 @@ def kernel_case(n: int, window: int, flex) -> tuple[dict, str]:
         return kv_idx <= q_idx
 
     block_mask = create_block_mask(visible, None, None, n, n, device="cuda")
-    kx, vx = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
-
     def flex_sinks():
         # transformers' flex path: renormalise by the log-sum-exp against the sink
         out, lse = flex(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
         sink = sinks.float().view(1, -1, 1)
         return (out.float() * torch.sigmoid(lse - sink)[..., None]).to(q.dtype)
 
-    def cudnn_causal():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
-
     calls = {
         "flex_sinks": flex_sinks,
-        "cudnn_causal_no_sinks": cudnn_causal,
+        "cudnn_causal_no_sinks": cudnn_attention_fn(q, k, v, causal=True),
         "ours_all": lambda: block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=win,
                                                    sink_logits=sinks),
         "ours_all_no_sinks": lambda: block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=win),

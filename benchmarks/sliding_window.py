@@ -30,12 +30,12 @@ from _report import cases_arguments, exact_causal_rows, fastest_graph_ms, sample
 
 from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
+from sparge_diffusers.workloads import cudnn_attention_fn  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def main(argv=None):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     args = cases_arguments(__doc__, "32768:4096,32768:1024,8192:1024", argv)
@@ -57,16 +57,12 @@ def main(argv=None):
             return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
 
         block_mask = create_block_mask(sliding, None, None, n, n, device="cuda")
-        # K/V repeated to the query heads, as transformers' SDPA path does under a mask (and cuDNN needs)
+        # K/V repeated to the query heads, as transformers' SDPA path does under a mask
         kx, vx = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
-
-        def cudnn_causal():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
 
         calls = {
             "sdpa_mask": lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask),
-            "cudnn_causal": cudnn_causal,
+            "cudnn_causal": cudnn_attention_fn(q, k, v, causal=True),
             "flex": lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True),
             "ours_all": lambda: block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=window),
             "ours_default": lambda: sparge_attention(q, k, v, is_causal=True, sliding_window=window),

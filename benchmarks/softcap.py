@@ -26,13 +26,12 @@ from _report import cases_arguments, exact_causal_rows, fastest_graph_ms, sample
 
 from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention  # noqa: E402
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
+from sparge_diffusers.workloads import cudnn_attention_fn  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, CAP = 32, 16, 128, 50.0
 
 
 def main(argv=None):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     args = cases_arguments(__doc__, "8192:0,8192:4096,32768:0", argv)
@@ -58,14 +57,8 @@ def main(argv=None):
             return CAP * torch.tanh(score / CAP)
 
         block_mask = create_block_mask(visible, None, None, n, n, device="cuda")
-        kx, vx = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
-
-        def cudnn_causal():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
-
         calls = {
-            "cudnn_causal_no_cap": cudnn_causal,
+            "cudnn_causal_no_cap": cudnn_attention_fn(q, k, v, causal=True),
             "ours_all": lambda: block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=win),
             "ours_all_cap": lambda: block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=win,
                                                            softcap=CAP),
@@ -88,7 +81,6 @@ def main(argv=None):
                      f"{100 * r['cap_cost']:>+8.1f}% {r['flex_over_ours_all_cap']:>12.2f} "
                      f"{r['flex_over_ours_default_cap']:>12.2f} {l1['ours_all_cap']:>10.4f} "
                      f"{l1['ours_default_cap']:>10.4f} {l1['flex_cap']:>8.4f}")
-        del kx, vx
         torch.cuda.empty_cache()
     lines.append("(cuDNN*: plain causal SDPA without the cap or window, for scale; L1 against float32 attention with "
                  "the cap on 1024 sampled rows)")
