@@ -32,11 +32,11 @@ def fastest_graph_ms(calls: dict, rounds: int = 3) -> dict[str, float]:
     return times
 
 
-def exact_causal_rows(q, k, v, rows, *, window: int = 0, sinks=None, softcap: float | None = None):
+def exact_causal_rows(q, k, v, rows, *, window: int = 0, chunk: int = 0, sinks=None, softcap: float | None = None):
     """float32 causal attention of (B, H, N, D) inputs (grouped-query heads) for the query rows ``rows`` only, the
-    accuracy reference of the LLM-shaped benchmarks: under a sliding window of ``window`` keys (0: none), with the
-    scores soft-capped (c * tanh(s / c)) and learned sink logits (one more logit per row, its weight dropped) where
-    given."""
+    accuracy reference of the LLM-shaped benchmarks: under a sliding window of ``window`` keys (0: none), within
+    chunks of ``chunk`` positions (0: none; Llama 4's chunked attention), with the scores soft-capped
+    (c * tanh(s / c)) and learned sink logits (one more logit per row, its weight dropped) where given."""
     import math
 
     import torch
@@ -46,6 +46,8 @@ def exact_causal_rows(q, k, v, rows, *, window: int = 0, sinks=None, softcap: fl
     allowed = keys[None, :] <= rows[:, None]
     if window:
         allowed &= keys[None, :] > rows[:, None] - window
+    if chunk:
+        allowed &= keys[None, :] // chunk == rows[:, None] // chunk
     scores = (q[:, :, rows].float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)

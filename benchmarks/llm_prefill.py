@@ -25,12 +25,18 @@ window. S2O and FSA, which take no window, are left out of such a run; "predicte
 stage 1 in every window (``min_predicted_window=0``: what "default" ran before session 52, when windows under 4096 keys
 started to keep every block in them), and "aggressive" predicts in every window too.
 
+With ``--llama4``, the layers are Llama-4-Scout's text layers instead (40 query heads, 8 K/V heads, D = 128; every
+fourth layer global without rotary embeddings, the others attending within chunks of 8192 positions; dense MLPs of
+16384 in place of its 16 experts, which transformers' Llama 4 runs on every token, 16 GB at 32K tokens): past one chunk transformers hands the chunked layers a boolean mask that restarts causal attention at
+each chunk, under which SDPA computes all N² scores; our function reads it and runs one causal call per chunk (before
+session 53 those layers went to SDPA under the mask). Settings: default and aggressive only.
+
 With ``--compiled``, the padded batch also runs through ``torch.compile(model.model, fullgraph=True)`` (inductor,
 default mode) with SDPA and with the default settings, whose masked calls go through the
 ``sparge_diffusers::llm_masked_prefill`` operator (the mask read at run time, each prompt its own call).
 
 Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096] [--layers 4]
-       [--static 32768:2048:40960,32768:8192:40960] [--window 4096] [--compiled] [--out results.json]
+       [--static 32768:2048:40960,32768:8192:40960] [--window 4096 | --llama4] [--compiled] [--out results.json]
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--static", default="", help="FILLED:CHUNK:SLOTS,... chunks against a static cache ('' for none)")
     ap.add_argument("--compiled", action="store_true", help="also time the padded batch compiled (SDPA and default)")
     ap.add_argument("--window", type=int, default=None, help="a sliding window of W keys on every layer")
+    ap.add_argument("--llama4", action="store_true", help="Llama-4-Scout's text layers (chunked attention)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shapes = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
@@ -71,9 +78,17 @@ def main(argv=None):
                   rope_theta=500000.0)
     if args.window:
         config, architecture = transformers.MistralConfig(sliding_window=args.window, **shapes), "MistralForCausalLM"
+    elif args.llama4:
+        config = transformers.Llama4TextConfig(
+            vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+            num_hidden_layers=args.layers, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+            moe_layers=[], attention_chunk_size=8192, max_position_embeddings=262144, rope_theta=500000.0)
+        architecture = "Llama4ForCausalLM"
     else:
         config, architecture = transformers.LlamaConfig(**shapes), "LlamaForCausalLM"
     settings = dict(SETTINGS)
+    if args.llama4:
+        settings = {name: SETTINGS[name] for name in ("default", "aggressive")}
     if args.window:  # stage 1 inside windows under min_predicted_window only where asked (0: always)
         settings = {"default": {}, "predicted": {"min_predicted_window": 0},
                     "aggressive": {**SETTINGS["aggressive"], "min_predicted_window": 0}}
@@ -112,9 +127,11 @@ def main(argv=None):
                 model, ids, attention_mask=mask, position_ids=positions)
             print("padded, compiled", compiled_row, flush=True)
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}, transformers {transformers.__version__}); "
-             f"Llama-3.1-8B shapes, {args.layers} layers, bf16, random weights; prefill ms (median of 5); "
+             f"{'Llama-4-Scout' if args.llama4 else 'Llama-3.1-8B'} shapes, {args.layers} layers, bf16, random "
+             f"weights; prefill ms (median of 5); "
              f"settings: {settings}" + (f"; a sliding window of {args.window} keys on every layer (Mistral)"
-                                         if args.window else ""),
+                                         if args.window else "")
+             + ("; chunks of 8192, every fourth layer global, dense MLPs" if args.llama4 else ""),
              f"{'tokens':>7} {'sdpa ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'spars':>6} {'rel L1':>7}"]
     rows = list(results["lengths"].items()) + ([("padded", results["padded"])] if padded else []) \
         + [(f"static{i}", r) for i, r in enumerate(results.get("static", {}).values())]

@@ -8,7 +8,8 @@
 The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as they
 come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (fewer queries than keys, with the
 lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``; against a static cache only
-its filled slots), left-padded batches (each prompt its own call without its padding), layers with a sliding window
+its filled slots), left-padded batches (each prompt its own call without its padding), Llama 4's chunked attention
+and packed sequences (each chunk or sequence its own call on its keys), layers with a sliding window
 (Mistral, Gemma 3's local layers: the kernels take ``sliding_window``) and models with learned attention sinks
 (gpt-oss's ``s_aux``: the kernels take ``sink_logits``) or logit soft-capping (Gemma 2's ``softcap``); calls with
 either that cannot run sparse go to :func:`eager_attention`, not to SDPA's function, which would drop the sinks and
@@ -44,6 +45,7 @@ from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_at
                               check_sink_logits, check_softcap, check_threshold_values, pick_backend, resolve_scale,
                               unsupported_reason)
 from .kernels.api import new_output
+from .kernels.mask_rows import mask_row_extents
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
 from .permutations import gather_keys, last_block_key_importance, segmented_key_order
 
@@ -355,8 +357,8 @@ PREFILL_METHODS: dict[str, PrefillMethod] = {
 }
 
 
-_CHECKED_OPTIONS = ("method", "pbs_segment", "s2o_segment", "min_padded_tokens", "min_predicted_window", "top_k",
-                    "block_size", *THRESHOLD_RANGES)
+_CHECKED_OPTIONS = ("method", "pbs_segment", "s2o_segment", "min_padded_tokens", "min_predicted_window",
+                    "min_segment_queries", "top_k", "block_size", *THRESHOLD_RANGES)
 
 
 @dataclass
@@ -379,6 +381,11 @@ class SpargeLLMAttention:
       with ``padding_side="left"``, as ``generate`` wants), whole or chunked, of at least ``min_padded_tokens``
       keys. Each prompt then runs as its own call without its padding (rows of padding queries get zeros, as
       from SDPA), and its stats are joined over the batch (:meth:`SparsityStats.concat`).
+    - a mask that restarts causal attention within a prompt, each query seeing one run of keys that ends at its
+      causal end: Llama 4's chunked-attention layers (chunks of ``attention_chunk_size`` positions, counted from
+      each prompt's first real token; whole, padded or against a cache) and sequences packed in one row. Each chunk
+      or sequence runs as its own lower-right causal call on its keys (a one-prompt batch's full chunks as one call,
+      the chunks as its batch), where they average at least ``min_segment_queries`` queries per call.
 
     A layer with a sliding window (``sliding_window``: Mistral, Gemma 3's local layers, ...) runs sparse too. Where
     the window hides no key (no query sees more keys than it holds: without a mask the query count, with one the
@@ -415,6 +422,11 @@ class SpargeLLMAttention:
             short prompts do not repay (H100, one attention call of Llama-3.1-8B's heads, benchmarks/padded_batch.py:
             64 prompts of 256-512 tokens 25.1 ms against 2.0 ms under the mask; 16 of 3-4K 5.5 against 15.4 ms; 4 of
             4-16K 7.7 against 62.3 ms). 0: every left-padded batch runs per prompt.
+        min_segment_queries: a chunked or packed mask (above) runs one call per segment only where its calls average
+            at least this many queries; shorter ones go to SDPA under the mask, with a warning. Each call costs host
+            time: on an H100, 8192 tokens of Llama-4-Scout's heads packed as unequal sequences averaging 512 tokens
+            took 5.00 ms against SDPA's 4.21 (wall time), at 1024 tokens 2.64 against 4.21
+            (benchmarks/chunked_attention.py). 0: every such mask runs per segment.
         min_predicted_window: a sliding window shorter than this many keys (Gemma 3's local layers, gpt-oss's 128)
             runs every block in the window, without stage 1 (``cdfthreshd=1.0`` for that call). On an H100 stage 1
             costs more than it saves there and its error grows as the window narrows: 32K tokens, Llama-3.1-8B
@@ -441,6 +453,7 @@ class SpargeLLMAttention:
     pbs_segment: int | None = None
     min_padded_tokens: int = 4096
     min_predicted_window: int = 4096
+    min_segment_queries: int = 1024
     method: str = "sparge"
     tau: PerHead | None = 0.0005
     s2o_segment: int = 2048
@@ -480,7 +493,7 @@ class SpargeLLMAttention:
                              f"not method={method!r}")
         if not isinstance(s2o_segment, int) or s2o_segment <= 0 or s2o_segment % 128:
             raise ValueError(f"s2o_segment must be a positive multiple of 128, got {s2o_segment!r}")
-        for name in ("min_padded_tokens", "min_predicted_window"):
+        for name in ("min_padded_tokens", "min_predicted_window", "min_segment_queries"):
             if not isinstance(options[name], int) or isinstance(options[name], bool) or options[name] < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {options[name]!r}")
         if not isinstance(options["top_k"], int) or options["top_k"] < 1:
@@ -557,8 +570,17 @@ class SpargeLLMAttention:
         call's ``window`` the mask may also hide keys outside it."""
         layout = self._mask_layout(mask, q_len, kv_len, window)
         if layout is None:
-            return "an explicit attention mask (right padding, packed sequences or a custom mask)", None, None
-        if any(layout.padding) and layout.keys < self.min_padded_tokens:
+            return "an explicit attention mask (right padding, a per-query or custom mask)", None, None
+        if layout.segments is not None:
+            groups = {tuple(row) for row in layout.segments}  # rows sharing their segments run together
+            rows = mask.shape[0] if len(groups) == 1 else 1
+            calls = sum(len(_stacked_segments(list(row), layout.keys - q_len, rows)) for row in groups)
+            queries = sum(end - first for row in groups for first, end, _ in row)
+            if queries < calls * self.min_segment_queries:
+                return (f"a mask of causal segments (chunked attention or packed sequences) averaging fewer than "
+                        f"min_segment_queries={self.min_segment_queries} queries per call ({calls} calls, which "
+                        f"would cost more than SDPA under the mask)"), None, None
+        elif any(layout.padding) and layout.keys < self.min_padded_tokens:
             return (f"a left-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
                     "per prompt would cost more than SDPA under the mask)"), None, None
         return None, "lower_right", layout
@@ -624,8 +646,10 @@ class SpargeLLMAttention:
         layer's :class:`ScoreTerms`."""
         if layout is not None and layout.keys < key.shape[2]:
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
-        if layout is not None and any(layout.padding):
-            return self._left_padded_prefill(query, key, value, layout.padding, scale, window, terms)
+        if layout is not None and (layout.segments is not None or any(layout.padding)):
+            segments = layout.segments if layout.segments is not None else \
+                _padding_segments(layout.padding, query.shape[2], key.shape[2])
+            return self._segmented_prefill(query, key, value, segments, scale, window, terms)
         out, stats = self._prefill(query, key, value, scale, variant, window, terms)
         return out.transpose(1, 2).contiguous(), stats
 
@@ -677,27 +701,35 @@ class SpargeLLMAttention:
                                                  **_method_extras(window, terms))
         return out if self.collect_stats else (out, None)
 
-    def _left_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             padding: list[int], scale: float | None, window: int | None = None,
-                             terms: ScoreTerms = NO_TERMS) -> tuple[torch.Tensor, SparsityStats | None]:
-        """A left-padded batch: each prompt runs as its own causal call without its padding, the queries aligned
-        to the keys' end (lower right). Rows of padding queries, which see no key, stay zero, as SDPA gives them.
-        Returns the (B, Nq, H, D) output and, when collected, the prompts' stats joined over the batch."""
+    def _segmented_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           segments: list[list[tuple[int, int, int]]], scale: float | None, window: int | None = None,
+                           terms: ScoreTerms = NO_TERMS) -> tuple[torch.Tensor, SparsityStats | None]:
+        """Queries in causal segments (:class:`CausalMaskLayout`'s ``segments``, one list per batch row or one for
+        the whole batch): each segment runs as its own lower-right causal call on its keys, as if alone. This runs
+        left-padded prompts without their padding, and Llama 4's attention chunks and packed sequences each on
+        their own keys. Rows that share their segments run as one batch. Rows of queries in no segment (padding
+        queries, which see no key) stay zero, as SDPA gives them. Returns the (B, Nq, H, D) output and, when
+        collected, the calls' stats joined (:meth:`SparsityStats.concat`)."""
         batch, q_len = query.shape[0], query.shape[2]
         offset = key.shape[2] - q_len  # positions of the keys before the first query (the cache)
         out = query.new_zeros(batch, q_len, query.shape[1], query.shape[3])
+        if all(row == segments[0] for row in segments):
+            groups = [(slice(0, batch), segments[0])]
+        else:
+            groups = [(slice(b, b + 1), row) for b, row in enumerate(segments)]
         parts = []
-        for b in range(batch):
-            pad = padding[b] if len(padding) > 1 else padding[0]
-            first = max(0, pad - offset)  # the first query that is no padding
-            if first >= q_len:
-                continue  # this prompt's queries are all padding
-            rows = slice(b, b + 1)
-            q_b, k_b, v_b = query[rows, :, first:], key[rows, :, pad:], value[rows, :, pad:]
-            o, s = self._prefill(q_b, k_b, v_b, scale, "lower_right", window, terms)
-            out[b, first:] = o[0].transpose(0, 1)
-            if s is not None:
-                parts.append(s)
+        for rows, row_segments in groups:
+            for first, end, first_key, count in _stacked_segments(row_segments, offset, rows.stop - rows.start):
+                # `count` equal segments back to back, each on its own keys (Llama 4's full chunks): one call, the
+                # segments as its batch (views; the query row holds one prompt)
+                n, n_kv = (end - first) // count, (end + offset - first_key) // count
+                q = query[rows, :, first:end].unflatten(2, (count, n)).movedim(2, 1).flatten(0, 1)
+                k, v = (t[rows, :, first_key:end + offset].unflatten(2, (count, n_kv)).movedim(2, 1).flatten(0, 1)
+                        for t in (key, value))
+                o, s = self._prefill(q, k, v, scale, "lower_right", window, terms)
+                out[rows, first:end] = o.unflatten(0, (-1, count)).movedim(1, 2).flatten(2, 3).transpose(1, 2)
+                if s is not None:
+                    parts.append(s)
         return out, (SparsityStats.concat(parts) if parts else None)
 
     def _warn(self, reason: str, terms: ScoreTerms = NO_TERMS) -> None:
@@ -731,6 +763,30 @@ def _method_extras(window: int | None, terms: ScoreTerms) -> dict[str, Any]:
     if terms.softcap is not None:
         extras["softcap"] = terms.softcap
     return extras
+
+
+def _stacked_segments(segments: list[tuple[int, int, int]], offset: int, batch: int
+                      ) -> list[tuple[int, int, int, int]]:
+    """``segments`` (first query, end query, first key) as calls (first query, end query, first key, count): runs of
+    segments of one length, back to back, each on the keys at its own positions (first key = first query +
+    ``offset``), join one call of ``count`` segments where the batch holds one row (more rows would not stay a
+    view); the rest are calls of one segment. The last query of a segment sees its causal end."""
+    calls: list[tuple[int, int, int, int]] = []
+    for first, end, first_key in segments:
+        if batch == 1 and calls and first_key == first + offset:
+            start, stop, start_key, count = calls[-1]
+            if stop == first and start_key == start + offset and end - first == (stop - start) // count:
+                calls[-1] = (start, end, start_key, count + 1)
+                continue
+        calls.append((first, end, first_key, 1))
+    return calls
+
+
+def _padding_segments(padding: list[int], q_len: int, kv_len: int) -> list[list[tuple[int, int, int]]]:
+    """The causal segments of a left-padded mask (:class:`CausalMaskLayout`'s ``padding``, per mask row): prompt
+    b's queries from its first real one on, on its keys from padding[b] on (none where every query is padding)."""
+    offset = kv_len - q_len
+    return [[(max(0, pad - offset), q_len, pad)] if pad - offset < q_len else [] for pad in padding]
 
 
 def _live_function(handle: int, operator: str) -> SpargeLLMAttention:
@@ -782,31 +838,48 @@ def _(query, key, value, mask, scale, handle, window=None, sinks=None, softcap=N
 class CausalMaskLayout(NamedTuple):
     """What :func:`read_causal_mask` found in a transformers mask: the queries attend lower-right causally to the
     first ``keys`` keys (the rest are cache slots not filled yet, hidden from every query), each prompt's first
-    ``padding[b]`` of them hidden (left padding; all 0 without)."""
+    ``padding[b]`` of them hidden (left padding; all 0 without).
+
+    ``segments`` (None for the masks above): a mask that also restarts the causal attention within a prompt
+    (Llama 4's chunked attention, packed sequences). For each mask row, the ``(first query, end query, first key)``
+    of each run of queries that see the same first key: query i of a run sees keys first key..i + keys - Nq. Queries
+    in no run see no key; ``padding[b]`` is then the first key any query of row b sees."""
 
     keys: int
     padding: list[int]
+    segments: list[list[tuple[int, int, int]]] | None = None
 
 
 def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26,
                      sliding_window: int | None = None) -> CausalMaskLayout | None:
     """The layout of a boolean (B|1, 1, Nq, >= Nkv) mask (True = attend), cut to its first ``kv_len`` keys, if it is
-    the lower-right causal mask over its first L <= Nkv keys with each batch row's first p_b keys hidden: query i
-    sees keys p_b..i + L - q_len, keys L.. none (rows of padding queries see none). transformers builds it so for
-    a left-padded batch, with or without a cache (L = Nkv), and for a chunk against a static cache, whose slots past
-    the chunk's last position are still empty (L < Nkv: ``StaticCache``, ``cache_implementation="static"``;
-    transformers 4.x masks a static cache's first prefill the same way). Returns :class:`CausalMaskLayout` (L and
-    [p_b] per mask row; L = Nkv and all p_b = 0: the plain lower-right causal mask), or None for any other mask
-    (right padding, packed sequences, per-head or additive masks). L and p_b are read off the last query, which sees
-    keys p_b..L-1; then every row is compared, in chunks of at most ``max_elements``, with no full-size pattern
-    built; one read-back (a device sync) at the end.
+    lower-right causal over its first L <= Nkv keys: query i sees at most keys ..i + L - Nq, keys L.. none. Returns
+    :class:`CausalMaskLayout`, or None for any other mask (right padding, per-head or additive masks, rows that
+    are not one contiguous run of keys). L is read off the last query; one read-back (a device sync) at the end.
+
+    - Each batch row's first p_b keys hidden from every query (left padding; p_b = 0 without): ``keys`` = L and
+      ``padding`` = [p_b]. transformers builds this mask for a left-padded batch, with or without a cache (L = Nkv),
+      and for a chunk against a static cache, whose slots past the chunk's last position are still empty (L < Nkv:
+      ``StaticCache``, ``cache_implementation="static"``; transformers 4.x masks a static cache's first prefill the
+      same way). L = Nkv and all p_b = 0: the plain lower-right causal mask.
+    - Causal attention restarted within a prompt, each query seeing the keys from the start of its chunk or
+      sequence on: ``segments`` as well (:class:`CausalMaskLayout`). transformers masks Llama 4's chunked-attention
+      layers so (chunks of ``attention_chunk_size`` positions, counted from the prompt's first real token) and
+      sequences packed in one row (position ids restarting, no cache).
+
+    Each query row's first and last seen key and its count of seen keys are read (:func:`mask_row_extents`: one
+    Triton pass over the mask on CUDA; on CPU PyTorch reductions over row chunks of at most ``max_elements`` mask
+    entries): a row matches when its keys are one run that ends at its causal end, no full-size pattern built.
 
     With a ``sliding_window`` W, the query at position p also sees no key before p - W + 1 (transformers' sliding
-    mask of a local layer). p_b is then the first key any query of the row sees: the padding's end, or where the
-    first query's window starts if that is later, which leaves each query the same keys."""
+    mask of a local layer), and only the first kind is read: p_b is then the first key any query of the row sees,
+    the padding's end, or where the first query's window starts if that is later, which leaves each query the same
+    keys."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q_len \
             or mask.shape[3] < kv_len or q_len == 0:
         return None
+    if sliding_window is None:
+        return _read_causal_runs(mask[:, 0, :, :kv_len], q_len, kv_len, max_elements)
     mask = mask[:, 0, :, :kv_len]
     keys = torch.arange(kv_len, device=mask.device)
     last_seen = torch.where(mask[:, -1], keys, -1).amax(-1)  # (B,): -1 where the last query sees nothing
@@ -814,22 +887,45 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     used = torch.where(used > 0, used, kv_len)  # every query is padding: nothing to cut, all hidden
     rows = max(1, max_elements // max(kv_len * mask.shape[0], 1))
     chunks = range(0, q_len, rows)
-    if sliding_window is None:
-        padding = used - mask[:, -1].sum(-1)  # (B,)
-    else:
-        first_seen = torch.stack([torch.where(mask[:, start:start + rows], keys, kv_len).amin((1, 2))
-                                  for start in chunks]).amin(0)  # (B,): kv_len where no query sees a key
-        padding = torch.where(first_seen < kv_len, first_seen, used)
+    first_seen = torch.stack([torch.where(mask[:, start:start + rows], keys, kv_len).amin((1, 2))
+                              for start in chunks]).amin(0)  # (B,): kv_len where no query sees a key
+    padding = torch.where(first_seen < kv_len, first_seen, used)
     seen_from = keys[None, None, :] >= padding[:, None, None]  # (B, 1, Nkv): no padding key
     matches = []
     for start in chunks:
         queries = torch.arange(start, min(start + rows, q_len), device=mask.device) + (used - q_len)
-        expected = keys[None, :] <= queries[:, None]
-        if sliding_window is not None:
-            expected &= keys[None, :] > queries[:, None] - sliding_window
+        expected = (keys[None, :] <= queries[:, None]) & (keys[None, :] > queries[:, None] - sliding_window)
         matches.append((mask[:, start:start + rows] == (expected[None] & seen_from)).all())
     verdict = torch.cat([torch.stack(matches).all().long()[None], used.long()[None], padding.long()]).tolist()
     return CausalMaskLayout(verdict[1], verdict[2:]) if verdict[0] else None
+
+
+def _read_causal_runs(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int) -> CausalMaskLayout | None:
+    """:func:`read_causal_mask` without a window, of the (B, Nq, Nkv) mask: per query row its first seen key f_i,
+    its last and its count (:func:`mask_row_extents`: one read of the mask on CUDA); a row matches when it sees no
+    key, or keys f_i..i + L - Nq exactly. Rows sharing f_i form the segments; one per batch row, starting where
+    its queries first reach a key, is the padded causal mask."""
+    batch = mask.shape[0]
+    first, last, count = mask_row_extents(mask, max_elements)  # (B, Nq) each; first = kv_len where no key is seen
+    seen = count > 0
+    used = torch.where(seen[:, -1], last[:, -1], -1).amax() + 1  # the last query's causal end + 1, shared by the batch
+    used = torch.where(used > 0, used, kv_len)  # (no row of the last query sees a key: then none may)
+    positions = torch.arange(q_len, device=mask.device) + (used - q_len)
+    matches = torch.where(seen, (last == positions) & (count == last - first + 1), True).all()
+    packed = torch.cat([matches.int()[None], used.int()[None], first.flatten()]).cpu()
+    if not packed[0]:
+        return None
+    used, first = int(packed[1]), packed[2:].view(batch, q_len)
+    segments, plain = [], True
+    for row in first:
+        starts = torch.cat([torch.tensor([0]), (row[1:] != row[:-1]).nonzero().flatten() + 1]).tolist()
+        runs = [(s, e, int(row[s])) for s, e in zip(starts, starts[1:] + [q_len]) if row[s] < kv_len]
+        # the padded causal mask: at most one run, from the first query whose causal end reaches its first key
+        plain &= not runs or (len(runs) == 1 and runs[0][1] == q_len
+                              and runs[0][0] == max(0, runs[0][2] - (used - q_len)))
+        segments.append(runs)
+    padding = [runs[0][2] if runs else used for runs in segments]
+    return CausalMaskLayout(used, padding, None if plain else segments)
 
 
 def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, **settings: Any

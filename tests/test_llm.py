@@ -289,9 +289,64 @@ def test_mask_check_accepts_only_the_left_padded_lower_right_pattern():
                  max_elements=900) == layout(300, [150, 137])
     assert check(windowed(pattern(100, 512, empty=112, padding=(350, 0)), 100, 400), 100, 512,
                  sliding_window=64) == layout(400, [350, 237])  # and a static cache's empty slots
-    assert check(windowed(pattern(100, 300), 100, 300), 100, 300) is None  # read without its window
+    # read without its window: one segment per query (each its own first key), which the function refuses as
+    # segments too short to run one call each
+    assert check(windowed(pattern(100, 300), 100, 300), 100, 300).segments == [[(i, i + 1, 137 + i) for i in
+                                                                                 range(100)]] * 2
     assert check(windowed(pattern(100, 300), 100, 300, window=65), 100, 300, sliding_window=64) is None
     assert check(pattern(100, 300), 100, 300, sliding_window=64) is None  # a window the mask does not apply
+
+
+def test_segmented_mask_reader_finds_each_run_of_queries_on_its_own_keys():
+    """read_causal_mask reads causal attention restarted within a prompt (Llama 4's chunks, packed
+    sequences): each run of queries that see the same first key, with padding, a cache and a static cache's empty
+    slots; any mask whose rows are not one contiguous run ending lower right is refused."""
+    from sparge_diffusers.llm import read_causal_mask as read
+
+    def chunked(nq, nkv, chunk, batch=1, padding=(0,), empty=0, phase=0):
+        """transformers' chunked mask: query at key position p sees keys k <= p of its own chunk, chunks counted
+        from the prompt's first real key (+ phase: the cache dropped keys before the first slot)."""
+        used = nkv - empty
+        keys, positions = torch.arange(nkv), torch.arange(nq) + used - nq
+        m = torch.zeros(batch, 1, nq, nkv, dtype=torch.bool)
+        for b, pad in enumerate(padding[:batch]):
+            same = (keys[None] - pad + phase) // chunk == (positions[:, None] - pad + phase) // chunk
+            m[b, 0] = (keys[None] <= positions[:, None]) & (keys[None] >= pad) & same & (keys[None] < used)
+        return m
+
+    # 300 queries in chunks of 64: five runs, each on its own chunk's keys
+    assert read(chunked(300, 300, 64), 300, 300) == CausalMaskLayout(
+        300, [0], [[(0, 64, 0), (64, 128, 64), (128, 192, 128), (192, 256, 192), (256, 300, 256)]])
+    assert read(chunked(300, 300, 64), 300, 300, max_elements=1000) == read(chunked(300, 300, 64), 300, 300)
+    # a chunk of 100 queries after 200 cached keys: the first 56 finish the chunk at 192, the rest open the next
+    assert read(chunked(100, 300, 64), 100, 300) == CausalMaskLayout(300, [192], [[(0, 56, 192), (56, 100, 256)]])
+    # a cache that dropped keys (Llama 4's chunked layers keep a sliding cache): chunk starts off the slot grid
+    assert read(chunked(100, 150, 64, phase=10), 100, 150).segments == [[(0, 4, 0), (4, 68, 54), (68, 100, 118)]]
+    # left padding: chunks counted from each prompt's first real key, padding queries in no run
+    layout = read(chunked(300, 300, 64, batch=2, padding=(0, 70)), 300, 300)
+    assert layout.padding == [0, 70] and layout.segments[1] == [
+        (70, 134, 70), (134, 198, 134), (198, 262, 198), (262, 300, 262)]
+    # a static cache's empty slots, hidden from every query
+    assert read(chunked(100, 512, 64, empty=112), 100, 512) == CausalMaskLayout(
+        400, [256], [[(0, 20, 256), (20, 84, 320), (84, 100, 384)]])
+    # packed sequences: runs of any length
+    packed = torch.zeros(1, 1, 10, 10, dtype=torch.bool)
+    for start, end in ((0, 3), (3, 8), (8, 10)):
+        packed[0, 0, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+    assert read(packed, 10, 10).segments == [[(0, 3, 0), (3, 8, 3), (8, 10, 8)]]
+    hole = chunked(300, 300, 64)
+    hole[0, 0, 100, 70] = False  # a row that is not one run
+    assert read(hole, 300, 300) is None
+    late = chunked(300, 300, 64)
+    late[0, 0, 100, 101] = True  # a key after the diagonal
+    assert read(late, 300, 300) is None
+    assert read(chunked(300, 300, 64)[..., :299].contiguous(), 300, 299) is None  # one key more each
+    assert read(chunked(300, 300, 64).float(), 300, 300) is None  # additive masks are not read
+    assert read(chunked(300, 300, 64).expand(1, 2, 300, 300), 300, 300) is None  # per-head masks
+    assert read(torch.zeros(1, 1, 5, 5, dtype=torch.bool), 5, 5) == CausalMaskLayout(5, [5])  # all padding
+    late_start = chunked(300, 300, 300)
+    late_start[0, 0, :10] = False  # one run, but after queries that would see its first key: not left padding
+    assert read(late_start, 300, 300) == CausalMaskLayout(300, [0], [[(10, 300, 0)]])
 
 
 def left_padded(ids, padding):
@@ -546,6 +601,128 @@ def test_alternating_layers_read_each_of_their_masks_once_per_forward(tmp_path, 
     assert relative_l1(got[mask.bool()], expected[mask.bool()]) < 1e-5
 
 
+def llama4_with_chunks(path, chunk=64):
+    """A 4-layer Llama 4 text model (three chunked-attention layers of ``chunk`` positions, then a global NoPE layer;
+    two experts), saved at ``path``; skips where transformers has no Llama 4."""
+    if "llama4_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no Llama 4")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "llama4_text", vocab_size=128, hidden_size=256, intermediate_size=512, intermediate_size_mlp=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=2,
+        attention_chunk_size=chunk, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert config.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def sizes_per_call(attention, monkeypatch):
+    """The (batch, query, key) counts of ``attention``'s sparse calls, in order (a list filled as they run)."""
+    seen, prefill = [], attention._prefill
+    monkeypatch.setattr(attention, "_prefill", lambda q, k, *a, **kw: seen.append((q.shape[0], q.shape[2], k.shape[2]))
+                        or prefill(q, k, *a, **kw))
+    return seen
+
+
+def test_chunked_attention_layers_run_each_chunk_sparse(tmp_path, monkeypatch):
+    """Llama 4's chunked-attention layers (chunks of 64) get transformers' chunked mask: each chunk of queries runs
+    as its own causal call on its chunk's keys, and keeping every block gives SDPA's logits, for a whole prompt, a
+    left-padded batch (chunks counted from each prompt's first real token), a chunk continued on the cache (whose
+    chunked layers keep a sliding cache) and generate's tokens. With TopCdf skipping, a chunk's rows are those of
+    the same tokens run alone."""
+    path = llama4_with_chunks(tmp_path)
+    attention = register("sparge_test_chunked", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                         min_segment_queries=0, min_padded_tokens=0)
+    seen = sizes_per_call(attention, monkeypatch)
+    ids = prompt(300, batch=2)
+    got = logits(load(path, "sparge_test_chunked"), ids)
+    assert relative_l1(got, logits(load(path, "sdpa"), ids)) < 1e-5
+    assert seen == ([(2, 64, 64)] * 4 + [(2, 44, 44)]) * 3 + [(2, 300, 300)], "one call per chunk, on its keys"
+    seen.clear()
+    got = logits(load(path, "sparge_test_chunked"), ids[:1])
+    assert relative_l1(got, logits(load(path, "sdpa"), ids[:1])) < 1e-5
+    assert seen == [(4, 64, 64), (1, 44, 44)] * 3 + [(1, 300, 300)], "one prompt: its full chunks as one batch"
+    mask, positions = left_padded(ids, (0, 70))
+    got = logits(load(path, "sparge_test_chunked"), ids, attention_mask=mask, position_ids=positions)
+    expected = logits(load(path, "sdpa"), ids, attention_mask=mask, position_ids=positions)
+    assert relative_l1(got[mask.bool()], expected[mask.bool()]) < 1e-5
+
+    def continued(implementation):
+        model = load(path, implementation)
+        cache = dynamic_cache(model)
+        logits(model, ids[:, :200], **{CACHE: cache}, use_cache=True)
+        return logits(model, ids[:, 200:], **{CACHE: cache}, use_cache=True)
+
+    seen.clear()
+    assert relative_l1(continued("sparge_test_chunked"), continued("sdpa")) < 1e-5
+    assert seen[-3:] == [(2, 56, 64), (2, 44, 44), (2, 100, 300)], "first the chunk the cache began, then the next"
+    generated = load(path, "sparge_test_chunked").generate(ids, attention_mask=torch.ones_like(ids),
+                                                           max_new_tokens=6, do_sample=False)
+    assert torch.equal(generated, load(path, "sdpa").generate(ids, attention_mask=torch.ones_like(ids),
+                                                               max_new_tokens=6, do_sample=False))
+    wide = llama4_with_chunks(tmp_path / "wide", chunk=256)  # chunks of several blocks, for TopCdf to skip some
+    skipping = register("sparge_test_chunked_skip", simthreshd1=-1.0, cdfthreshd=0.5, strict=True,
+                        min_segment_queries=0)
+    ids = prompt(512, seed=3)
+    sparse = logits(load(wide, "sparge_test_chunked_skip"), ids)
+    alone = logits(load(wide, "sparge_test_chunked_skip"), ids[:, :256])  # the first chunk, no later token in it
+    assert relative_l1(sparse[:, :256], alone) < 1e-5
+    assert relative_l1(sparse, logits(load(wide, "sdpa"), ids)) > 1e-3, "the settings must skip blocks"
+    assert skipping.sparse_calls == 8  # one per layer and forward, however many chunks
+
+
+def test_short_segments_go_to_sdpa_unless_asked(tmp_path):
+    """Chunks that average fewer queries than min_segment_queries (one call each would cost more than SDPA under
+    the mask) go to SDPA with a warning naming the option; strict raises; the global layer still runs sparse."""
+    path = llama4_with_chunks(tmp_path)
+    attention = register("sparge_test_short_chunks", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    ids = prompt(300)
+    with pytest.warns(UserWarning, match=r"falling back to SDPA: a mask of causal segments \(chunked attention or "
+                                         r"packed sequences\) averaging fewer than min_segment_queries=1024"):
+        got = logits(load(path, "sparge_test_short_chunks"), ids)
+    assert relative_l1(got, logits(load(path, "sdpa"), ids)) < 1e-5 and attention.sparse_calls == 1
+    register("sparge_test_short_chunks_strict", strict=True)
+    with pytest.raises(ValueError, match="min_segment_queries=1024 queries per call \\(2 calls"):  # 4 chunks in one
+        logits(load(path, "sparge_test_short_chunks_strict"), ids)
+
+
+def test_packed_sequences_run_each_sequence_as_if_alone(tiny_llama):
+    """Sequences packed in one row (position ids restarting, no cache: transformers then masks each sequence
+    causally on its own keys) run one call each: with TopCdf skipping, each sequence's logits are those of the same
+    tokens run alone; keeping every block gives SDPA's."""
+    lengths = (400, 260, 220)
+    ids = prompt(sum(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    keep_all = register("sparge_test_packed_keep", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                        min_segment_queries=0)
+    register("sparge_test_packed_skip", simthreshd1=-1.0, cdfthreshd=0.5, strict=True, min_segment_queries=0)
+    got = logits(load(tiny_llama, "sparge_test_packed_keep"), ids, position_ids=positions, use_cache=False)
+    assert relative_l1(got, logits(load(tiny_llama, "sdpa"), ids, position_ids=positions, use_cache=False)) < 1e-5
+    assert keep_all.sparse_calls == 2
+    sparse = logits(load(tiny_llama, "sparge_test_packed_skip"), ids, position_ids=positions, use_cache=False)
+    start = 0
+    for n in lengths:
+        alone = logits(load(tiny_llama, "sparge_test_packed_skip"), ids[:, start:start + n], use_cache=False)
+        assert relative_l1(sparse[:, start:start + n], alone) < 1e-5, (start, n)
+        start += n
+    assert relative_l1(sparse, got) > 1e-3, "the settings must skip blocks"
+
+
+def test_compiled_chunked_attention_reads_its_mask_at_run_time(tmp_path):
+    """Llama 4 compiled (aot_eager, fullgraph): the chunked layers' mask reaches the masked-prefill operator, which
+    runs each chunk sparse; logits equal eager's."""
+    path = llama4_with_chunks(tmp_path)
+    attention = register("sparge_test_chunked_compiled", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None,
+                         strict=True, min_segment_queries=0)
+    model = load(path, "sparge_test_chunked_compiled")
+    ids = prompt(300)
+    eager = logits(model, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert torch.equal(logits(compiled, ids), eager)
+    assert attention.sparse_calls == 4  # eager's; compiled calls are counted only with collect_stats
+
+
 def test_a_training_step_falls_back_to_sdpa_with_its_gradients(tiny_llama):
     """Under autograd (a fine-tuning step) the prefill goes to SDPA with one warning, since the kernels have no
     backward pass: the loss and the weights' gradients equal SDPA's; under no_grad the same model runs sparse."""
@@ -657,6 +834,7 @@ def test_bad_settings_raise():
                          (dict(block_size=48), "block_size"), (dict(cdfthreshd=1.5), r"cdfthreshd values must lie"),
                          (dict(pvthreshd=0), r"pvthreshd values must lie in \(0, inf\]"),
                          (dict(min_predicted_window=-1), "min_predicted_window must be an int"),
+                         (dict(min_segment_queries=1.5), "min_segment_queries must be an int"),
                          (dict(simthreshd1=[0.5, float("nan")]), "simthreshd1 values")):  # not at the first prefill
         with pytest.raises(ValueError, match=message):
             SpargeLLMAttention(**bad)
@@ -1082,6 +1260,28 @@ def test_a_model_with_sinks_on_gpu_matches_eager(tmp_path):
     assert attention.sparse_calls == 2 and torch.isfinite(got).all()
     assert relative_l1(got.float(), logits(eager, ids).float()) < 2e-2  # bf16 through 2 layers
     assert ours.generate(ids[:1, :300], max_new_tokens=4, do_sample=False).shape == (1, 304)
+
+
+@pytest.mark.gpu
+def test_chunked_attention_on_gpu_matches_sdpa(tmp_path):
+    """Llama 4's chunked layers (chunks of 256) on the GPU in bf16: a 1000-token batch of two runs each chunk
+    through the kernels, keeping every block, and gives SDPA's logits; at default thresholds too (TopCdf skipping,
+    so within a looser bound), compiled with inductor as well."""
+    path = llama4_with_chunks(tmp_path, chunk=256)
+    keep_all = register("sparge_test_chunked_gpu", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                        min_segment_queries=0, collect_stats=True)
+    default = register("sparge_test_chunked_gpu_default", strict=True, min_segment_queries=0)
+    ids = prompt(1000, batch=2).cuda()
+    expected = logits(load(path, "sdpa").to("cuda", torch.bfloat16), ids).float()
+    got = logits(load(path, "sparge_test_chunked_gpu").to("cuda", torch.bfloat16), ids).float()
+    assert keep_all.sparse_calls == 4 and len(keep_all.stats) == 4
+    assert torch.isfinite(got).all() and relative_l1(got, expected) < 2e-2
+    model = load(path, "sparge_test_chunked_gpu_default").to("cuda", torch.bfloat16)
+    sparse = logits(model, ids).float()
+    assert default.sparse_calls == 4 and torch.isfinite(sparse).all() and relative_l1(sparse, expected) < 5e-2
+    torch._dynamo.reset()
+    compiled = logits(torch.compile(model, fullgraph=True), ids).float()
+    assert relative_l1(compiled, sparse) < 1e-2
 
 
 @pytest.mark.gpu
