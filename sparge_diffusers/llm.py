@@ -425,8 +425,8 @@ class SpargeLLMAttention:
         min_segment_queries: a chunked or packed mask (above) runs one call per segment only where its calls average
             at least this many queries; shorter ones go to SDPA under the mask, with a warning. Each call costs host
             time: on an H100, 8192 tokens of Llama-4-Scout's heads packed as unequal sequences averaging 512 tokens
-            took 5.00 ms against SDPA's 4.21 (wall time), at 1024 tokens 2.64 against 4.21
-            (benchmarks/chunked_attention.py). 0: every such mask runs per segment.
+            took 5.00-5.71 ms against SDPA's 4.21-4.24 (wall time, two runs), at 1024 tokens 2.64-2.77 against
+            4.21-4.23 (benchmarks/chunked_attention.py). 0: every such mask runs per segment.
         min_predicted_window: a sliding window shorter than this many keys (Gemma 3's local layers, gpt-oss's 128)
             runs every block in the window, without stage 1 (``cdfthreshd=1.0`` for that call). On an H100 stage 1
             costs more than it saves there and its error grows as the window narrows: 32K tokens, Llama-3.1-8B
