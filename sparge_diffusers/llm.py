@@ -878,40 +878,31 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q_len \
             or mask.shape[3] < kv_len or q_len == 0:
         return None
-    if sliding_window is None:
-        return _read_causal_runs(mask[:, 0, :, :kv_len], q_len, kv_len, max_elements)
     mask = mask[:, 0, :, :kv_len]
-    keys = torch.arange(kv_len, device=mask.device)
-    last_seen = torch.where(mask[:, -1], keys, -1).amax(-1)  # (B,): -1 where the last query sees nothing
-    used = last_seen.amax() + 1  # shared by the batch (one cache position); 0: no row sees a key
-    used = torch.where(used > 0, used, kv_len)  # every query is padding: nothing to cut, all hidden
-    rows = max(1, max_elements // max(kv_len * mask.shape[0], 1))
-    chunks = range(0, q_len, rows)
-    first_seen = torch.stack([torch.where(mask[:, start:start + rows], keys, kv_len).amin((1, 2))
-                              for start in chunks]).amin(0)  # (B,): kv_len where no query sees a key
-    padding = torch.where(first_seen < kv_len, first_seen, used)
-    seen_from = keys[None, None, :] >= padding[:, None, None]  # (B, 1, Nkv): no padding key
-    matches = []
-    for start in chunks:
-        queries = torch.arange(start, min(start + rows, q_len), device=mask.device) + (used - q_len)
-        expected = (keys[None, :] <= queries[:, None]) & (keys[None, :] > queries[:, None] - sliding_window)
-        matches.append((mask[:, start:start + rows] == (expected[None] & seen_from)).all())
-    verdict = torch.cat([torch.stack(matches).all().long()[None], used.long()[None], padding.long()]).tolist()
-    return CausalMaskLayout(verdict[1], verdict[2:]) if verdict[0] else None
-
-
-def _read_causal_runs(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int) -> CausalMaskLayout | None:
-    """:func:`read_causal_mask` without a window, of the (B, Nq, Nkv) mask: per query row its first seen key f_i,
-    its last and its count (:func:`mask_row_extents`: one read of the mask on CUDA); a row matches when it sees no
-    key, or keys f_i..i + L - Nq exactly. Rows sharing f_i form the segments; one per batch row, starting where
-    its queries first reach a key, is the padded causal mask."""
-    batch = mask.shape[0]
     first, last, count = mask_row_extents(mask, max_elements)  # (B, Nq) each; first = kv_len where no key is seen
     seen = count > 0
     used = torch.where(seen[:, -1], last[:, -1], -1).amax() + 1  # the last query's causal end + 1, shared by the batch
     used = torch.where(used > 0, used, kv_len)  # (no row of the last query sees a key: then none may)
     positions = torch.arange(q_len, device=mask.device) + (used - q_len)
-    matches = torch.where(seen, (last == positions) & (count == last - first + 1), True).all()
+    runs = (last == positions) & (count == last - first + 1)  # keys first..position: one run to the causal end
+    if sliding_window is None:
+        return _causal_runs_layout(first, torch.where(seen, runs, True).all(), used, q_len, kv_len)
+    padding = first.amin(1)  # (B,): the first key any query of the row sees, kv_len where none
+    padding = torch.where(padding < kv_len, padding, used)
+    window_start = torch.maximum(padding[:, None], positions - sliding_window + 1)  # (B, Nq): the first key in view
+    expected_seen = window_start <= positions
+    matches = torch.where(expected_seen, seen & runs & (first == window_start), ~seen).all()
+    verdict = torch.cat([matches.long()[None], used.long()[None], padding.long()]).tolist()
+    return CausalMaskLayout(verdict[1], verdict[2:]) if verdict[0] else None
+
+
+def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.Tensor, q_len: int, kv_len: int
+                        ) -> CausalMaskLayout | None:
+    """:func:`read_causal_mask`'s layout without a window, from each query row's first seen key (``first``, (B, Nq),
+    kv_len where none) once every row matched (``matches``) one run of keys to its causal end (``used`` - Nq + i):
+    rows sharing their first key form the segments; one per batch row, starting where its queries first reach a key,
+    is the padded causal mask. One read-back (a device sync)."""
+    batch = first.shape[0]
     packed = torch.cat([matches.int()[None], used.int()[None], first.flatten()]).cpu()
     if not packed[0]:
         return None
