@@ -19,7 +19,8 @@ other explicit masks, dropout, sliding windows that hide keys under a method tha
 permuted keys), position biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse
 (a value head dim unlike the query's). ``strict=True`` raises instead of falling back. Calls that neither the
 kernels nor SDPA compute raise ValueError whatever ``strict`` says (per-token sinks, key indices chosen by the
-model, packed sequences given only as ``cu_seq_lens``: :func:`check_call_arguments`). Composes the kernels
+model: :func:`check_call_arguments`). Packed sequences given only as flash-attention's ``cu_seq_lens`` run sparse
+(eagerly), one call per sequence (:func:`packed_segments`). Composes the kernels
 (SpargeAttn by default; S2O's ranked walk or FSA's per-token block selection with ``method=``, a small registry:
 :data:`PREFILL_METHODS`) and the segmented key permutation of PBS-Attn (``pbs_segment``, see
 :func:`pbs_sparge_attention` and its operator); knows nothing of diffusers.
@@ -262,9 +263,9 @@ def _sdpa_function_parameters() -> frozenset[str]:
 
 def check_call_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> None:
     """Raise ValueError for an attention call that neither the kernels nor transformers' SDPA function compute
-    correctly: one carrying an :data:`UNCOMPUTED_ARGUMENTS` entry, or packed sequences described only by
-    flash-attention's ``cu_seq_lens_q``/``cu_seq_lens_k`` (more than one sequence and no mask, which SDPA, given no
-    mask, would attend across)."""
+    correctly: one carrying an :data:`UNCOMPUTED_ARGUMENTS` entry, or a position bias together with sinks or a cap
+    (or one this transformers version's SDPA function drops). Packed sequences given only by flash-attention's
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` are read by :func:`packed_segments` instead."""
     for name, what in UNCOMPUTED_ARGUMENTS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"SpargeLLMAttention: the model passes {what}, which neither the sparse kernels nor "
@@ -278,13 +279,37 @@ def check_call_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> N
         raise ValueError("SpargeLLMAttention: the model passes a position bias (position_bias), which this "
                          "transformers version's SDPA function (the fallback) does not add; upgrade transformers or "
                          "use attn_implementation='eager'")
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        lengths = kwargs.get(name)
-        if attention_mask is None and isinstance(lengths, torch.Tensor) and lengths.numel() > 2:
-            raise ValueError(f"SpargeLLMAttention: packed sequences given only by {name} ({lengths.numel() - 1} "
-                             "sequences, no mask): neither the kernels nor SDPA read it. Pass position_ids (then "
-                             "transformers builds the packed mask and the call goes to SDPA) or use "
-                             "attn_implementation='flash_attention_2'")
+
+
+def _packed_given(attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether the call describes packed sequences only by flash-attention's ``cu_seq_lens_q``/``cu_seq_lens_k``
+    (more than one sequence and no mask; transformers' SDPA function, given no mask, would attend across them)."""
+    return attention_mask is None and any(isinstance(kwargs.get(name), torch.Tensor) and kwargs[name].numel() > 2
+                                          for name in ("cu_seq_lens_q", "cu_seq_lens_k"))
+
+
+def packed_segments(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> list[tuple[int, int, int]]:
+    """The causal segments (:class:`CausalMaskLayout`'s, for the one batch row) of packed sequences given by
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` (cumulative lengths, one read-back): sequence s attends causally to itself,
+    queries and keys cu[s]..cu[s + 1]. Raises ValueError where that is not what the arguments say (several batch
+    rows, the two differing, fewer queries than keys, lengths that do not end at the sequence's) and under
+    torch.compile (the lengths are tensors the graph would have to read)."""
+    if compiling():
+        raise ValueError("SpargeLLMAttention: packed sequences given only by cu_seq_lens_q/k (no mask) are read on the "
+                         "host, which a compiled graph cannot do; pass position_ids without a cache (transformers "
+                         "then builds the packed mask, read at run time) or run eagerly")
+    lengths_q, lengths_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    lengths_k = lengths_q if lengths_k is None else lengths_k
+    lengths_q = lengths_k if lengths_q is None else lengths_q
+    n = query.shape[2]
+    cumulative = lengths_q.flatten().tolist()
+    if query.shape[0] != 1 or key.shape[2] != n or lengths_k.flatten().tolist() != cumulative \
+            or cumulative[0] != 0 or cumulative[-1] != n or any(b <= a for a, b in zip(cumulative, cumulative[1:])):
+        raise ValueError(f"SpargeLLMAttention: packed sequences given by cu_seq_lens_q/k must be one batch row of "
+                         f"increasing offsets from 0 to its {n} queries and keys, the same for both (got "
+                         f"cu_seq_lens_q={cumulative}, cu_seq_lens_k={lengths_k.flatten().tolist()}, batch "
+                         f"{query.shape[0]}, {key.shape[2]} keys)")
+    return [(start, end, start) for start, end in zip(cumulative, cumulative[1:])]
 
 
 def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -385,7 +410,9 @@ class SpargeLLMAttention:
       causal end: Llama 4's chunked-attention layers (chunks of ``attention_chunk_size`` positions, counted from
       each prompt's first real token; whole, padded or against a cache) and sequences packed in one row. Each chunk
       or sequence runs as its own lower-right causal call on its keys (a one-prompt batch's full chunks as one call,
-      the chunks as its batch), where they average at least ``min_segment_queries`` queries per call.
+      the chunks as its batch), where they average at least ``min_segment_queries`` queries per call. Packed
+      sequences given without a mask, by flash-attention's ``cu_seq_lens_q``/``cu_seq_lens_k`` only, run so too
+      (eagerly; :func:`packed_segments`), whatever their length: SDPA's function would attend across them.
 
     A layer with a sliding window (``sliding_window``: Mistral, Gemma 3's local layers, ...) runs sparse too. Where
     the window hides no key (no query sees more keys than it holds: without a mask the query count, with one the
@@ -526,7 +553,11 @@ class SpargeLLMAttention:
         if reason is not None:
             return reason, None, None, None
         window = kwargs.get("sliding_window")
-        if attention_mask is None:
+        if attention_mask is None and _packed_given(attention_mask, kwargs):
+            segments = packed_segments(query, key, kwargs)  # each sequence attends to itself only
+            verdict = None, "lower_right", CausalMaskLayout(key.shape[2], [0], [segments])
+            span = max(end - first for first, end, _ in segments)
+        elif attention_mask is None:
             verdict = None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
             span = query.shape[2]  # query i sees keys 0..i
         elif compiling():
@@ -605,6 +636,10 @@ class SpargeLLMAttention:
         reason, variant, layout, window = self.route(module, query, key, value, attention_mask, dropout, is_causal,
                                                      kwargs)
         terms = _score_terms(kwargs)
+        if reason is not None and _packed_given(attention_mask, kwargs) and query.shape[2] > 1:
+            raise ValueError(f"SpargeLLMAttention: packed sequences given only by cu_seq_lens_q/k, which only the "
+                             f"sparse path reads, and {reason}, which it does not take: transformers' SDPA function "
+                             f"would attend across the sequences; use attn_implementation='flash_attention_2'")
         if reason is not None:
             if reason:
                 self._warn(reason, terms)

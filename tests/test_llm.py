@@ -706,6 +706,12 @@ def test_packed_sequences_run_each_sequence_as_if_alone(tiny_llama):
         assert relative_l1(sparse[:, start:start + n], alone) < 1e-5, (start, n)
         start += n
     assert relative_l1(sparse, got) > 1e-3, "the settings must skip blocks"
+    # the same sequences described only by flash-attention's cumulative lengths, with a cache (transformers then
+    # builds no mask): the same logits
+    cumulative = torch.tensor([0, 400, 660, 880], dtype=torch.int32)
+    varlen = logits(load(tiny_llama, "sparge_test_packed_keep"), ids, position_ids=positions,
+                    cu_seq_lens_q=cumulative, cu_seq_lens_k=cumulative, max_length_q=400, max_length_k=400)
+    assert relative_l1(varlen, got) < 1e-5
 
 
 def test_compiled_chunked_attention_reads_its_mask_at_run_time(tmp_path):
@@ -874,7 +880,7 @@ def test_a_value_head_dim_unlike_the_querys_falls_back_to_sdpa():
 def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
     """Keyword arguments that change attention: a position bias goes to transformers' SDPA function, which adds it
     (a warning; strict raises); per-token sinks and model-chosen key indices raise on every call, decode steps
-    included (SDPA's function would drop them); packed sequences given only by cu_seq_lens raise without a mask."""
+    included (SDPA's function would drop them)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module, (q, k, v), attention = direct_call_setup(3)
@@ -902,12 +908,38 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
             with pytest.raises(ValueError, match=f"{name}.*neither the sparse kernels nor"):
                 attention(module, q[:, :, :n], k, v, None, scaling=0.125, **{name: value})
 
-    packed = torch.tensor([0, 60, 130], dtype=torch.int32)
-    with pytest.raises(ValueError, match="packed sequences given only by cu_seq_lens_q"):
-        attention(module, q, k, v, None, cu_seq_lens_q=packed, cu_seq_lens_k=packed)
     one = torch.tensor([0, 130], dtype=torch.int32)
     out, _ = attention(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=one, cu_seq_lens_k=one)
     assert attention.sparse_calls == 2 and torch.equal(out, plain), "one sequence: the plain causal call"
+
+
+def test_packed_sequences_given_only_by_cu_seq_lens_run_each_alone(monkeypatch):
+    """flash-attention's cu_seq_lens_q/k without a mask (transformers' SDPA function would attend across the
+    sequences): each sequence runs as its own causal call; descriptions that are not one row of the call's own
+    queries and keys raise, and so do fallbacks that would lose them and compiled calls (the lengths are read on
+    the host)."""
+    import sparge_diffusers.llm as llm
+
+    module, (q, k, v), attention = direct_call_setup(3)
+    packed = torch.tensor([0, 60, 130], dtype=torch.int32)
+    out, _ = attention(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=packed, cu_seq_lens_k=packed)
+    parts = [attention(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None, scaling=0.125)[0]
+             for s, e in ((0, 60), (60, 130))]
+    assert relative_l1(out, torch.cat(parts, 1)) < 1e-6 and attention.sparse_calls == 3
+    assert relative_l1(out, attention(module, q, k, v, None, scaling=0.125)[0]) > 1e-2, "not attending across"
+    for bad, message in ((dict(cu_seq_lens_q=packed, cu_seq_lens_k=torch.tensor([0, 70, 130])), "the same for both"),
+                         (dict(cu_seq_lens_q=torch.tensor([0, 60, 120])), "from 0 to its 130"),
+                         (dict(cu_seq_lens_q=torch.tensor([0, 60, 60, 130])), "increasing offsets")):
+        with pytest.raises(ValueError, match=message):
+            attention(module, q, k, v, None, **bad)
+    with pytest.raises(ValueError, match="batch 2"):
+        attention(module, q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), None,
+                  cu_seq_lens_q=packed)
+    with pytest.raises(ValueError, match="and dropout, which it does not take"):
+        attention(module, q, k, v, None, dropout=0.1, cu_seq_lens_q=packed, cu_seq_lens_k=packed)
+    monkeypatch.setattr(llm, "compiling", lambda: True)
+    with pytest.raises(ValueError, match="a compiled graph cannot do"):
+        attention(module, q, k, v, None, cu_seq_lens_q=packed, cu_seq_lens_k=packed)
 
 
 def gpt_oss_with_sinks(path, window=100, sinks_std=2.0):
