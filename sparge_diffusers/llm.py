@@ -553,7 +553,7 @@ class SpargeLLMAttention:
         if reason is not None:
             return reason, None, None, None
         window = kwargs.get("sliding_window")
-        if attention_mask is None and _packed_given(attention_mask, kwargs):
+        if _packed_given(attention_mask, kwargs):
             segments = packed_segments(query, key, kwargs)  # each sequence attends to itself only
             verdict = None, "lower_right", CausalMaskLayout(key.shape[2], [0], [segments])
             span = max(end - first for first, end, _ in segments)
