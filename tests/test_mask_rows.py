@@ -42,6 +42,17 @@ def test_kernel_and_reference_match_the_definition(batch, rows, cols):
             assert g.dtype == torch.int32 and torch.equal(g, e)
 
 
+def test_every_output_element_is_written(monkeypatch):
+    """The kernel's outputs allocated poisoned (-7): every row gets its three values."""
+    import sparge_diffusers.kernels.mask_rows as mask_rows
+
+    empty = torch.empty
+    monkeypatch.setattr(mask_rows.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
+    mask = random_mask(2, 11, 1300, seed=5)
+    for got, expected in zip(_row_extents_triton(mask), by_definition(mask)):
+        assert torch.equal(got, expected)
+
+
 def test_views_of_other_strides():
     """A mask cut to its first columns, an expanded batch and a transposed (non-contiguous last dim) one."""
     mask = random_mask(1, 11, 1500, seed=1)
