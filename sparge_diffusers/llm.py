@@ -496,6 +496,9 @@ class SpargeLLMAttention:
         self.stats: list[SparsityStats] = []
         # the last two masks read: [(weakref to a mask, (its version, Nq, Nkv, window), its layout)], latest last
         self._mask_verdicts: list[tuple] = []
+        # the last cu_seq_lens read: (weakrefs to cu_seq_lens_q / _k or None, their versions and the call's sizes,
+        # its layout)
+        self._packed_verdict: tuple | None = None
         self._handle = next(_HANDLES)  # how the masked-prefill operator finds this function at run time
         _LIVE_FUNCTIONS[self._handle] = self
 
@@ -554,9 +557,9 @@ class SpargeLLMAttention:
             return reason, None, None, None
         window = kwargs.get("sliding_window")
         if _packed_given(attention_mask, kwargs):
-            segments = packed_segments(query, key, kwargs)  # each sequence attends to itself only
-            verdict = None, "lower_right", CausalMaskLayout(key.shape[2], [0], [segments])
-            span = max(end - first for first, end, _ in segments)
+            layout = self._packed_layout(query, key, kwargs)  # each sequence attends to itself only
+            verdict = None, "lower_right", layout
+            span = max(end - first for first, end, _ in layout.segments[0])
         elif attention_mask is None:
             verdict = None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
             span = query.shape[2]  # query i sees keys 0..i
@@ -628,6 +631,22 @@ class SpargeLLMAttention:
         result = read_causal_mask(mask, q_len, kv_len, sliding_window=window)
         self._mask_verdicts = self._mask_verdicts[-1:] + [(weakref.ref(mask), key, result)]
         return result
+
+    def _packed_layout(self, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> CausalMaskLayout:
+        """:func:`packed_segments` as a layout, remembered for the ``cu_seq_lens_q/k`` tensors (while they live,
+        unmodified): transformers hands every layer of a forward the same ones, so they are read back once per
+        forward, not once per layer (each read-back a device sync)."""
+        given = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k")]
+        stamp = ([t._version if isinstance(t, torch.Tensor) else t for t in given], query.shape[0], query.shape[2],
+                 key.shape[2])
+        held = self._packed_verdict
+        if held is not None and not compiling() and held[1] == stamp \
+                and all((ref() if ref is not None else None) is t for ref, t in zip(held[0], given)):
+            return held[2]
+        layout = CausalMaskLayout(key.shape[2], [0], [packed_segments(query, key, kwargs)])
+        refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else None for t in given]
+        self._packed_verdict = (refs, stamp, layout)
+        return layout
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,

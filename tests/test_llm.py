@@ -927,6 +927,16 @@ def test_packed_sequences_given_only_by_cu_seq_lens_run_each_alone(monkeypatch):
              for s, e in ((0, 60), (60, 130))]
     assert relative_l1(out, torch.cat(parts, 1)) < 1e-6 and attention.sparse_calls == 3
     assert relative_l1(out, attention(module, q, k, v, None, scaling=0.125)[0]) > 1e-2, "not attending across"
+    reads = []
+    read = llm.packed_segments
+    monkeypatch.setattr(llm, "packed_segments", lambda *a: reads.append(1) or read(*a))
+    again, _ = attention(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=packed, cu_seq_lens_k=packed)
+    assert torch.equal(again, out) and reads == [], "the same lengths (every layer's): read once"
+    packed[1] = 70  # changed in place: read again
+    moved, _ = attention(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=packed, cu_seq_lens_k=packed)
+    assert reads == [1] and relative_l1(moved, out) > 1e-3
+    monkeypatch.setattr(llm, "packed_segments", read)
+    packed[1] = 60
     for bad, message in ((dict(cu_seq_lens_q=packed, cu_seq_lens_k=torch.tensor([0, 70, 130])), "the same for both"),
                          (dict(cu_seq_lens_q=torch.tensor([0, 60, 120])), "from 0 to its 130"),
                          (dict(cu_seq_lens_q=torch.tensor([0, 60, 60, 130])), "increasing offsets")):
