@@ -31,6 +31,7 @@ Used by the attention kernels and by the permutations' row gather; it knows neit
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable
 
 import torch
@@ -208,6 +209,12 @@ def launch_fitting(fn, grid: tuple[int, ...], args: tuple, kwargs: dict):
             if error.name != "shared memory" or stages <= 1:
                 raise
             kwargs = {**kwargs, "num_stages": stages - 1}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET set), where Gluon kernels and inline PTX do
+    not run."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1049,11 +1049,9 @@ def test_every_method_takes_sinks_and_a_method_without_falls_back_to_their_exact
         attention(module, q, k, v, None, scaling=0.125, s_aux=sinks, position_bias=torch.zeros(1, 4, 130, 130))
 
 
-def test_a_model_with_softcapping_runs_sparse_with_it(tmp_path):
-    """Gemma 2 caps its attention logits (``softcap``, here 1.0 so that it matters on random weights) and alternates
-    sliding-window (100 keys) and global layers: both run sparse with the cap, eager's logits and tokens (decode steps
-    on the exact path: transformers' SDPA function raises on softcap); S2O, which takes no cap, falls back to the
-    exact path with a warning (strict raises); compiled (aot_eager, fullgraph) gives the eager logits."""
+def gemma2_with_cap(path) -> None:
+    """A tiny Gemma 2 saved at ``path``: logit cap 1.0 (so that it matters on random weights), a sliding-window (100
+    keys) layer and a global one, Q/K projections scaled so that scores reach a few units."""
     if "gemma2" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {transformers.__version__} has no Gemma 2")
     torch.manual_seed(0)
@@ -1066,7 +1064,15 @@ def test_a_model_with_softcapping_runs_sparse_with_it(tmp_path):
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(8.0)
             layer.self_attn.k_proj.weight.mul_(8.0)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(path)
+
+
+def test_a_model_with_softcapping_runs_sparse_with_it(tmp_path):
+    """Gemma 2 caps its attention logits (``softcap``, here 1.0 so that it matters on random weights) and alternates
+    sliding-window (100 keys) and global layers: both run sparse with the cap, eager's logits and tokens (decode steps
+    on the exact path: transformers' SDPA function raises on softcap); S2O, which takes no cap, falls back to the
+    exact path with a warning (strict raises); compiled (aot_eager, fullgraph) gives the eager logits."""
+    gemma2_with_cap(tmp_path)
     ids = prompt(300).clamp(min=1)  # Gemma's pad token is 0: generate would read 0s in the prompt as padding
     eager = logits(load(tmp_path, "eager"), ids)
     uncapped = load(tmp_path, "eager")
@@ -1287,6 +1293,19 @@ def test_prefill_on_gpu_runs_the_kernels_and_matches_sdpa(tiny_llama):
                                cache_position=torch.arange(1000, 1600).cuda())
     assert attention.sparse_calls == 14 and torch.isfinite(chunked["ours"]).all()
     assert relative_l1(chunked["ours"].float(), chunked["sdpa"].float()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_a_model_with_softcapping_on_gpu_matches_eager(tmp_path):
+    """Gemma 2 with its logit cap on the GPU (bf16), where the kernels take tanh from tanh.approx.f32: both layers (one
+    under a 100-key window) on the kernels, eager's logits (exact tanh) within bf16 tolerance."""
+    gemma2_with_cap(tmp_path)
+    attention = register("sparge_test_gpu_softcap", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True)
+    ids = prompt(1000, batch=2).clamp(min=1).cuda()
+    got = logits(load(tmp_path, "sparge_test_gpu_softcap").to("cuda", torch.bfloat16), ids)
+    assert attention.sparse_calls == 2 and torch.isfinite(got).all()
+    eager = logits(load(tmp_path, "eager").to("cuda", torch.bfloat16), ids)
+    assert relative_l1(got.float(), eager.float()) < 2e-2  # bf16 through 2 layers
 
 
 @pytest.mark.gpu

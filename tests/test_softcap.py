@@ -95,6 +95,28 @@ def test_bad_caps_raise():
         sparge_attention_op(q, k, v, softcap=30.0, dense=torch.tensor(False))
 
 
+def test_compiled_gpu_kernels_take_tanh_from_the_fast_instruction(monkeypatch):
+    """``softcap_mode``: tanh.approx.f32 only where the attention kernel compiles for an NVIDIA GPU of sm75 or newer;
+    the exp2 form on CPU tensors (the interpreter), under TRITON_INTERPRET, on older GPUs and on ROCm."""
+    from sparge_diffusers.kernels import attention
+
+    fast, exact, cuda = attention.SOFTCAP_FAST.value, attention.SOFTCAP_EXACT.value, torch.device("cuda", 0)
+    assert attention.softcap_mode(None, cuda) == 0 and 0 not in (fast, exact) and fast != exact
+    assert attention.softcap_mode(30.0, torch.device("cpu")) == exact
+    monkeypatch.setattr(attention, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert attention.softcap_mode(30.0, cuda) == fast
+    monkeypatch.setattr(attention, "interpreting", lambda: True)
+    assert attention.softcap_mode(30.0, cuda) == exact
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    monkeypatch.setattr(attention, "device_capability", lambda index: (7, 0))
+    assert attention.softcap_mode(30.0, cuda) == exact
+    monkeypatch.setattr(attention, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert attention.softcap_mode(30.0, cuda) == exact
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("Nq,Nkv,causal,variant,window", [(3000, 3000, False, None, None),
@@ -105,9 +127,10 @@ def test_gpu_kernels_match_reference_with_a_cap(Nq, Nkv, causal, variant, window
     against the float32 reference; stage 1's kernel against its reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from sparge_diffusers.kernels import attention_hopper
+    from sparge_diffusers.kernels import attention, attention_hopper
 
     q, k, v = (t.cuda() for t in make_qkv(1, 8, 2, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + D))
+    assert attention.softcap_mode(CAP, q.device) == attention.SOFTCAP_FAST.value  # the instruction is what is tested
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal, causal_variant=variant,
                                    sliding_window=window)
     kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window, softcap=CAP)

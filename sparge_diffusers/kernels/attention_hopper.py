@@ -41,13 +41,12 @@ compile offline).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ._inputs import BLOCK_K, BLOCK_Q, AttentionShape, device_capability
-from .._launch import launch, tensor_descriptor
+from .._launch import interpreting, launch, tensor_descriptor
 
 try:  # Gluon is experimental: its module layout and names move between Triton releases
     from triton.experimental import gluon
@@ -309,8 +308,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _soft_cap(scores, cap_in, cap_out):
-        """attention._soft_cap: cap_out * tanh(scores * cap_in), tanh from exp2."""
-        return cap_out * (1.0 - 2.0 / (gl.exp2(scores * (cap_in * 2.8853900817779268)) + 1.0))
+        """attention._soft_cap's FAST form (this kernel runs only compiled, on sm90): cap_out * tanh(scores * cap_in)
+        by tanh.approx.f32."""
+        return cap_out * gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [scores * cap_in],
+                                                   dtype=gl.float32, is_pure=True, pack=1)
 
     @gluon.jit
     def _add_sink(acc, l_i, m_i, SINKS, h, rows_o: gl.constexpr):
@@ -550,7 +551,7 @@ def _why_not_on(device: torch.device) -> str | None:
     """The device-level part of ``why_not_usable``: None where this kernel can run at all."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon unavailable ({GLUON_IMPORT_ERROR})"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         return "TRITON_INTERPRET is set (Gluon kernels do not run in the interpreter)"
     if device.type != "cuda" or device_capability(device.index) != (9, 0):
         return "needs an sm90 (Hopper) GPU"
