@@ -1,16 +1,16 @@
 """Random calls of the public API on a GPU, each against the float32 reference.
 
-The grids of test_kernels.py and test_attention_hopper.py vary one axis at a time on a few shapes. Each seed
-here draws one call that combines them: odd lengths up to several waves of the Hopper kernel's schedule,
-either layout, bf16 or fp16, a GQA group, the Hopper kernel's head dims and the Triton kernel's others,
-causal or not, N_q != N_kv (causal too, under either causal variant), a sliding window on about two in five
-causal calls, a mask of random density (broadcast over
-batch or heads, some rows empty) given as a bool tensor, as a prebuilt CompactBlockMask, or not at all (dense),
-or the whole method on structured inputs, the stage-2 test on or off, a non-contiguous q, and an output buffer
-poisoned with NaN that is longer than the call's rows. Every check is the same: no NaN, the rows past the call
-untouched, relative L1 against the reference under the dtype's tolerance. The same for S2O (its order walked
-by the kernel and by the reference, or built by the kernels and visited in full against exact attention) and for
-PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and the walk on permuted keys).
+The grids of test_kernels.py and test_attention_hopper.py vary one axis at a time on a few shapes. Each seed here
+draws one call that combines them: odd lengths up to several waves of the Hopper kernel's schedule, either layout,
+bf16 or fp16, a GQA group, the Hopper kernel's head dims and the Triton kernel's others, causal or not, N_q != N_kv
+(causal too, under either causal variant), a sliding window on about two in five causal calls, logit soft-capping on
+about one call in three and learned sink logits on about one in four, a mask of random density (broadcast over batch
+or heads, some rows empty) given as a bool tensor, as a prebuilt CompactBlockMask, or not at all (dense), or the
+whole method on structured inputs, the stage-2 test on or off, a non-contiguous q, and an output buffer poisoned
+with NaN that is longer than the call's rows. Every check is the same: no NaN, the rows past the call untouched,
+relative L1 against the reference under the dtype's tolerance. The same for S2O (its order walked by the kernel and
+by the reference, or built by the kernels and visited in full against exact attention) and for PBS-Attn's whole path
+(importance, segment sort, key gather, stage 1 and the walk on permuted keys).
 
 ``SPARGE_GPU_RANDOM_CALLS`` sets the number of seeds per test (default 40), ``SPARGE_GPU_RANDOM_FIRST`` the first
 (default 0).
@@ -56,7 +56,16 @@ def draw_call(seed: int) -> dict:
         pvthreshd=rng.choice([None, None, 50.0, 20.0]),
         strided_q=rng.random() < 0.25,
         seed=seed,
-    ) | _causal_variant(rng, causal, q_len) | _sliding_window(rng, causal)
+    ) | _causal_variant(rng, causal, q_len) | _sliding_window(rng, causal) | _score_extras(rng)
+
+
+def _score_extras(rng: random.Random) -> dict:
+    """Logit soft-capping (a cap that bends these scores, of std ~1, or a loose one) on about one call in three, and
+    learned sink logits (one per query head, large ones included) on about one in four; drawn after every other
+    field, so that the earlier fields' draws stay as they were."""
+    softcap = rng.choice([None, None, None, None, 1.5, 20.0])
+    sinks = [rng.gauss(0.0, 3.0) for _ in range(64)] if rng.random() < 0.25 else None
+    return {"softcap": softcap, "sinks": sinks}
 
 
 def _sliding_window(rng: random.Random, causal: bool) -> dict:
@@ -150,20 +159,25 @@ def test_gpu_random_call_matches_reference(seed):
     out = big.narrow(seq_dim, 0, q_len)
     common = dict(is_causal=causal, tensor_layout=layout, causal_variant=call["causal_variant"],
                   sliding_window=call["sliding_window"])
+    sinks = None
+    if call["sinks"] is not None:
+        sinks = torch.tensor(call["sinks"][:call["heads"]], device="cuda")
+    capped = dict(common, softcap=call["softcap"])
+    common_attention = dict(capped, sink_logits=sinks)
 
     if call["entry"] == "whole":
-        result = sparge_attention(q, k, v, pvthreshd=pv, out=out, **common)
-        mask = predict_block_mask(q, k, **common)
-        ref_mask = predict_block_mask(q, k, backend="reference", **common)
+        result = sparge_attention(q, k, v, pvthreshd=pv, out=out, **common_attention)
+        mask = predict_block_mask(q, k, **capped)
+        ref_mask = predict_block_mask(q, k, backend="reference", **capped)
         # the tf32x3 compressed scores may tip a block lying exactly at the TopCdf cut
         assert (mask != ref_mask).float().mean() <= 0.01, call
     else:
         mask = None if call["entry"] == "dense" else _mask(call, q_len, kv_len)
         given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
-        result = block_sparse_attention(q, k, v, given, pvthreshd=pv, out=out, **common)
+        result = block_sparse_attention(q, k, v, given, pvthreshd=pv, out=out, **common_attention)
     # the float32 reference, on the GPU for speed (TF32 off: torch's default for float32 matmuls)
     assert not torch.backends.cuda.matmul.allow_tf32
-    ref = block_sparse_attention(q, k, v, mask, pvthreshd=pv, backend="reference", **common)
+    ref = block_sparse_attention(q, k, v, mask, pvthreshd=pv, backend="reference", **common_attention)
 
     assert result.data_ptr() == out.data_ptr(), call
     assert not torch.isnan(result).any(), call
