@@ -65,13 +65,16 @@ def sampled_rows(n: int, count: int = 1024):
     return rows.sort().values
 
 
-def cases_arguments(doc: str, default_cases: str, argv=None):
-    """The ``--cases N:W,...`` and ``--out`` arguments of the length-by-window benchmarks."""
+def cases_arguments(doc: str, default_cases: str, argv=None, default_heads: str | None = None):
+    """The ``--cases N:W,...`` and ``--out`` arguments of the length-by-window benchmarks, and with ``default_heads``
+    a ``--heads H:H_KV:D`` argument (query heads, K/V heads, head dim; parsed into ``heads`` as three ints)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=default_cases)
     ap.add_argument("--out", default=None)
+    if default_heads is not None:
+        ap.add_argument("--heads", default=default_heads, type=lambda s: tuple(int(x) for x in s.split(":")))
     return ap.parse_args(argv)
 
 

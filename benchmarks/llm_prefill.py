@@ -31,12 +31,19 @@ fourth layer global without rotary embeddings, the others attending within chunk
 each chunk, under which SDPA computes all N² scores; our function reads it and runs one causal call per chunk (before
 session 53 those layers went to SDPA under the mask). Settings: default and aggressive only.
 
+With ``--gemma3``, the layers are Gemma-3-12B's text layers (16 query heads, 8 K/V heads, head dim 256; three of
+every four layers under a sliding window of 1024 keys, the fourth global; Gemma 3 has five local layers to each global
+one): transformers hands the local layers a boolean sliding mask, under which SDPA computes all N² scores; our function
+reads it and runs the window (before session 54 head dim 256 went to SDPA in every layer). Settings: default and
+aggressive only.
+
 With ``--compiled``, the padded batch also runs through ``torch.compile(model.model, fullgraph=True)`` (inductor,
 default mode) with SDPA and with the default settings, whose masked calls go through the
 ``sparge_diffusers::llm_masked_prefill`` operator (the mask read at run time, each prompt its own call).
 
 Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096] [--layers 4]
-       [--static 32768:2048:40960,32768:8192:40960] [--window 4096 | --llama4] [--compiled] [--out results.json]
+       [--static 32768:2048:40960,32768:8192:40960] [--window 4096 | --llama4 | --gemma3] [--compiled]
+       [--out results.json]
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ def main(argv=None):
     ap.add_argument("--compiled", action="store_true", help="also time the padded batch compiled (SDPA and default)")
     ap.add_argument("--window", type=int, default=None, help="a sliding window of W keys on every layer")
     ap.add_argument("--llama4", action="store_true", help="Llama-4-Scout's text layers (chunked attention)")
+    ap.add_argument("--gemma3", action="store_true", help="Gemma-3-12B's text layers (head dim 256, windows of 1024)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shapes = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
@@ -84,10 +92,17 @@ def main(argv=None):
             num_hidden_layers=args.layers, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
             moe_layers=[], attention_chunk_size=8192, max_position_embeddings=262144, rope_theta=500000.0)
         architecture = "Llama4ForCausalLM"
+    elif args.gemma3:
+        config = transformers.Gemma3TextConfig(
+            vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=args.layers,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+            layer_types=[("full" if (i + 1) % 4 == 0 else "sliding") + "_attention" for i in range(args.layers)],
+            max_position_embeddings=131072)
+        architecture = "Gemma3ForCausalLM"
     else:
         config, architecture = transformers.LlamaConfig(**shapes), "LlamaForCausalLM"
     settings = dict(SETTINGS)
-    if args.llama4:
+    if args.llama4 or args.gemma3:
         settings = {name: SETTINGS[name] for name in ("default", "aggressive")}
     if args.window:  # stage 1 inside windows under min_predicted_window only where asked (0: always)
         settings = {"default": {}, "predicted": {"min_predicted_window": 0},
@@ -126,12 +141,14 @@ def main(argv=None):
             results["padded_compiled"] = compiled_row = compiled_compare(
                 model, ids, attention_mask=mask, position_ids=positions)
             print("padded, compiled", compiled_row, flush=True)
+    model_name = "Llama-4-Scout" if args.llama4 else "Gemma-3-12B" if args.gemma3 else "Llama-3.1-8B"
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}, transformers {transformers.__version__}); "
-             f"{'Llama-4-Scout' if args.llama4 else 'Llama-3.1-8B'} shapes, {args.layers} layers, bf16, random "
+             f"{model_name} shapes, {args.layers} layers, bf16, random "
              f"weights; prefill ms (median of 5); "
              f"settings: {settings}" + (f"; a sliding window of {args.window} keys on every layer (Mistral)"
                                          if args.window else "")
-             + ("; chunks of 8192, every fourth layer global, dense MLPs" if args.llama4 else ""),
+             + ("; chunks of 8192, every fourth layer global, dense MLPs" if args.llama4 else "")
+             + ("; windows of 1024 keys, every fourth layer global" if args.gemma3 else ""),
              f"{'tokens':>7} {'sdpa ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'spars':>6} {'rel L1':>7}"]
     rows = list(results["lengths"].items()) + ([("padded", results["padded"])] if padded else []) \
         + [(f"static{i}", r) for i, r in enumerate(results.get("static", {}).values())]

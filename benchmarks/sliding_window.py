@@ -1,5 +1,6 @@
 """Causal attention with a sliding window (Mistral's 4096 keys, Gemma 3's local layers' 1024) at Llama-3.1-8B's
-head shape (32 query heads, 8 K/V heads, D = 128, bf16, one sequence), every figure from one run on one GPU.
+head shape (32 query heads, 8 K/V heads, D = 128, bf16, one sequence; ``--heads 16:8:256`` for Gemma-3-12B's), every
+figure from one run on one GPU.
 
 Per (length, window):
   * SDPA under transformers' boolean sliding mask (PyTorch's default dispatch): what sparge_diffusers.llm handed
@@ -13,7 +14,8 @@ Per (length, window):
 Every method runs on the same inputs; relative L1 against float32 attention under the window on 1024 sampled query
 rows. Times: kernel ms from CUDA-graph replays (median), fastest of 3 interleaved rounds.
 
-Usage: python benchmarks/sliding_window.py [--cases 32768:4096,32768:1024,8192:1024] [--out results.json]
+Usage: python benchmarks/sliding_window.py [--cases 32768:4096,32768:1024,8192:1024] [--heads 32:8:128]
+                                          [--out results.json]
 """
 
 from __future__ import annotations
@@ -32,24 +34,24 @@ from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attenti
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
 from sparge_diffusers.workloads import cudnn_attention_fn  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-
-
 def main(argv=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    args = cases_arguments(__doc__, "32768:4096,32768:1024,8192:1024", argv)
+    args = cases_arguments(__doc__, "32768:4096,32768:1024,8192:1024", argv, default_heads="32:8:128")
+    heads, kv_heads, head_dim = args.heads
+    # Flex's own tile choice at D = 256 spills (4 warps); the setting of benchmarks/attention.py's flex_fn there
+    flex_options = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2} if head_dim > 128 else None
     flex = torch.compile(flex_attention)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-               "cases": []}
-    lines = [f"{results['gpu']}, {HEADS} q heads / {KV_HEADS} kv heads, D = {HEAD_DIM}, bf16; ms (ratio = that "
+               "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "cases": []}
+    lines = [f"{results['gpu']}, {heads} q heads / {kv_heads} kv heads, D = {head_dim}, bf16; ms (ratio = that "
              f"method's ms / ours)",
              f"{'N':>6} {'window':>6} {'SDPA+mask':>10} {'cuDNN causal':>12} {'Flex':>8} {'ours all':>9} "
              f"{'ours def':>9} {'mask/all':>9} {'flex/all':>9} {'flex/def':>9} {'sparsity':>9} {'L1 all':>8} "
              f"{'L1 def':>8} {'L1 flex':>8}"]
     for case in args.cases.split(","):
         n, window = (int(x) for x in case.split(":"))
-        q, k, v = llm_like_qkv(n, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device="cuda", seed=n + window)
+        q, k, v = llm_like_qkv(n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, device="cuda", seed=n + window)
         keys = torch.arange(n, device="cuda")
         mask = (keys[None, :] <= keys[:, None]) & (keys[None, :] > keys[:, None] - window)  # (N, N) bool
 
@@ -58,12 +60,12 @@ def main(argv=None):
 
         block_mask = create_block_mask(sliding, None, None, n, n, device="cuda")
         # K/V repeated to the query heads, as transformers' SDPA path does under a mask
-        kx, vx = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+        kx, vx = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
 
         calls = {
             "sdpa_mask": lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask),
             "cudnn_causal": cudnn_attention_fn(q, k, v, causal=True),
-            "flex": lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True),
+            "flex": lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=flex_options),
             "ours_all": lambda: block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=window),
             "ours_default": lambda: sparge_attention(q, k, v, is_causal=True, sliding_window=window),
         }

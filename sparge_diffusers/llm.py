@@ -100,7 +100,7 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         raise ValueError("pbs_sparge_attention takes HND inputs and is always causal")
     check_no_grad(q, k, v)  # before ranking and gathering the keys (the gathered copies would raise only later)
     # an unsupported GPU raises before the ranking; backend="reference" ranks in PyTorch too
-    chosen = pick_backend(sparge_settings.get("backend", "auto"), q.device)
+    chosen = pick_backend(sparge_settings.get("backend", "auto"), q.device, q.shape[-1])
     importance = last_block_key_importance(q, k, scale=scale, causal_variant=causal_variant,
                                            backend="auto" if chosen == "triton" else "torch")
     order = segmented_key_order(importance, segment)

@@ -54,6 +54,12 @@ FULL = {
     "llama32k": _llm("llama32k", 32768, 32, 8, 128),
 }
 
+# Shapes benchmarks/attention.py also takes by name (--shapes), outside the four: Gemma-3-12B's prefill at
+# 32K (16 q heads, 8 k/v heads, head dim 256, which the Triton kernel runs; the Hopper kernel takes 64 and 128).
+EXTRA = {
+    "gemma3_32k": _llm("gemma3_32k", 32768, 16, 8, 256),
+}
+
 # Small versions that the float32 reference finishes in seconds on a CPU.
 SMALL = {
     "cogvideox": _video("cogvideox", (4, 12, 16), 32, 1, 2, 64),

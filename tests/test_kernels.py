@@ -81,6 +81,7 @@ MASK_CASES = [
     (2, 4, 2, 257, 257, 64, True),  # GQA, odd length
     (1, 2, 1, 100, 450, 128, False),  # Nq != Nkv, Nq shorter than one block
     (1, 2, 2, 600, 600, 128, True),
+    (1, 2, 1, 300, 300, 256, True),  # Gemma 2 / 3's head dim
 ]
 
 
@@ -159,6 +160,8 @@ ATTN_CASES = [
     # D > 64 without stage 2 takes kept blocks in pairs (128-key tiles gathered from two blocks)
     (1, 2, 1, 260, 1000, 128, False),
     (1, 2, 2, 650, 650, 128, True),
+    (1, 2, 1, 150, 200, 256, False),  # Gemma 2 / 3's head dim: 64-key tiles, no pairs
+    (1, 2, 1, 190, 190, 256, True),
 ]
 
 
@@ -629,6 +632,28 @@ def test_the_capability_test_traces_without_a_graph_break_or_warning(monkeypatch
         assert not [w for w in caught if "lru_cache" in str(w.message)]
 
 
+@pytest.mark.parametrize("shared,head_dim,refused", [(101376, 256, True), (101376, 128, False), (101376, 136, True),
+                                                    (166912, 256, False), (232448, 256, False)])
+def test_head_dims_above_128_need_the_shared_memory_of_an_a100_or_h100(monkeypatch, shared, head_dim, refused):
+    """Compiled for sm89 at D = 256 the mask walk needs 112 KB with one stage, more than the 99 KB per block of GPUs
+    of compute capability 8.6 / 8.9 / 12.0: there such head dims raise (naming both sizes) and ``unsupported_reason``
+    names them, so the seams fall back to SDPA; A100s (163 KB) and H100s (227 KB) run them."""
+    from sparge_diffusers.kernels import _inputs
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(_inputs, "_capability_of_index", lambda index: (8, 9) if shared < 110000 else (9, 0))
+    monkeypatch.setattr(_inputs, "_shared_memory_of_index", lambda index: shared)
+    if refused:
+        with pytest.raises(ValueError, match=rf"head dim {head_dim} needs 144 KB .* cuda:0 allows {shared // 1024} KB"):
+            _inputs.pick_backend("auto", gpu, head_dim)
+    else:
+        assert _inputs.pick_backend("auto", gpu, head_dim) == "triton"
+    assert (_inputs.gpu_reason(gpu, head_dim) is not None) == refused
+    assert _inputs.gpu_reason(gpu) is None  # no head dim given: the device alone
+    assert _inputs.pick_backend("reference", gpu, head_dim) == "reference"
+
+
 @pytest.mark.gpu
 def test_every_entry_point_refuses_a_gpu_older_than_ampere_and_the_seams_fall_back(monkeypatch):
     """The same on a real GPU told it is a 7.5 (a T4): every attention entry point raises before any launch, the
@@ -677,6 +702,34 @@ def test_gpu_kernels_match_reference(causal, dtype):
     assert not torch.isnan(out).any()
     assert relative_l1(out.cpu(), ref) < L1_TOL[dtype]
     torch.testing.assert_close(stats.qk_skipped.cpu(), ref_stats.qk_skipped)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_head_dim_256_matches_reference_in_every_kernel(causal):
+    """Head dim 256 (Gemma 2 / 3) on a GPU, where the Triton kernels run it (64-key tiles, two stages): the whole
+    method with stage 2, a random mask, the dense mode, a cap with sink logits (under a sliding window when causal),
+    S2O and FSA, each against the float32 reference with its output poisoned first."""
+    from sparge_diffusers import s2o_attention, select_key_blocks, selected_block_attention
+
+    q, k, v = llm_like_qkv(2500, heads=8, kv_heads=2, head_dim=256, dtype=torch.bfloat16, device="cuda", seed=3)
+    mask = torch.rand(1, 8, math.ceil(2500 / BLOCK_Q), math.ceil(2500 / BLOCK_K), device="cuda") < 0.3
+    sinks = torch.linspace(-2.0, 3.0, 8, device="cuda")
+    window = 700 if causal else None
+    blocks = select_key_blocks(q, k, top_k=8, is_causal=causal)
+    calls = {
+        "whole": lambda **b: sparge_attention(q, k, v, is_causal=causal, pvthreshd=8, **b),
+        "mask": lambda **b: block_sparse_attention(q, k, v, mask, is_causal=causal, **b),
+        "dense": lambda **b: block_sparse_attention(q, k, v, None, is_causal=causal, **b),
+        "cap, sinks": lambda **b: block_sparse_attention(q, k, v, None if causal else mask, is_causal=causal,
+                                                         sliding_window=window, softcap=20.0, sink_logits=sinks, **b),
+        "s2o": lambda **b: s2o_attention(q, k, v, is_causal=causal, **b),
+        "fsa": lambda **b: selected_block_attention(q, k, v, blocks, is_causal=causal, **b),
+    }
+    for name, call in calls.items():
+        out = call(out=poisoned_like(q))
+        assert not torch.isnan(out).any(), name
+        assert relative_l1(out.float(), call(backend="reference").float()) < L1_TOL[torch.bfloat16], name
 
 
 @pytest.mark.gpu

@@ -1308,6 +1308,33 @@ def test_a_model_with_softcapping_on_gpu_matches_eager(tmp_path):
     assert relative_l1(got.float(), eager.float()) < 2e-2  # bf16 through 2 layers
 
 
+def gemma3_head_dim_256(path) -> None:
+    """A tiny Gemma 3 saved at ``path``: head dim 256 (Gemma 2 and 3's; the kernels take it since session 54, before
+    which every layer went to SDPA), a sliding-window layer (100 keys) and a global one."""
+    if "gemma3_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "gemma3_text", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256, sliding_window=100,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_head_dim_of_256_runs_sparse(tmp_path, device):
+    """Gemma 3 at head dim 256: both layers on the sparse path (the reference on CPU, the Triton kernels in bf16 on
+    the GPU), SDPA's logits."""
+    gemma3_head_dim_256(tmp_path)
+    attention = register(f"sparge_test_d256_{device}", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True)
+    n, dtype, tolerance = (300, torch.float32, 1e-5) if device == "cpu" else (1000, torch.bfloat16, 2e-2)
+    ids = prompt(n, batch=2).clamp(min=1).to(device)
+    got = logits(load(tmp_path, f"sparge_test_d256_{device}").to(device, dtype), ids)
+    assert attention.sparse_calls == 2 and torch.isfinite(got).all()
+    expected = logits(load(tmp_path, "sdpa").to(device, dtype), ids)
+    assert relative_l1(got.float(), expected.float()) < tolerance  # bf16 through 2 layers on the GPU
+
+
 @pytest.mark.gpu
 def test_a_model_with_sinks_on_gpu_matches_eager(tmp_path):
     """gpt-oss with its sinks on the GPU (bf16): both layers (one under a 100-key window) on the kernels, eager's

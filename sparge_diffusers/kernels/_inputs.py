@@ -29,7 +29,7 @@ PerHead = Union[float, int, Sequence[float], torch.Tensor]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _CALL_DTYPES = KERNEL_DTYPES + (torch.float32,)  # float32 runs the reference on the CPU
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
 # The kernels' runtime window argument where there is no sliding window: wider than any sequence they take
@@ -150,7 +150,7 @@ def check_attention_inputs(
         raise ValueError(f"empty input: q shape {tuple(q.shape)}, k shape {tuple(k.shape)}")
     if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % 8 == 0):
         raise ValueError(f"head dim {D} is not supported: use a multiple of 8 between {MIN_HEAD_DIM} and "
-                         f"{MAX_HEAD_DIM} (64 and 128 are the tuned ones)")
+                         f"{MAX_HEAD_DIM} (64, 128 and 256 are the tuned ones)")
     if v is not None:  # attention outputs only: a predicted mask or block selection has no gradient anyway
         check_no_grad(q, k, v)
     return AttentionShape(B, H, HK, Nq, Nkv, D, causal_offset(Nq, Nkv, is_causal, causal_variant),
@@ -255,7 +255,7 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if query.device.type == "cuda":
         if query.dtype not in KERNEL_DTYPES:
             return f"dtype {query.dtype} on CUDA (the kernels take float16/bfloat16)"
-        reason = gpu_reason(query.device)
+        reason = gpu_reason(query.device, query.shape[-1])
         if reason is not None:
             return reason
     if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM and query.shape[-1] % 8 == 0):
@@ -378,29 +378,57 @@ def device_capability(device_index: int | None) -> tuple[int, int]:
     return _capability_of_index(index)
 
 
-def gpu_reason(device: torch.device) -> str | None:
-    """Why the Triton kernels cannot run on this CUDA device (None where they can). ROCm builds of PyTorch call AMD
-    GPUs "cuda" too: the kernels' settings, shared-memory sizes and Hopper paths are NVIDIA's, and no AMD GPU has
-    run them, so those are refused rather than trusted."""
+# Head dims above 128 (Gemma 2 and 3 use 256) need more shared memory per block than GPUs of compute capability 8.6,
+# 8.9 and 12.0 allow (99 KB): compiled offline at D = 256 (session 54), the kernels' launches need up to 144 KB for
+# sm80 at their settings (the mask walk and S2O's walk, two stages each), and for sm89 the mask walk needs 112 KB even
+# with one stage.
+WIDE_HEAD_DIM = 128
+WIDE_HEAD_SHARED_BYTES = 147456
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_memory_of_index(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def shared_memory_per_block(device_index: int) -> int:
+    """The opt-in maximum of shared memory per block of a CUDA device, in bytes (looked up once per device; read
+    directly while torch.compile traces, as ``device_capability`` does)."""
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    return _shared_memory_of_index(device_index)
+
+
+def gpu_reason(device: torch.device, head_dim: int = 0) -> str | None:
+    """Why the Triton kernels cannot run on this CUDA device (None where they can), at ``head_dim`` where given. ROCm
+    builds of PyTorch call AMD GPUs "cuda" too: the kernels' settings, shared-memory sizes and Hopper paths are
+    NVIDIA's, and no AMD GPU has run them, so those are refused rather than trusted."""
     if torch.version.hip is not None:
         return f"{device} is an AMD GPU (ROCm); the kernels are written and tested for NVIDIA GPUs only"
     major, minor = device_capability(device.index)
     if (major, minor) < MIN_CAPABILITY:
         return (f"{device} has compute capability {major}.{minor}; the Triton kernels need "
                 f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ampere and later)")
+    if head_dim > WIDE_HEAD_DIM:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        shared = shared_memory_per_block(index)
+        if shared < WIDE_HEAD_SHARED_BYTES:
+            return (f"head dim {head_dim} needs {WIDE_HEAD_SHARED_BYTES // 1024} KB of shared memory per block and "
+                    f"{device} allows {shared // 1024} KB; head dims up to {WIDE_HEAD_DIM} run there")
     return None
 
 
-def pick_backend(backend: Backend, device: torch.device) -> Literal["triton", "reference"]:
+def pick_backend(backend: Backend, device: torch.device, head_dim: int = 0) -> Literal["triton", "reference"]:
     """'auto': Triton on CUDA, the float32 reference on CPU (documented fallback for tests and tiny models). A GPU
-    older than :data:`MIN_CAPABILITY` raises ValueError for 'auto' and 'triton' (there the reference is the
-    only path: ``backend="reference"``, float32 and slow; or SDPA)."""
+    older than :data:`MIN_CAPABILITY`, or one with too little shared memory for ``head_dim`` (above 128 on GPUs with
+    99 KB per block), raises ValueError for 'auto' and 'triton' (there the reference is the only path:
+    ``backend="reference"``, float32 and slow; or SDPA)."""
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     if backend == "reference":
         return backend
     if device.type == "cuda":
-        reason = gpu_reason(device)
+        reason = gpu_reason(device, head_dim)
         if reason is not None:
             raise ValueError(f"{reason}: use backend='reference' (float32, slow) or SDPA on this GPU")
         return "triton"

@@ -94,7 +94,7 @@ def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink,
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     return _predict_checked(q, k, shape, is_causal=is_causal, scale=resolve_scale(scale, shape.head_dim),
                             simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, attention_sink=attention_sink,
-                            tensor_layout=tensor_layout, chosen=pick_backend(backend, q.device),
+                            tensor_layout=tensor_layout, chosen=pick_backend(backend, q.device, q.shape[-1]),
                             key_segment=key_segment, softcap=check_softcap(softcap))[0]
 
 
@@ -280,7 +280,7 @@ def block_sparse_attention(
         block_mask.check_matches(shape, is_causal, q.device, key_segment)
     elif block_mask is not None:
         check_block_mask(block_mask, shape, q.device)
-    chosen = pick_backend(backend, q.device)
+    chosen = pick_backend(backend, q.device, q.shape[-1])
     _check_out(out, q, k, v)
     return _block_sparse_checked(q, k, v, block_mask, shape, is_causal=is_causal,
                                  scale=resolve_scale(scale, shape.head_dim),
@@ -409,7 +409,7 @@ def sparge_attention(
                                    causal_variant=causal_variant, sliding_window=sliding_window)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     scale = resolve_scale(scale, shape.head_dim)
-    chosen = pick_backend(backend, q.device)
+    chosen = pick_backend(backend, q.device, q.shape[-1])
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
     sink_logits = check_sink_logits(sink_logits, shape, q.device)
     softcap = check_softcap(softcap)
@@ -486,7 +486,7 @@ def s2o_attention(
         raise ValueError(f"segment must be a positive multiple of 128 tokens, got {segment!r}")
     if not isinstance(check_every, int) or check_every < 1:
         raise ValueError(f"check_every must be a positive int, got {check_every!r}")
-    chosen = pick_backend(backend, q.device)
+    chosen = pick_backend(backend, q.device, q.shape[-1])
     theta = per_head(simthreshd1, shape.heads, "simthreshd1", q.device, low=-1.0, high=1.0)
     tau_t = None if tau is None else per_head(tau, shape.heads, "tau", q.device, low=0.0)
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)

@@ -161,7 +161,8 @@ def _soft_cap(scores, cap_in, cap_out, FAST: tl.constexpr = False):
     ``softcap_mode``): the ``tanh.approx.f32`` instruction, one special-function op per score where the exp2 form
     takes two plus a division's fix-up. On an H100 at Gemma-2-27B's heads a capped call took 45-58% longer than an
     uncapped one with the exp2 form, 23-31% with this one (benchmarks/results/softcap-H100.txt); its error there was
-    at most 3.9e-4 of c * tanh at c = 50 (float64 reference). FlashAttention-2/3 use the same instruction for the cap."""
+    at most 3.9e-4 of c * tanh at c = 50 (float64 reference). FlashAttention-2/3 use the same instruction for the
+    cap."""
     if FAST:
         return cap_out * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [scores * cap_in],
                                                    dtype=tl.float32, is_pure=True, pack=1)
@@ -444,15 +445,19 @@ def _launch_config(head_dim: int) -> dict:
     # H100 (benchmarks/results/launch-sweep-H100.txt): 8 warps and 3 stages are fastest, or within 2.5% of the
     # fastest setting, dense, at density 0.25, and at 0.25 with the stage-2 test, at D = 64 and 128; 4 stages
     # do not fit in shared memory at D = 128. Where 3 do not fit either (GPUs with 99 KB per block at D > 64),
-    # _launch.launch_fitting runs fewer (benchmarks/results/shared-memory.txt).
+    # _launch.launch_fitting runs fewer (benchmarks/results/shared-memory.txt). At D > 128 two stages of 64 keys:
+    # Gemma-3-12B heads (16 / 8, D = 256), causal, the dense mode 16.3 ms at 32K against 20.6 with one stage, 27.9 with
+    # one stage of 128 keys, 56.7 with 4 warps (cuDNN SDPA 13.6; benchmarks/results/kernel-variants-H100.txt (pp)).
+    if head_dim > 128:
+        return {"num_warps": 8, "num_stages": 2}
     return {"num_warps": 8, "num_stages": 3}
 
 
 def dense_block_n(head_dim: int) -> int:
-    """Key-tile width of the dense mode without stage 2, which follows no mask: 128 keys at D > 64 (H100,
+    """Key-tile width of the dense mode without stage 2, which follows no mask: 128 keys at 64 < D <= 128 (H100,
     8 warps, 3 stages: Llama-32K causal 16.5 vs 18.5 ms, Mochi 45.9 vs 50.2 ms, Flux 0.54 vs 0.56 ms), the
-    mask's 64 at D <= 64 (CogVideoX: 11.9 vs 10.8 ms)."""
-    return 128 if head_dim > 64 else BLOCK_K
+    mask's 64 at D <= 64 (CogVideoX: 11.9 vs 10.8 ms) and at D > 128 (see ``_launch_config``)."""
+    return 128 if 64 < head_dim <= 128 else BLOCK_K
 
 
 def pair_tiles(head_dim: int, index_given: bool, pv_skip: bool) -> bool:

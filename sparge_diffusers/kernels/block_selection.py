@@ -278,7 +278,7 @@ def select_key_blocks(
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     kwargs = dict(block_size=block_size, is_causal=is_causal, scale=scale, sink_blocks=sink_blocks,
                   local_blocks=local_blocks, causal_offset=shape.causal_offset)
-    if pick_backend(backend, q.device) == "reference":
+    if pick_backend(backend, q.device, q.shape[-1]) == "reference":
         from .reference import reference_select_key_blocks
 
         return reference_select_key_blocks(q, k, top_k=top_k, tensor_layout=tensor_layout,

@@ -126,7 +126,7 @@ def compact_block_mask(
     check_block_mask(block_mask, shape, q.device)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
     walk, tail = None, None
-    if pick_backend(backend, q.device) == "triton":
+    if pick_backend(backend, q.device, q.shape[-1]) == "triton":
         tail = new_tail_schedule(shape, q.device)[0] if wants_tail_schedule(shape, q.device) else None
         walk = block_mask_to_index(block_mask, shape, is_causal, tail=tail, key_segment=key_segment)
     return from_kernel_walk(block_mask, walk, shape, is_causal, tail, key_segment)

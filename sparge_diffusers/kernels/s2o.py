@@ -289,7 +289,10 @@ def _launch_config(head_dim: int) -> dict:
         return attention.LAUNCH_OVERRIDE
     # H100 sweep of the walk with the stop test (tau = 0): at D = 64, 4 warps take 11.8 ms against 17.4 ms
     # with 8 at the CogVideoX shape (the checkless walk is 11.4 ms either way); at D = 128, 8 warps and 3
-    # stages stay best (Llama-32K causal: 21.0 ms against 22.8-33.8 ms).
+    # stages stay best (Llama-32K causal: 21.0 ms against 22.8-33.8 ms). At D > 128 the mask walk's setting (two
+    # stages: three do not fit in an H100's shared memory; attention._launch_config).
+    if head_dim > 128:
+        return {"num_warps": 8, "num_stages": 2}
     return {"num_warps": 4 if head_dim <= 64 else 8, "num_stages": 3}
 
 

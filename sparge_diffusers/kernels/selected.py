@@ -372,7 +372,7 @@ def selected_block_attention(
                                    causal_variant=causal_variant)
     _check_block_size(block_size)
     scale = resolve_scale(scale, shape.head_dim)
-    chosen = pick_backend(backend, q.device)
+    chosen = pick_backend(backend, q.device, q.shape[-1])
     _check_out(out, q, k, v)
     sink_logits = check_sink_logits(sink_logits, shape, q.device)
     if not isinstance(max_partial_bytes, int) or isinstance(max_partial_bytes, bool) or max_partial_bytes <= 0:
