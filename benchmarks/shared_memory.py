@@ -31,15 +31,15 @@ SHARED_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024
                     100: 227 * 1024, 120: 99 * 1024}
 
 
-def public_calls(device: str, backend: str) -> dict:
-    """name -> zero-argument call, over every kernel family at head dims 64 and 128 (GQA, odd lengths)."""
+def public_calls(device: str, backend: str, head_dims: tuple[int, ...] = (64, 128)) -> dict:
+    """name -> zero-argument call, over every kernel family at ``head_dims`` (GQA, odd lengths)."""
     from sparge_diffusers import (block_sparse_attention, s2o_attention, select_key_blocks, selected_block_attention,
                                   sparge_attention)
     from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
     calls = {}
     b = dict(backend=backend)
-    for d in (64, 128):
+    for d in head_dims:
         q, k, v = (t.to(torch.bfloat16) for t in video_like_qkv((3, 10, 13), heads=4, head_dim=d, text_tokens=11,
                                                                   device=device, seed=1))
         lq, lk, lv = (t.to(torch.bfloat16) for t in llm_like_qkv(613, heads=4, kv_heads=2, head_dim=d, device=device,
@@ -59,7 +59,7 @@ def public_calls(device: str, backend: str) -> dict:
     return calls
 
 
-def compile_calls_for(capability: int) -> None:
+def compile_calls_for(capability: int, head_dims: tuple[int, ...] = (64, 128)) -> None:
     """Make the public calls on CPU tensors with every launch compiled for ``capability`` instead of run; print
     the attempts as JSON after "ATTEMPTS": [kernel, head dim (None if it has no HEAD_DIM), num_stages, shared
     bytes], in launch order, a refused attempt followed by its retry. Run without TRITON_INTERPRET, in a process
@@ -101,14 +101,14 @@ def compile_calls_for(capability: int) -> None:
     _launch.ENABLED = False  # nothing is launched, so nothing can be recorded
     attention_hopper.OVERRIDE = s2o_hopper.OVERRIDE = False
     with torch.no_grad():
-        for call in public_calls("cpu", backend="triton").values():
+        for call in public_calls("cpu", backend="triton", head_dims=head_dims).values():
             call()
     print("ATTEMPTS" + json.dumps(attempts))
 
 
-def attempts_for(capability: int) -> list:
-    """``compile_calls_for(capability)``'s attempts, from a fresh process."""
-    return json_from_fresh_process(f"import shared_memory; shared_memory.compile_calls_for({capability})",
+def attempts_for(capability: int, head_dims: tuple[int, ...] = (64, 128)) -> list:
+    """``compile_calls_for(capability, head_dims)``'s attempts, from a fresh process."""
+    return json_from_fresh_process(f"import shared_memory; shared_memory.compile_calls_for({capability}, {head_dims})",
                                    "ATTEMPTS", os.path.dirname(os.path.abspath(__file__)))
 
 

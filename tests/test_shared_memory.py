@@ -40,6 +40,19 @@ def test_every_launch_fits_the_shared_memory_of_smaller_gpus(capability):
         assert len(refused) >= 4  # the mask walks and the dense mode, causal or not
 
 
+def test_head_dim_256_fits_an_a100_and_not_a_99_kb_gpu():
+    """At head dim 256 every launch compiled for sm80 fits its 163 KB, within the 144 KB that ``_inputs`` asks of a GPU
+    before running such head dims (``WIDE_HEAD_SHARED_BYTES``); for sm89 (99 KB) the mask walk does not fit even with
+    one stage, which is why such GPUs are refused there instead of launched."""
+    from sparge_diffusers.kernels._inputs import WIDE_HEAD_SHARED_BYTES
+
+    attempts = shared_memory.attempts_for(80, head_dims=(256,))
+    assert attempts and max(shared for *_, shared in attempts) <= min(WIDE_HEAD_SHARED_BYTES, SHARED_PER_BLOCK[80])
+    assert WIDE_HEAD_SHARED_BYTES > SHARED_PER_BLOCK[89]
+    with pytest.raises(RuntimeError, match="out of resource: shared memory"):
+        shared_memory.attempts_for(89, head_dims=(256,))
+
+
 def test_committed_table_is_the_committed_results():
     results_dir = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
     with open(os.path.join(results_dir, "shared-memory.json")) as f:
