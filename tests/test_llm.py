@@ -569,20 +569,25 @@ def test_local_and_global_layers_both_run_sparse(tmp_path):
         assert attention.sparse_calls == 2, window
 
 
+def tiny_gemma3(path, *, head_dim: int, sliding_window: int, layer_types: list[str]) -> None:
+    """A tiny Gemma 3 with these head dim, window and layers saved at ``path`` (skips where transformers has none)."""
+    if "gemma3_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "gemma3_text", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+        max_position_embeddings=2048, sliding_window=sliding_window, layer_types=layer_types)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
 def test_alternating_layers_read_each_of_their_masks_once_per_forward(tmp_path, monkeypatch):
     """A left-padded batch through Gemma 3's alternating local and global layers (4 layers): transformers hands the
     local layers one mask and the global layers another; each is read once per forward (the function keeps the last
     two verdicts), and the logits are SDPA's at the real positions."""
-    if "gemma3_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3")
     import sparge_diffusers.llm as llm
 
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        "gemma3_text", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, sliding_window=128,
-        layer_types=["sliding_attention", "full_attention"] * 2)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tiny_gemma3(tmp_path, head_dim=64, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2)
     attention = register("sparge_test_gemma3_reads", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
                          min_padded_tokens=0)
     reads = []
@@ -1308,24 +1313,12 @@ def test_a_model_with_softcapping_on_gpu_matches_eager(tmp_path):
     assert relative_l1(got.float(), eager.float()) < 2e-2  # bf16 through 2 layers
 
 
-def gemma3_head_dim_256(path) -> None:
-    """A tiny Gemma 3 saved at ``path``: head dim 256 (Gemma 2 and 3's; the kernels take it since session 54, before
-    which every layer went to SDPA), a sliding-window layer (100 keys) and a global one."""
-    if "gemma3_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3")
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        "gemma3_text", vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256, sliding_window=100,
-        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_head_dim_of_256_runs_sparse(tmp_path, device):
-    """Gemma 3 at head dim 256: both layers on the sparse path (the reference on CPU, the Triton kernels in bf16 on
-    the GPU), SDPA's logits."""
-    gemma3_head_dim_256(tmp_path)
+    """Gemma 3 at head dim 256 (Gemma 2 and 3's; the kernels take it since session 54, before which every layer went to
+    SDPA), a 100-key sliding layer and a global one: both on the sparse path (the reference on CPU, the Triton kernels
+    in bf16 on the GPU), SDPA's logits."""
+    tiny_gemma3(tmp_path, head_dim=256, sliding_window=100, layer_types=["sliding_attention", "full_attention"])
     attention = register(f"sparge_test_d256_{device}", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True)
     n, dtype, tolerance = (300, torch.float32, 1e-5) if device == "cpu" else (1000, torch.bfloat16, 2e-2)
     ids = prompt(n, batch=2).clamp(min=1).to(device)
