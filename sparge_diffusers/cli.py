@@ -20,7 +20,7 @@ from tqdm import tqdm
 from . import __version__, sparge_attention
 from ._json import write_json
 from .pipelines.call_arguments import check_pipe_kwargs
-from .workloads import FULL, SMALL, cudnn_attention_fn, sampled_relative_l1
+from .workloads import EXTRA, FULL, SMALL, SMALL_EXTRA, cudnn_attention_fn, sampled_relative_l1
 
 
 def _time_ms(fn, repeats: int = 10) -> float:
@@ -32,7 +32,7 @@ def _time_ms(fn, repeats: int = 10) -> float:
 def bench(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available() and not args.cpu
     device = "cuda" if gpu else "cpu"
-    table = FULL if gpu else SMALL
+    table = {**FULL, **EXTRA} if gpu else {**SMALL, **SMALL_EXTRA}
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="run the whole method on built-in structured workloads")
-    b.add_argument("--workloads", default=",".join(FULL), help="comma-separated, from: " + ", ".join(FULL))
+    b.add_argument("--workloads", default=",".join(FULL),
+                   help="comma-separated, from: " + ", ".join({**FULL, **EXTRA}) + " (default: the first four)")
     b.add_argument("--json", help="also write the results to this JSON file")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--cpu", action="store_true", help="use the CPU reference even when a GPU is present")

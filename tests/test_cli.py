@@ -16,6 +16,15 @@ def test_bench_runs_on_cpu_and_writes_json(tmp_path, capsys):
         assert 0 < r["relative_l1"] < 0.1, r
 
 
+def test_bench_runs_the_head_dim_256_workload_on_request(tmp_path, capsys):
+    """Gemma-3-12B's prefill shape (head dim 256) is not among the default workloads but runs when named."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--cpu", "--quiet", "--workloads", "gemma3_32k", "--json", str(out)]) == 0
+    (row,) = strict_json_load(out)["workloads"]
+    assert row["workload"] == "gemma3_32k" and row["D"] == 256 and row["causal"]
+    assert 0.05 < row["sparsity"] < 1 and 0 < row["relative_l1"] < 0.1, row
+
+
 def test_bench_rejects_unknown_workload(capsys):
     assert main(["bench", "--cpu", "--quiet", "--workloads", "sora"]) == 2
     assert "unknown workload" in capsys.readouterr().err
