@@ -145,8 +145,8 @@ def flex_fn(q, k, v, mask, causal, shape, key_positions=None, key_segment=BLOCK_
     options = {"BLOCK_M": BLOCK_Q, "BLOCK_N": BLOCK_K}
     if q.shape[-1] > 128:
         # at D = 256 three stages of that tile do not fit an H100's shared memory (nor ours), and Flex's default 4
-        # warps spill: Gemma-3-12B heads, 32K causal, density 0.25, H100, Flex 16.2 ms with 4 warps and 2 stages,
-        # 5.0 with 8 warps, 6.0-7.1 with 64-row or 32-key tiles or its own default (ours 4.7)
+        # warps are slow: Gemma-3-12B heads, 32K causal, density 0.25, H100, Flex 16.2 ms with 4 warps and 2 stages,
+        # 5.0 with 8 warps, 6.0-7.1 with 64-row or 32-key tiles or its own default (ours 4.7; kernel-variants (pp))
         options.update(num_stages=2, num_warps=8)
     return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
 

@@ -34,12 +34,14 @@ from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attenti
 from sparge_diffusers.testing import llm_like_qkv  # noqa: E402
 from sparge_diffusers.workloads import cudnn_attention_fn  # noqa: E402
 
+
 def main(argv=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     args = cases_arguments(__doc__, "32768:4096,32768:1024,8192:1024", argv, default_heads="32:8:128")
     heads, kv_heads, head_dim = args.heads
-    # Flex's own tile choice at D = 256 spills (4 warps); the setting of benchmarks/attention.py's flex_fn there
+    # at D = 256 Flex's other settings took 1.2-5.4x longer than 8 warps and 2 stages (kernel-variants-H100.txt (pp)):
+    # the setting of benchmarks/attention.py's flex_fn there
     flex_options = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2} if head_dim > 128 else None
     flex = torch.compile(flex_attention)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
