@@ -61,6 +61,12 @@ def prompt(n, batch=1, seed=1):
     return torch.randint(0, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+def aot_compiled(model):
+    """``model`` compiled as one graph (aot_eager, fullgraph) after a Dynamo reset, as every compiled test here runs."""
+    torch._dynamo.reset()
+    return torch.compile(model, backend="aot_eager", fullgraph=True)
+
+
 def logits(model, ids, **kw):
     with torch.no_grad():
         return model(input_ids=ids, **kw).logits
@@ -542,8 +548,7 @@ def test_a_sliding_window_skips_blocks_outside_it_and_compiles(tmp_path):
     # 600 tokens: query block 0 sees key blocks 0-1, each later one 4 blocks of 64 (e.g. rows 256-383: keys 157-383)
     assert stats.dense_blocks == 2 + 4 * 4
     assert 0 < stats.sparsity < 1 and torch.isfinite(eager).all()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = aot_compiled(model)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="SpargeLLMAttention")
         assert torch.equal(logits(compiled, ids), eager)
@@ -728,8 +733,7 @@ def test_compiled_chunked_attention_reads_its_mask_at_run_time(tmp_path):
     model = load(path, "sparge_test_chunked_compiled")
     ids = prompt(300)
     eager = logits(model, ids)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = aot_compiled(model)
     assert torch.equal(logits(compiled, ids), eager)
     assert attention.sparse_calls == 4  # eager's; compiled calls are counted only with collect_stats
 
@@ -1098,8 +1102,7 @@ def test_a_model_with_softcapping_runs_sparse_with_it(tmp_path):
     with pytest.warns(UserWarning, match=r"falling back to exact attention \(llm.eager_attention\): softcapping"):
         got = logits(load(tmp_path, "sparge_test_softcap_fallback"), prompt(90))
     assert relative_l1(got, logits(load(tmp_path, "eager"), prompt(90))) < 1e-5 and falling_back.sparse_calls == 0
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = aot_compiled(model)
     assert relative_l1(logits(compiled, ids), eager) < 1e-5
 
 
@@ -1110,8 +1113,7 @@ def test_a_model_with_sinks_compiles_to_one_graph(tmp_path):
     model = load(path, "sparge_test_sinks_compiled")
     ids = prompt(300)
     eager = logits(model, ids)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = aot_compiled(model)
     assert torch.equal(logits(compiled, ids), eager)
 
 
@@ -1122,8 +1124,7 @@ def test_compiled_prefill_is_one_graph_and_matches_eager(tiny_llama):
     eager = logits(model, ids)
     assert relative_l1(eager, logits(load(tiny_llama, "sdpa"), ids)) > 1e-3, "the settings must skip blocks"
     calls = attention.sparse_calls
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = aot_compiled(model)
     with torch._dynamo.config.patch(error_on_recompile=True):
         first, second = logits(compiled, ids), logits(compiled, ids)
     assert torch.equal(first, eager) and torch.equal(second, eager)
@@ -1147,8 +1148,7 @@ def test_compiled_prefill_collects_stats_when_asked(tiny_llama, method):
     expected = [s.qk_skipped for s in attention.stats]
     assert len(expected) == 4 and attention.sparse_calls == 4  # 2 layers x (a prompt, a padded batch)
     attention.stats.clear()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = aot_compiled(model)
     for again in (False, True):  # one graph per call signature, then no recompile
         with torch._dynamo.config.patch(error_on_recompile=again):
             assert torch.equal(logits(compiled, ids), eager)
@@ -1175,8 +1175,7 @@ def test_compiled_calls_with_a_mask_read_it_at_run_time(tiny_llama):
     eager = logits(model, batch, attention_mask=mask, position_ids=positions)
     real = mask.bool()
     assert relative_l1(eager[real], logits(sdpa, batch, attention_mask=mask, position_ids=positions)[real]) > 1e-3
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = aot_compiled(model)
     with warnings.catch_warnings(), torch._dynamo.config.patch(error_on_recompile=True):
         warnings.filterwarnings("error", message="SpargeLLMAttention")
         first = logits(compiled, batch, attention_mask=mask, position_ids=positions)
@@ -1226,17 +1225,15 @@ def test_compiled_pbs_prefill_matches_eager(tiny_llama):
     ids = prompt(300)
     model = load(tiny_llama, "sparge_test_compile_pbs")
     eager = logits(model, ids)
-    torch._dynamo.reset()
     with warnings.catch_warnings(), torch._dynamo.config.patch(error_on_recompile=True):
         warnings.filterwarnings("error", message="SpargeLLMAttention")
-        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        compiled = aot_compiled(model)
         assert torch.equal(logits(compiled, ids), eager) and torch.equal(logits(compiled, ids), eager)
     assert not torch.equal(eager, logits(load(tiny_llama, "sparge_test_compile_in_order"), ids))
     batch = torch.cat([prompt(300, seed=4), ids])
     mask, positions = left_padded(batch, (0, 40))
     eager = logits(model, batch, attention_mask=mask, position_ids=positions)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = aot_compiled(model)
     assert torch.equal(logits(compiled, batch, attention_mask=mask, position_ids=positions), eager)
     in_order = logits(load(tiny_llama, "sparge_test_compile_in_order"), batch, attention_mask=mask,
                       position_ids=positions)
@@ -1254,9 +1251,8 @@ def test_compiled_s2o_and_fsa_are_one_graph_and_match_eager(tiny_llama, method, 
     model = load(tiny_llama, f"sparge_test_compile_{method}")
     eager = logits(model, ids)
     assert relative_l1(eager, logits(load(tiny_llama, "sdpa"), ids)) > 1e-3, "the settings must skip blocks"
-    torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        compiled = aot_compiled(model)
         assert torch.equal(logits(compiled, ids), eager) and torch.equal(logits(compiled, ids), eager)
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch
+from .._launch import cdiv, launch
 
 ROWS_PER_PROGRAM = 4
 BLOCK_COLUMNS = 1024
@@ -63,7 +63,7 @@ def _row_extents_triton(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     first, last, count = (torch.empty(batch, rows, dtype=torch.int32, device=mask.device) for _ in range(3))
     if batch * rows == 0:
         return first, last, count
-    launch(_row_extents_kernel, (triton.cdiv(batch * rows, ROWS_PER_PROGRAM),), mask.view(torch.uint8), first, last,
+    launch(_row_extents_kernel, (cdiv(batch * rows, ROWS_PER_PROGRAM),), mask.view(torch.uint8), first, last,
            count, rows, batch * rows, cols, mask.stride(0), mask.stride(1), ROWS=ROWS_PER_PROGRAM,
            BLOCK=BLOCK_COLUMNS, num_warps=4)
     return first, last, count
