@@ -10,7 +10,9 @@ given sparsity buys.
 
 Then one left-padded batch (``--padded``: prompt lengths, padded on the left to the longest, with the attention mask
 a tokenizer gives): SDPA computes the padded batch under transformers' boolean mask; our function runs each prompt
-without its padding. Relative L1 over the real positions only.
+without its padding. Relative L1 over the real positions only. ``--right-padded``: the same for a batch padded on the
+right (each prompt one causal call on its keys, its padding queries by SDPA over them, as transformers' mask has
+them attend; before session 55 such a batch went to SDPA under the mask).
 
 With ``--static FILLED:CHUNK:SLOTS,...``, a chunk against a static cache (``StaticCache``, as
 ``cache_implementation="static"`` and compiled generation use): the cache holds SLOTS positions, the first FILLED -
@@ -27,9 +29,10 @@ started to keep every block in them), and "aggressive" predicts in every window 
 
 With ``--llama4``, the layers are Llama-4-Scout's text layers instead (40 query heads, 8 K/V heads, D = 128; every
 fourth layer global without rotary embeddings, the others attending within chunks of 8192 positions; dense MLPs of
-16384 in place of its 16 experts, which transformers' Llama 4 runs on every token, 16 GB at 32K tokens): past one chunk transformers hands the chunked layers a boolean mask that restarts causal attention at
-each chunk, under which SDPA computes all N² scores; our function reads it and runs one causal call per chunk (before
-session 53 those layers went to SDPA under the mask). Settings: default and aggressive only.
+16384 in place of its 16 experts, which transformers' Llama 4 runs on every token, 16 GB at 32K tokens): past one
+chunk transformers hands the chunked layers a boolean mask that restarts causal attention at each chunk, under
+which SDPA computes all N² scores; our function reads it and runs one causal call per chunk (before session 53 those
+layers went to SDPA under the mask). Settings: default and aggressive only.
 
 With ``--gemma3``, the layers are Gemma-3-12B's text layers (16 query heads, 8 K/V heads, head dim 256; three of
 every four layers under a sliding window of 1024 keys, the fourth global; Gemma 3 has five local layers to each global
@@ -41,7 +44,8 @@ With ``--compiled``, the padded batch also runs through ``torch.compile(model.mo
 default mode) with SDPA and with the default settings, whose masked calls go through the
 ``sparge_diffusers::llm_masked_prefill`` operator (the mask read at run time, each prompt its own call).
 
-Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096] [--layers 4]
+Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096]
+       [--right-padded 16384,12288,8192,4096] [--layers 4]
        [--static 32768:2048:40960,32768:8192:40960] [--window 4096 | --llama4 | --gemma3] [--compiled]
        [--out results.json]
 """
@@ -73,6 +77,7 @@ def main(argv=None):
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--padded", default="16384,12288,8192,4096", help="prompt lengths of one left-padded batch "
                     "('' for none)")
+    ap.add_argument("--right-padded", default="", help="prompt lengths of one right-padded batch ('' for none)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--static", default="", help="FILLED:CHUNK:SLOTS,... chunks against a static cache ('' for none)")
     ap.add_argument("--compiled", action="store_true", help="also time the padded batch compiled (SDPA and default)")
@@ -127,12 +132,7 @@ def main(argv=None):
         print("static", (filled, chunk, slots), row, flush=True)
     padded = [int(n) for n in args.padded.split(",") if n]
     if padded:
-        longest = max(padded)
-        ids = torch.randint(0, config.vocab_size, (len(padded), longest), device="cuda",
-                            generator=torch.Generator("cuda").manual_seed(2))
-        mask = torch.zeros_like(ids)
-        for b, n in enumerate(padded):
-            mask[b, longest - n:] = 1
+        ids, mask = padded_batch(config, padded, "left")
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         results["padded"] = row = compare(model, functions, ids, attention_mask=mask, position_ids=positions)
         row["prompt_lengths"] = padded
@@ -141,6 +141,12 @@ def main(argv=None):
             results["padded_compiled"] = compiled_row = compiled_compare(
                 model, ids, attention_mask=mask, position_ids=positions)
             print("padded, compiled", compiled_row, flush=True)
+    right_padded = [int(n) for n in args.right_padded.split(",") if n]
+    if right_padded:
+        ids, mask = padded_batch(config, right_padded, "right")
+        results["right_padded"] = row = compare(model, functions, ids, attention_mask=mask)
+        row["prompt_lengths"] = right_padded
+        print("right padded", right_padded, row, flush=True)
     model_name = "Llama-4-Scout" if args.llama4 else "Gemma-3-12B" if args.gemma3 else "Llama-3.1-8B"
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}, transformers {transformers.__version__}); "
              f"{model_name} shapes, {args.layers} layers, bf16, random "
@@ -151,6 +157,7 @@ def main(argv=None):
              + ("; windows of 1024 keys, every fourth layer global" if args.gemma3 else ""),
              f"{'tokens':>7} {'sdpa ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'spars':>6} {'rel L1':>7}"]
     rows = list(results["lengths"].items()) + ([("padded", results["padded"])] if padded else []) \
+        + ([("right", results["right_padded"])] if right_padded else []) \
         + [(f"static{i}", r) for i, r in enumerate(results.get("static", {}).values())]
     for n, r in rows:
         for name in settings:
@@ -169,7 +176,22 @@ def main(argv=None):
     if padded:
         lines.append(f"padded: a left-padded batch of {len(padded)} prompts ({', '.join(map(str, padded))} tokens, "
                      f"padded to {max(padded)}); SDPA under the mask, ours per prompt; L1 over real positions")
+    if right_padded:
+        lines.append(f"right: the same for a right-padded batch of {len(right_padded)} prompts "
+                     f"({', '.join(map(str, right_padded))} tokens); ours per prompt, its padding queries by SDPA")
     save_report(results, "\n".join(lines), args.out)
+
+
+def padded_batch(config, lengths: list[int], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids of prompts of ``lengths``, padded on ``side`` ("left" or "right") to the longest, and the
+    attention mask a tokenizer gives them (1 = real token)."""
+    longest = max(lengths)
+    ids = torch.randint(0, config.vocab_size, (len(lengths), longest), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(2))
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, slice(longest - n, None) if side == "left" else slice(0, n)] = 1
+    return ids, mask
 
 
 def compare(model, functions, ids, after_each=None, **inputs) -> dict:

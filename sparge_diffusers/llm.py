@@ -8,14 +8,15 @@
 The prefill of a causal model runs :func:`sparge_attention` with ``is_causal=True`` and grouped-query heads as they
 come (no repeat of K/V): a whole prompt, chunked prefill against a KV cache (fewer queries than keys, with the
 lower-right causal mask transformers builds for it; ``causal_variant="lower_right"``; against a static cache only
-its filled slots), left-padded batches (each prompt its own call without its padding), Llama 4's chunked attention
+its filled slots), left- and right-padded batches (each prompt its own call without its padding; a right-padded
+prompt's padding queries by exact attention over its keys, as SDPA's mask has them), Llama 4's chunked attention
 and packed sequences (each chunk or sequence its own call on its keys), layers with a sliding window
 (Mistral, Gemma 3's local layers: the kernels take ``sliding_window``) and models with learned attention sinks
 (gpt-oss's ``s_aux``: the kernels take ``sink_logits``) or logit soft-capping (Gemma 2's ``softcap``); calls with
 either that cannot run sparse go to :func:`eager_attention`, not to SDPA's function, which would drop the sinks and
 raises on softcap. Everything else is left to transformers' own SDPA function, the one
-``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, right padding or
-other explicit masks, dropout, sliding windows that hide keys under a method that takes none (S2O, FSA, PBS's
+``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, explicit masks of
+other patterns, dropout, sliding windows that hide keys under a method that takes none (S2O, FSA, PBS's
 permuted keys), position biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse
 (a value head dim unlike the query's). ``strict=True`` raises instead of falling back. Calls that neither the
 kernels nor SDPA compute raise ValueError whatever ``strict`` says (per-token sinks, key indices chosen by the
@@ -406,6 +407,11 @@ class SpargeLLMAttention:
       with ``padding_side="left"``, as ``generate`` wants), whole or chunked, of at least ``min_padded_tokens``
       keys. Each prompt then runs as its own call without its padding (rows of padding queries get zeros, as
       from SDPA), and its stats are joined over the batch (:meth:`SparsityStats.concat`).
+    - the same mask with each prompt's keys from its length on hidden from every query: a right-padded batch
+      (``padding_side="right"``, or ``padding="max_length"``), of at least ``min_padded_tokens`` keys, without a
+      window that hides keys and without a static cache. Each prompt's real queries run as one causal call on its
+      keys; its padding queries, which see all of them under this mask, by exact attention (SDPA, or
+      :func:`eager_attention` with sinks or a cap), so that the output equals SDPA's at every position.
     - a mask that restarts causal attention within a prompt, each query seeing one run of keys that ends at its
       causal end: Llama 4's chunked-attention layers (chunks of ``attention_chunk_size`` positions, counted from
       each prompt's first real token; whole, padded or against a cache) and sequences packed in one row. Each chunk
@@ -604,7 +610,7 @@ class SpargeLLMAttention:
         call's ``window`` the mask may also hide keys outside it."""
         layout = self._mask_layout(mask, q_len, kv_len, window)
         if layout is None:
-            return "an explicit attention mask (right padding, a per-query or custom mask)", None, None
+            return "an explicit attention mask (a per-query or custom mask)", None, None
         if layout.segments is not None:
             groups = {tuple(row) for row in layout.segments}  # rows sharing their segments run together
             rows = mask.shape[0] if len(groups) == 1 else 1
@@ -614,8 +620,9 @@ class SpargeLLMAttention:
                 return (f"a mask of causal segments (chunked attention or packed sequences) averaging fewer than "
                         f"min_segment_queries={self.min_segment_queries} queries per call ({calls} calls, which "
                         f"would cost more than SDPA under the mask)"), None, None
-        elif any(layout.padding) and layout.keys < self.min_padded_tokens:
-            return (f"a left-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
+        elif (any(layout.padding) or layout.ends is not None) and layout.keys < self.min_padded_tokens:
+            side = "left" if layout.ends is None else "right"
+            return (f"a {side}-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
                     "per prompt would cost more than SDPA under the mask)"), None, None
         return None, "lower_right", layout
 
@@ -698,6 +705,8 @@ class SpargeLLMAttention:
         With a mask's layout, only the keys in use are attended (a static cache's empty slots are left out: views,
         no copy). ``window``: a sliding window that hides keys from some query (None: none that does); ``terms``: the
         layer's :class:`ScoreTerms`."""
+        if layout is not None and layout.ends is not None:  # (before the cut below: it counts positions from Nkv)
+            return self._right_padded_prefill(query, key, value, layout.ends, scale, terms)
         if layout is not None and layout.keys < key.shape[2]:
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         if layout is not None and (layout.segments is not None or any(layout.padding)):
@@ -786,6 +795,36 @@ class SpargeLLMAttention:
                     parts.append(s)
         return out, (SparsityStats.concat(parts) if parts else None)
 
+    def _right_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ends: list[int],
+                              scale: float | None, terms: ScoreTerms = NO_TERMS
+                              ) -> tuple[torch.Tensor, SparsityStats | None]:
+        """A right-padded batch (:class:`CausalMaskLayout`'s ``ends``): each prompt's real queries as one
+        lower-right causal call on its keys 0..ends[b] - 1 (rows of one end together, as one batch), and its
+        padding queries, which see all of those keys, by exact attention (SDPA, or :func:`eager_attention` with
+        sinks or a cap), so that every row is what SDPA under the mask gives. Padding queries feed no real token's
+        output in any layer (every query's mask hides their keys), so their rows are computed exactly rather than
+        sparsely only to match SDPA's output everywhere. Returns (B, Nq, H, D) and the calls' stats when collected."""
+        batch, heads, q_len, head_dim = query.shape
+        offset = key.shape[2] - q_len
+        out = query.new_empty(batch, q_len, heads, head_dim)
+        parts = []
+        start = 0
+        for b in range(1, batch + 1):
+            if b < batch and ends[b] == ends[start]:
+                continue
+            rows, end = slice(start, b), ends[start]
+            real = min(q_len, max(0, end - offset))  # queries at positions before `end`: the real tokens
+            k, v = key[rows, :, :end], value[rows, :, :end]
+            if real:
+                o, s = self._prefill(query[rows, :, :real], k, v, scale, "lower_right", None, terms)
+                out[rows, :real] = o.transpose(1, 2)
+                if s is not None:
+                    parts.append(s)
+            if real < q_len:
+                out[rows, real:] = _exact_attention(query[rows, :, real:], k, v, scale, terms)
+            start = b
+        return out, (SparsityStats.concat(parts) if parts else None)
+
     def _warn(self, reason: str, terms: ScoreTerms = NO_TERMS) -> None:
         """Raise under ``strict``, else warn once per reason, naming where the call goes: SDPA, or with sinks or a
         cap (``terms``) the exact :func:`eager_attention`."""
@@ -817,6 +856,17 @@ def _method_extras(window: int | None, terms: ScoreTerms) -> dict[str, Any]:
     if terms.softcap is not None:
         extras["softcap"] = terms.softcap
     return extras
+
+
+def _exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                     terms: ScoreTerms) -> torch.Tensor:
+    """Every query over every key, exactly: SDPA (grouped-query heads as they come), or with sinks or a cap
+    :func:`eager_attention`. query (B, H, Nq, D), key/value (B, H_kv, Nkv, D); returns (B, Nq, H, D)."""
+    if terms.any():
+        return eager_attention(query, key, value, None, sinks=terms.sinks, softcap=terms.softcap, scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale,
+                                                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2)
 
 
 def _stacked_segments(segments: list[tuple[int, int, int]], offset: int, batch: int
@@ -897,19 +947,24 @@ class CausalMaskLayout(NamedTuple):
     ``segments`` (None for the masks above): a mask that also restarts the causal attention within a prompt
     (Llama 4's chunked attention, packed sequences). For each mask row, the ``(first query, end query, first key)``
     of each run of queries that see the same first key: query i of a run sees keys first key..i + keys - Nq. Queries
-    in no run see no key; ``padding[b]`` is then the first key any query of row b sees."""
+    in no run see no key; ``padding[b]`` is then the first key any query of row b sees.
+
+    ``ends`` (None for the masks above): right padding. Prompt b's real tokens are keys 0..ends[b] - 1 and no query
+    sees a key from ends[b] on: a real query (at position ends[b] - 1 or before) sees keys 0..its position, a
+    padding query (at a later position) all of keys 0..ends[b] - 1."""
 
     keys: int
     padding: list[int]
     segments: list[list[tuple[int, int, int]]] | None = None
+    ends: list[int] | None = None
 
 
 def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26,
                      sliding_window: int | None = None) -> CausalMaskLayout | None:
     """The layout of a boolean (B|1, 1, Nq, >= Nkv) mask (True = attend), cut to its first ``kv_len`` keys, if it is
     lower-right causal over its first L <= Nkv keys: query i sees at most keys ..i + L - Nq, keys L.. none. Returns
-    :class:`CausalMaskLayout`, or None for any other mask (right padding, per-head or additive masks, rows that
-    are not one contiguous run of keys). L is read off the last query; one read-back (a device sync) at the end.
+    :class:`CausalMaskLayout`, or None for any other mask (per-head or additive masks, rows that are not one
+    contiguous run of keys). L is read off the last query; one read-back (a device sync) at the end.
 
     - Each batch row's first p_b keys hidden from every query (left padding; p_b = 0 without): ``keys`` = L and
       ``padding`` = [p_b]. transformers builds this mask for a left-padded batch, with or without a cache (L = Nkv),
@@ -920,6 +975,13 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
       sequence on: ``segments`` as well (:class:`CausalMaskLayout`). transformers masks Llama 4's chunked-attention
       layers so (chunks of ``attention_chunk_size`` positions, counted from the prompt's first real token) and
       sequences packed in one row (position ids restarting, no cache).
+
+    - Right padding (no window): prompt b's keys from ends[b] on hidden from every query, so that a padding query
+      (past position ends[b] - 1) sees all of keys 0..ends[b] - 1 rather than its causal range: ``ends`` (see
+      :class:`CausalMaskLayout`; ``keys`` = the largest end). transformers builds this mask for a right-padded
+      batch (many tokenizers' default side; ``padding="max_length"`` or ``pad_to_multiple_of`` pad every prompt).
+      The queries' positions are then counted from Nkv - Nq, which holds without a cache and with a dynamic one;
+      a static cache's right-padded mask is not read (it falls back).
 
     Each query row's first and last seen key and its count of seen keys are read (:func:`mask_row_extents`: one
     Triton pass over the mask on CUDA; on CPU PyTorch reductions over row chunks of at most ``max_elements`` mask
@@ -932,6 +994,8 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q_len \
             or mask.shape[3] < kv_len or q_len == 0:
         return None
+    if sliding_window is not None and sliding_window >= kv_len:
+        sliding_window = None  # a window that hides no key: the mask is the one without it
     mask = mask[:, 0, :, :kv_len]
     first, last, count = mask_row_extents(mask, max_elements)  # (B, Nq) each; first = kv_len where no key is seen
     seen = count > 0
@@ -940,7 +1004,8 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     positions = torch.arange(q_len, device=mask.device) + (used - q_len)
     runs = (last == positions) & (count == last - first + 1)  # keys first..position: one run to the causal end
     if sliding_window is None:
-        return _causal_runs_layout(first, torch.where(seen, runs, True).all(), used, q_len, kv_len)
+        return _causal_runs_layout(first, torch.where(seen, runs, True).all(), used, q_len, kv_len,
+                                   _right_padding(first, last, count, q_len, kv_len))
     padding = first.amin(1)  # (B,): the first key any query of the row sees, kv_len where none
     padding = torch.where(padding < kv_len, padding, used)
     window_start = torch.maximum(padding[:, None], positions - sliding_window + 1)  # (B, Nq): the first key in view
@@ -950,17 +1015,35 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     return CausalMaskLayout(verdict[1], verdict[2:]) if verdict[0] else None
 
 
-def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.Tensor, q_len: int, kv_len: int
-                        ) -> CausalMaskLayout | None:
+def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor, q_len: int, kv_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether the rows read as right padding, (B,) ends) from each query row's first and last seen key and count
+    (:func:`mask_row_extents`): prompt b's keys end where its last query's run ends (ends[b] = that key + 1), and
+    the query at position p (Nkv - Nq + its row) sees exactly keys 0..min(p, ends[b] - 1), one run. Only where some
+    prompt is padded is it right padding: otherwise the mask is the plain causal one."""
+    ends = last[:, -1] + 1  # (B,); 0 where the last query sees no key
+    positions = torch.arange(q_len, device=first.device) + (kv_len - q_len)
+    capped = torch.minimum(positions[None, :], ends[:, None] - 1)
+    runs = (count > 0) & (first == 0) & (last == capped) & (count == last + 1)
+    return runs.all() & (ends < kv_len).any(), ends
+
+
+def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.Tensor, q_len: int, kv_len: int,
+                        right_padding: tuple[torch.Tensor, torch.Tensor]) -> CausalMaskLayout | None:
     """:func:`read_causal_mask`'s layout without a window, from each query row's first seen key (``first``, (B, Nq),
     kv_len where none) once every row matched (``matches``) one run of keys to its causal end (``used`` - Nq + i):
     rows sharing their first key form the segments; one per batch row, starting where its queries first reach a key,
-    is the padded causal mask. One read-back (a device sync)."""
+    is the padded causal mask. Otherwise, where ``right_padding`` (:func:`_right_padding`) holds, the right-padded
+    layout. One read-back (a device sync)."""
     batch = first.shape[0]
-    packed = torch.cat([matches.int()[None], used.int()[None], first.flatten()]).cpu()
+    right, ends = right_padding
+    packed = torch.cat([matches.int()[None], used.int()[None], right.int()[None], ends.int(), first.flatten()]).cpu()
     if not packed[0]:
-        return None
-    used, first = int(packed[1]), packed[2:].view(batch, q_len)
+        if not packed[2]:
+            return None
+        ends = packed[3:3 + batch].tolist()
+        return CausalMaskLayout(max(ends), [0] * batch, None, ends)
+    used, first = int(packed[1]), packed[3 + batch:].view(batch, q_len)
     segments, plain = [], True
     for row in first:
         starts = torch.cat([torch.tensor([0]), (row[1:] != row[:-1]).nonzero().flatten() + 1]).tolist()

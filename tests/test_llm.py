@@ -270,8 +270,8 @@ def test_mask_check_accepts_only_the_left_padded_lower_right_pattern():
     assert check(pattern(100, 512, empty=112, padding=(400, 30)), 100, 512) == layout(400, [400, 30])
     assert check(pattern(100, 512, padding=(512, 512)), 100, 512) == layout(512, [512, 512])  # nothing seen
     right = pattern(150, 150)
-    right[1, :, :, 140:] = False  # right padding of the second prompt
-    assert check(right, 150, 150) is None
+    right[1, :, :, 140:] = False  # right padding of the second prompt (read by the next test)
+    assert check(right, 150, 150) == CausalMaskLayout(150, [0, 0], None, [150, 140])
     inner = pattern(100, 300, padding=(0, 5))
     inner[1, :, 50:, 7] = False  # a hole that is no padding
     assert check(inner, 100, 300) is None
@@ -301,6 +301,45 @@ def test_mask_check_accepts_only_the_left_padded_lower_right_pattern():
                                                                                  range(100)]] * 2
     assert check(windowed(pattern(100, 300), 100, 300, window=65), 100, 300, sliding_window=64) is None
     assert check(pattern(100, 300), 100, 300, sliding_window=64) is None  # a window the mask does not apply
+
+
+def right_padded_mask_4d(ends, nq, nkv=None):
+    """transformers' boolean (B, 1, Nq, Nkv) mask of a right-padded batch (Nkv - Nq keys cached before the queries):
+    causal, and prompt b's keys from ends[b] on hidden from every query."""
+    nkv = nq if nkv is None else nkv
+    causal = torch.ones(nq, nkv, dtype=torch.bool).tril(diagonal=nkv - nq)
+    real = torch.arange(nkv)[None, :] < torch.tensor(ends)[:, None]
+    return causal[None, None] & real[:, None, None, :]
+
+
+def test_mask_reader_finds_right_padding():
+    """read_causal_mask reads a right-padded batch (each prompt's keys from ends[b] on hidden from every query, so
+    its padding queries see all of its keys): its ends, with or without an unpadded prompt, after cached keys (a
+    chunk whose queries may all be padding), in row chunks; any other mask whose padding queries see something
+    else is refused."""
+    from sparge_diffusers.llm import read_causal_mask as read
+
+    assert read(right_padded_mask_4d([150, 140], 150), 150, 150) == CausalMaskLayout(150, [0, 0], None, [150, 140])
+    assert read(right_padded_mask_4d([99, 1, 140], 150), 150, 150, max_elements=700) == CausalMaskLayout(
+        140, [0, 0, 0], None, [99, 1, 140])  # every prompt padded (padding="max_length"), one of a single token
+    assert read(right_padded_mask_4d([300, 220], 100, 300), 100, 300).ends == [300, 220]  # 200 cached keys
+    assert read(right_padded_mask_4d([300, 150], 100, 300), 100, 300).ends == [300, 150]  # a chunk of padding only
+    assert read(right_padded_mask_4d([150], 150), 150, 150) == CausalMaskLayout(150, [0])  # no padding: plain causal
+    odd = right_padded_mask_4d([150, 140], 150)
+    odd[1, 0, 145, 140] = True  # a padding query that sees a padding key
+    assert read(odd, 150, 150) is None
+    odd = right_padded_mask_4d([150, 140], 150)
+    odd[1, 0, 145, 139] = False  # a padding query that misses a real key
+    assert read(odd, 150, 150) is None
+    odd = right_padded_mask_4d([150, 140], 150)
+    odd[1, 0, 145] = False  # a padding query that sees no key
+    assert read(odd, 150, 150) is None
+    odd = right_padded_mask_4d([150, 140], 150)
+    odd[1, 0, :, 0] = False  # left and right padding at once
+    assert read(odd, 150, 150) is None
+    assert read(right_padded_mask_4d([150, 140], 150), 150, 150, sliding_window=64) is None  # no window read
+    assert read(right_padded_mask_4d([150, 140], 150), 150, 150, sliding_window=150).ends == [150, 140]  # hides none
+    assert read(right_padded_mask_4d([150, 140], 150).float(), 150, 150) is None
 
 
 def test_segmented_mask_reader_finds_each_run_of_queries_on_its_own_keys():
@@ -433,18 +472,78 @@ def left_padded_mask_4d(mask):
     return torch.ones(n, n, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
 
 
-def test_right_padding_falls_back_to_sdpa_with_a_warning_and_strict_raises(tiny_llama):
-    register("sparge_test_padding")
-    ids = prompt(150, batch=2)
+def right_padded(ids, ends):
+    """The attention mask of the batch with prompt b's tokens from ends[b] on marked as padding."""
     mask = torch.ones_like(ids)
-    mask[1, 130:] = 0  # right padding in the second prompt
+    for b, end in enumerate(ends):
+        mask[b, end:] = 0
+    return mask
+
+
+def test_right_padded_batch_runs_each_prompt_sparse_and_gives_sdpa_logits_everywhere(tiny_llama):
+    """A right-padded batch (one prompt unpadded, one padded, one of a single token) runs sparse with no warning:
+    keeping every block gives SDPA's logits at every position, padding included (padding queries attend exactly to
+    their prompt's keys, as under SDPA's mask); with TopCdf skipping blocks, a padded prompt's real tokens get the
+    logits of the same tokens run alone; a batch padded throughout (padding="max_length") and a chunk against a
+    cache run sparse too."""
+    ids = prompt(300, batch=3, seed=4)
+    mask = right_padded(ids, (300, 230, 1))
+    keep_all = register("sparge_test_right_keep", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                        min_padded_tokens=0)
+    skipping = register("sparge_test_right_skip", simthreshd1=-1.0, cdfthreshd=0.5, collect_stats=True,
+                        min_padded_tokens=0)
     dense = logits(load(tiny_llama, "sdpa"), ids, attention_mask=mask)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        ours = logits(load(tiny_llama, "sparge_test_right_keep"), ids, attention_mask=mask)
+        sparse = logits(load(tiny_llama, "sparge_test_right_skip"), ids, attention_mask=mask)
+    assert keep_all.sparse_calls == 2 and skipping.sparse_calls == 2
+    assert relative_l1(ours, dense) < 1e-5
+    alone = logits(load(tiny_llama, "sparge_test_right_skip"), ids[1:2, :230])
+    assert relative_l1(sparse[1, :230], alone[0]) < 1e-5
+    assert relative_l1(sparse[1, :230], dense[1, :230]) > 1e-3, "the settings must skip blocks"
+    assert skipping.stats[0].qk_skipped.shape == (4,) and 0 < skipping.stats[0].sparsity < 1
+    assert torch.isfinite(sparse).all()
+    everywhere = right_padded(ids, (290, 230, 1))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        got = logits(load(tiny_llama, "sparge_test_right_keep"), ids, attention_mask=everywhere)
+    assert keep_all.sparse_calls == 4
+    assert relative_l1(got, logits(load(tiny_llama, "sdpa"), ids, attention_mask=everywhere)) < 1e-5
+    # a chunk against a cache: the second prompt's padding starts inside the chunk
+    import copy
+
+    sdpa = load(tiny_llama, "sdpa")
+    mask = right_padded(ids[:2], (300, 230))
+    cache = dynamic_cache(sdpa)
+    logits(sdpa, ids[:2, :200], attention_mask=mask[:, :200], **{CACHE: cache}, use_cache=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
+        got = logits(load(tiny_llama, "sparge_test_right_keep"), ids[:2, 200:], attention_mask=mask,
+                     **{CACHE: copy.deepcopy(cache)}, use_cache=True)
+    assert keep_all.sparse_calls == 6
+    assert relative_l1(got, logits(sdpa, ids[:2, 200:], attention_mask=mask, **{CACHE: cache}, use_cache=True)) < 1e-5
+
+
+def test_short_right_padded_batches_and_other_masks_fall_back_to_sdpa_and_strict_raises(tiny_llama):
+    """Below min_padded_tokens a right-padded batch runs SDPA under the mask with a warning naming the setting; a
+    mask that is neither padding nor causal runs SDPA with a warning, and strict=True raises."""
+    ids = prompt(150, batch=2)
+    mask = right_padded(ids, (150, 130))
+    dense = logits(load(tiny_llama, "sdpa"), ids, attention_mask=mask)
+    short = register("sparge_test_right_short")
+    with pytest.warns(UserWarning, match="right-padded batch of fewer than min_padded_tokens=4096"):
+        assert torch.equal(logits(load(tiny_llama, "sparge_test_right_short"), ids, attention_mask=mask), dense)
+    assert short.sparse_calls == 0
+    register("sparge_test_padding", min_padded_tokens=0)
+    custom = right_padded_mask_4d([150, 130], 150)
+    custom[0, 0, 100:, 3] = False  # a hole that is no padding
     with pytest.warns(UserWarning, match="explicit attention mask"):
-        ours = logits(load(tiny_llama, "sparge_test_padding"), ids, attention_mask=mask)
-    assert torch.equal(ours, dense)
-    register("sparge_test_strict", strict=True)
+        ours = logits(load(tiny_llama, "sparge_test_padding"), ids, attention_mask=custom)
+    assert torch.equal(ours, logits(load(tiny_llama, "sdpa"), ids, attention_mask=custom))
+    register("sparge_test_strict", strict=True, min_padded_tokens=0)
     with pytest.raises(ValueError, match="strict=True"):
-        logits(load(tiny_llama, "sparge_test_strict"), ids, attention_mask=mask)
+        logits(load(tiny_llama, "sparge_test_strict"), ids, attention_mask=custom)
 
 
 ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma", "gemma3_text", "phi", "phi3", "olmo2",
@@ -980,6 +1079,20 @@ def gpt_oss_with_sinks(path, window=100, sinks_std=2.0):
     return path
 
 
+def test_right_padded_batch_with_sinks_gives_eager_logits_everywhere(tmp_path):
+    """gpt-oss with its sinks (and a window wider than the prompt, which hides no key) on a right-padded batch: each
+    prompt runs sparse with the sinks, its padding queries on the sinks' exact path, and the logits are eager's at
+    every position."""
+    path = gpt_oss_with_sinks(tmp_path, window=1000)
+    attention = register("sparge_test_sinks_right", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                         min_padded_tokens=0)
+    ids = prompt(300, batch=2)
+    mask = right_padded(ids, (300, 170))
+    got = logits(load(path, "sparge_test_sinks_right"), ids, attention_mask=mask)
+    assert attention.sparse_calls == 2
+    assert relative_l1(got, logits(load(path, "eager"), ids, attention_mask=mask)) < 1e-5
+
+
 def test_a_model_with_attention_sinks_runs_sparse_with_them(tmp_path):
     """gpt-oss passes its learned sinks (s_aux) to every layer: both layers (one under a 100-key window) run sparse
     with them and give eager attention's logits and tokens (decode steps with the sinks too, not SDPA's function,
@@ -1162,8 +1275,9 @@ def test_compiled_prefill_collects_stats_when_asked(tiny_llama, method):
 def test_compiled_calls_with_a_mask_read_it_at_run_time(tiny_llama):
     """Under torch.compile (fullgraph, no recompile between calls of the same shapes) a mask goes into the
     llm_masked_prefill operator, which routes the call by the mask's contents as an eager call does: a left-padded
-    batch runs each prompt sparse and a chunk against a cache its lower-right call (both equal to eager, bitwise);
-    right padding and a short padded batch go to SDPA under the mask with the eager call's warning, at run time."""
+    batch runs each prompt sparse and a chunk against a cache its lower-right call (both equal to eager, bitwise), a
+    right-padded batch each prompt sparse; a custom mask and a short padded batch go to SDPA under the mask with the
+    eager call's warning, at run time."""
     import copy
 
     attention = register("sparge_test_compile_mask", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None,
@@ -1193,13 +1307,18 @@ def test_compiled_calls_with_a_mask_read_it_at_run_time(tiny_llama):
     assert torch.equal(chunk["compiled"], chunk["eager"])
     assert relative_l1(chunk["eager"], logits(sdpa, ids[:, 250:], **{CACHE: copy.deepcopy(prefix)},
                                               use_cache=True)) > 1e-3, "the chunk ran sparse"
-    # right padding: not a causal pattern; SDPA under the mask, warned when the operator runs
-    right = torch.ones(2, 300, dtype=torch.long)
-    right[1, 280:] = 0
-    with pytest.warns(UserWarning, match="explicit attention mask"):
+    # right padding: each prompt sparse, read when the operator runs; a custom mask goes to SDPA with a warning
+    right = right_padded(batch, (300, 280))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SpargeLLMAttention")
         got = logits(compiled, batch, attention_mask=right)
-    expected = logits(sdpa, batch, attention_mask=right)
-    assert relative_l1(got[right.bool()], expected[right.bool()]) < 1e-5
+    assert torch.equal(got, logits(model, batch, attention_mask=right))
+    assert relative_l1(got, logits(sdpa, batch, attention_mask=right)) > 1e-3, "it ran sparse"
+    custom = right_padded_mask_4d([300, 280], 300)
+    custom[0, 0, 100:, 3] = False
+    with pytest.warns(UserWarning, match="explicit attention mask"):
+        got = logits(compiled, batch, attention_mask=custom)
+    assert relative_l1(got, logits(sdpa, batch, attention_mask=custom)) < 1e-5
     attention.min_padded_tokens = 4096  # read when the operator runs: no recompile needed
     with pytest.warns(UserWarning, match="fewer than min_padded_tokens"):
         got = logits(compiled, batch, attention_mask=mask, position_ids=positions)
@@ -1378,6 +1497,22 @@ def test_left_padded_prefill_on_gpu_matches_sdpa(tiny_llama):
     assert relative_l1(got[1, 333:].float(), logits(ours, ids[1:, 333:])[0].float()) < 1e-2
     options = dict(max_new_tokens=3, do_sample=False, attention_mask=mask, pad_token_id=0, prefill_chunk_size=256)
     assert ours.generate(ids, **options).shape == (3, 1003) and attention.sparse_calls == 4 + 8  # 4 chunks
+
+
+@pytest.mark.gpu
+def test_right_padded_prefill_on_gpu_matches_sdpa(tiny_llama):
+    """The kernels on a right-padded batch (bf16): SDPA's logits at every position, a padded prompt's real tokens as
+    if alone."""
+    attention = register("sparge_test_gpu_right", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                         min_padded_tokens=0)
+    ids = prompt(1000, batch=3, seed=7).cuda()
+    mask = right_padded(ids, (1000, 667, 1))
+    ours = load(tiny_llama, "sparge_test_gpu_right").to("cuda", torch.bfloat16)
+    sdpa = load(tiny_llama, "sdpa").to("cuda", torch.bfloat16)
+    got = logits(ours, ids, attention_mask=mask)
+    assert attention.sparse_calls == 2 and torch.isfinite(got).all()
+    assert relative_l1(got.float(), logits(sdpa, ids, attention_mask=mask).float()) < 2e-2
+    assert relative_l1(got[1, :667].float(), logits(ours, ids[1:, :667])[0].float()) < 1e-2
 
 
 @pytest.mark.gpu
