@@ -313,6 +313,9 @@ def packed_segments(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> lis
     return [(start, end, start) for start, end in zip(cumulative, cumulative[1:])]
 
 
+HIDDEN = torch.finfo(torch.float32).min  # the score of a key a boolean mask hides in eager_attention
+
+
 def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                     *, sinks: torch.Tensor | None = None, softcap: float | None = None, scale: float | None = None,
                     is_causal: bool = False, dropout: float = 0.0, max_scores: int = 1 << 26) -> torch.Tensor:
@@ -326,7 +329,12 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     transformers' SDPA function decides). The products run in the inputs' dtype, as eager attention's do (no float32
     copy of the cache at each decode step), the softmax in float32; grouped-query heads as they come (no repeat of
     K/V); queries in chunks whose scores hold at most ``max_scores`` elements (not O(Nq * Nkv) at once). Autograd
-    records through it. Returns (B, Nq, H, D) in query's dtype, as transformers' attention functions do."""
+    records through it. Returns (B, Nq, H, D) in query's dtype, as transformers' attention functions do.
+
+    A boolean mask hides a key by the float32 minimum, not -inf, as eager attention's additive mask (the dtype's
+    minimum) does: a query that sees no key (the padding queries of a left-padded batch, say) then gets the mean of
+    the values (or, with a sink, zero) as under eager attention. With -inf such a row was NaN, and in the next layer
+    0 x NaN in P.V made every real row NaN too (a tiny Gemma 2 on a left-padded batch of 300 tokens, session 55)."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -343,7 +351,7 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             scores = softcap * torch.tanh(scores / softcap)
         if attention_mask is not None:
             mask = attention_mask[:, :, start:stop, :kv_len][:, :, None]
-            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+            scores = scores.masked_fill(~mask, HIDDEN) if mask.dtype == torch.bool else scores + mask.float()
         elif is_causal and q_len > 1:
             positions = torch.arange(start, stop, device=query.device)
             scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > positions[:, None],
@@ -409,9 +417,9 @@ class SpargeLLMAttention:
       from SDPA), and its stats are joined over the batch (:meth:`SparsityStats.concat`).
     - the same mask with each prompt's keys from its length on hidden from every query: a right-padded batch
       (``padding_side="right"``, or ``padding="max_length"``), of at least ``min_padded_tokens`` keys, without a
-      window that hides keys and without a static cache. Each prompt's real queries run as one causal call on its
-      keys; its padding queries, which see all of them under this mask, by exact attention (SDPA, or
-      :func:`eager_attention` with sinks or a cap), so that the output equals SDPA's at every position.
+      static cache. Each prompt's real queries run as one causal call on its keys; its padding queries, which see
+      all of them under this mask (under a sliding window those still in their window), by exact attention (SDPA,
+      or :func:`eager_attention` with sinks or a cap), so that the output equals SDPA's at every position.
     - a mask that restarts causal attention within a prompt, each query seeing one run of keys that ends at its
       causal end: Llama 4's chunked-attention layers (chunks of ``attention_chunk_size`` positions, counted from
       each prompt's first real token; whole, padded or against a cache) and sequences packed in one row. Each chunk
@@ -706,7 +714,7 @@ class SpargeLLMAttention:
         no copy). ``window``: a sliding window that hides keys from some query (None: none that does); ``terms``: the
         layer's :class:`ScoreTerms`."""
         if layout is not None and layout.ends is not None:  # (before the cut below: it counts positions from Nkv)
-            return self._right_padded_prefill(query, key, value, layout.ends, scale, terms)
+            return self._right_padded_prefill(query, key, value, layout.ends, scale, window, terms)
         if layout is not None and layout.keys < key.shape[2]:
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         if layout is not None and (layout.segments is not None or any(layout.padding)):
@@ -771,7 +779,8 @@ class SpargeLLMAttention:
         the whole batch): each segment runs as its own lower-right causal call on its keys, as if alone. This runs
         left-padded prompts without their padding, and Llama 4's attention chunks and packed sequences each on
         their own keys. Rows that share their segments run as one batch. Rows of queries in no segment (padding
-        queries, which see no key) stay zero, as SDPA gives them. Returns the (B, Nq, H, D) output and, when
+        queries, which see no key) stay zero, as SDPA's math backend gives them (its GPU kernels under a mask
+        give such rows other finite values; they feed no real token). Returns the (B, Nq, H, D) output and, when
         collected, the calls' stats joined (:meth:`SparsityStats.concat`)."""
         batch, q_len = query.shape[0], query.shape[2]
         offset = key.shape[2] - q_len  # positions of the keys before the first query (the cache)
@@ -796,14 +805,16 @@ class SpargeLLMAttention:
         return out, (SparsityStats.concat(parts) if parts else None)
 
     def _right_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ends: list[int],
-                              scale: float | None, terms: ScoreTerms = NO_TERMS
+                              scale: float | None, window: int | None = None, terms: ScoreTerms = NO_TERMS
                               ) -> tuple[torch.Tensor, SparsityStats | None]:
         """A right-padded batch (:class:`CausalMaskLayout`'s ``ends``): each prompt's real queries as one
-        lower-right causal call on its keys 0..ends[b] - 1 (rows of one end together, as one batch), and its
-        padding queries, which see all of those keys, by exact attention (SDPA, or :func:`eager_attention` with
-        sinks or a cap), so that every row is what SDPA under the mask gives. Padding queries feed no real token's
-        output in any layer (every query's mask hides their keys), so their rows are computed exactly rather than
-        sparsely only to match SDPA's output everywhere. Returns (B, Nq, H, D) and the calls' stats when collected."""
+        lower-right causal call on its keys 0..ends[b] - 1 (under the sliding ``window`` if one hides keys; rows of
+        one end together, as one batch), and its padding queries, which see all of those keys (or those still in
+        their window), by exact attention (SDPA, or :func:`eager_attention` with sinks or a cap), so that every row
+        is what SDPA under the mask gives; padding queries past their window's reach see no key and get zeros, as
+        left padding's do. Padding queries feed no real token's output in any layer (every query's
+        mask hides their keys), so their rows are computed exactly rather than sparsely only to match SDPA's output
+        everywhere. Returns (B, Nq, H, D) and the calls' stats when collected."""
         batch, heads, q_len, head_dim = query.shape
         offset = key.shape[2] - q_len
         out = query.new_empty(batch, q_len, heads, head_dim)
@@ -816,12 +827,20 @@ class SpargeLLMAttention:
             real = min(q_len, max(0, end - offset))  # queries at positions before `end`: the real tokens
             k, v = key[rows, :, :end], value[rows, :, :end]
             if real:
-                o, s = self._prefill(query[rows, :, :real], k, v, scale, "lower_right", None, terms)
+                o, s = self._prefill(query[rows, :, :real], k, v, scale, "lower_right", window, terms)
                 out[rows, :real] = o.transpose(1, 2)
                 if s is not None:
                     parts.append(s)
-            if real < q_len:
-                out[rows, real:] = _exact_attention(query[rows, :, real:], k, v, scale, terms)
+            # padding queries up to `reach` see keys (with a window: those from p - window + 1 on); those after see
+            # none and get zeros, as left padding's do
+            reach = q_len if window is None else min(q_len, max(real, end + window - 1 - offset))
+            if real < reach:
+                mask = None
+                if window is not None:
+                    positions = torch.arange(offset + real, offset + reach, device=query.device)[:, None]
+                    mask = (torch.arange(end, device=query.device)[None, :] > positions - window)[None, None]
+                out[rows, real:reach] = _exact_attention(query[rows, :, real:reach], k, v, scale, terms, mask)
+            out[rows, reach:] = 0
             start = b
         return out, (SparsityStats.concat(parts) if parts else None)
 
@@ -859,12 +878,14 @@ def _method_extras(window: int | None, terms: ScoreTerms) -> dict[str, Any]:
 
 
 def _exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                     terms: ScoreTerms) -> torch.Tensor:
-    """Every query over every key, exactly: SDPA (grouped-query heads as they come), or with sinks or a cap
-    :func:`eager_attention`. query (B, H, Nq, D), key/value (B, H_kv, Nkv, D); returns (B, Nq, H, D)."""
+                     terms: ScoreTerms, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention, without a causal mask: SDPA (grouped-query heads as they come), or with sinks or a cap
+    :func:`eager_attention`. query (B, H, Nq, D), key/value (B, H_kv, Nkv, D); ``mask``: None (every query sees every
+    key) or a boolean (1, 1, Nq, Nkv) mask (True = attend; a row with no key gets what SDPA gives it). Returns
+    (B, Nq, H, D)."""
     if terms.any():
-        return eager_attention(query, key, value, None, sinks=terms.sinks, softcap=terms.softcap, scale=scale)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale,
+        return eager_attention(query, key, value, mask, sinks=terms.sinks, softcap=terms.softcap, scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                                            enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2)
 
@@ -976,8 +997,9 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
       layers so (chunks of ``attention_chunk_size`` positions, counted from the prompt's first real token) and
       sequences packed in one row (position ids restarting, no cache).
 
-    - Right padding (no window): prompt b's keys from ends[b] on hidden from every query, so that a padding query
-      (past position ends[b] - 1) sees all of keys 0..ends[b] - 1 rather than its causal range: ``ends`` (see
+    - Right padding: prompt b's keys from ends[b] on hidden from every query, so that a padding query (past
+      position ends[b] - 1) sees all of keys 0..ends[b] - 1 (with a ``sliding_window`` W those from p - W + 1 on,
+      none past the window's reach) rather than its causal range: ``ends`` (see
       :class:`CausalMaskLayout`; ``keys`` = the largest end). transformers builds this mask for a right-padded
       batch (many tokenizers' default side; ``padding="max_length"`` or ``pad_to_multiple_of`` pad every prompt).
       The queries' positions are then counted from Nkv - Nq, which holds without a cache and with a dynamic one;
@@ -1003,29 +1025,37 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     used = torch.where(used > 0, used, kv_len)  # (no row of the last query sees a key: then none may)
     positions = torch.arange(q_len, device=mask.device) + (used - q_len)
     runs = (last == positions) & (count == last - first + 1)  # keys first..position: one run to the causal end
+    right_padding = _right_padding(first, last, count, q_len, kv_len, sliding_window)
     if sliding_window is None:
-        return _causal_runs_layout(first, torch.where(seen, runs, True).all(), used, q_len, kv_len,
-                                   _right_padding(first, last, count, q_len, kv_len))
+        return _causal_runs_layout(first, torch.where(seen, runs, True).all(), used, q_len, kv_len, right_padding)
     padding = first.amin(1)  # (B,): the first key any query of the row sees, kv_len where none
     padding = torch.where(padding < kv_len, padding, used)
     window_start = torch.maximum(padding[:, None], positions - sliding_window + 1)  # (B, Nq): the first key in view
     expected_seen = window_start <= positions
     matches = torch.where(expected_seen, seen & runs & (first == window_start), ~seen).all()
-    verdict = torch.cat([matches.long()[None], used.long()[None], padding.long()]).tolist()
-    return CausalMaskLayout(verdict[1], verdict[2:]) if verdict[0] else None
+    right, ends = right_padding
+    verdict = torch.cat([matches.long()[None], right.long()[None], used.long()[None], padding.long(),
+                         ends.long()]).tolist()
+    batch = first.shape[0]
+    if verdict[0]:
+        return CausalMaskLayout(verdict[2], verdict[3:3 + batch])
+    return CausalMaskLayout(max(verdict[3 + batch:]), [0] * batch, None, verdict[3 + batch:]) if verdict[1] else None
 
 
-def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor, q_len: int, kv_len: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor, q_len: int, kv_len: int,
+                   window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(whether the rows read as right padding, (B,) ends) from each query row's first and last seen key and count
-    (:func:`mask_row_extents`): prompt b's keys end where its last query's run ends (ends[b] = that key + 1), and
-    the query at position p (Nkv - Nq + its row) sees exactly keys 0..min(p, ends[b] - 1), one run. Only where some
-    prompt is padded is it right padding: otherwise the mask is the plain causal one."""
-    ends = last[:, -1] + 1  # (B,); 0 where the last query sees no key
+    (:func:`mask_row_extents`): prompt b's keys end after the last key any of its queries sees (ends[b]), and the
+    query at position p (Nkv - Nq + its row) sees exactly keys max(0, p - window + 1)..min(p, ends[b] - 1), one
+    run, or none where that range is empty (a padding query past the window's reach). Only where some prompt is
+    padded is it right padding: otherwise the mask is the plain causal one."""
+    seen = count > 0
+    ends = torch.where(seen, last, -1).amax(1) + 1  # (B,); 0 where no query sees a key
     positions = torch.arange(q_len, device=first.device) + (kv_len - q_len)
-    capped = torch.minimum(positions[None, :], ends[:, None] - 1)
-    runs = (count > 0) & (first == 0) & (last == capped) & (count == last + 1)
-    return runs.all() & (ends < kv_len).any(), ends
+    low = positions - window + 1 if window is not None else torch.zeros_like(positions)
+    low, high = low.clamp(min=0)[None, :], torch.minimum(positions[None, :], ends[:, None] - 1)
+    runs = seen & (first == low) & (last == high) & (count == high - low + 1)
+    return torch.where(low <= high, runs, ~seen).all() & (ends < kv_len).any() & (ends > 0).all(), ends
 
 
 def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.Tensor, q_len: int, kv_len: int,

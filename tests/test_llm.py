@@ -1169,6 +1169,13 @@ def test_every_method_takes_sinks_and_a_method_without_falls_back_to_their_exact
         assert attention.sparse_calls == calls + 1 and relative_l1(out, expected) < 1e-5, softcap
     with pytest.raises(ValueError, match="a position bias together with attention sinks"):
         attention(module, q, k, v, None, scaling=0.125, s_aux=sinks, position_bias=torch.zeros(1, 4, 130, 130))
+    # a query that sees no key: the mean of the values without a sink (eager's additive mask), zero with one; not NaN
+    blind = causal.clone()
+    blind[7] = False
+    out = eager_attention(q, k, v, blind[None, None], softcap=1.5, scale=0.125)
+    assert torch.allclose(out[0, 7], group_v[0, :, :, :].mean(1), atol=1e-5) and torch.isfinite(out).all()
+    out = eager_attention(q, k, v, blind[None, None], sinks=sinks.clamp(min=-5.0), scale=0.125)
+    assert torch.equal(out[0, 7], torch.zeros_like(out[0, 7])) and torch.isfinite(out).all()
 
 
 def gemma2_with_cap(path) -> None:
@@ -1217,6 +1224,53 @@ def test_a_model_with_softcapping_runs_sparse_with_it(tmp_path):
     assert relative_l1(got, logits(load(tmp_path, "eager"), prompt(90))) < 1e-5 and falling_back.sparse_calls == 0
     compiled = aot_compiled(model)
     assert relative_l1(logits(compiled, ids), eager) < 1e-5
+
+
+def test_padded_batches_of_a_capped_model_give_eager_logits_on_either_path(tmp_path):
+    """Gemma 2 (cap 1.0, a 100-key window layer, then a global one) on a left- and a right-padded batch of 300
+    tokens. Falling back (under min_padded_tokens) to the cap's exact path gives eager's logits at every position:
+    before session 55 the padding queries that see no key came out NaN there and, through 0 x NaN in the next
+    layer's P.V, so did every real position. Run sparse, each prompt's real positions give eager's logits and none is
+    NaN."""
+    gemma2_with_cap(tmp_path)
+    ids = prompt(300, batch=2).clamp(min=1)
+    batches = {"left": dict(zip(("attention_mask", "position_ids"), left_padded(ids, (0, 70)))),
+               "right": dict(attention_mask=right_padded(ids, (300, 170)))}
+    falling_back = register("sparge_test_cap_padded_fallback", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    sparse = register("sparge_test_cap_padded", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                      min_padded_tokens=0)
+    for side, inputs in batches.items():
+        eager = logits(load(tmp_path, "eager"), ids, **inputs)
+        real = inputs["attention_mask"].bool()
+        with pytest.warns(UserWarning, match="min_padded_tokens"):
+            got = logits(load(tmp_path, "sparge_test_cap_padded_fallback"), ids, **inputs)
+        assert relative_l1(got, eager) < 1e-5, side
+        got = logits(load(tmp_path, "sparge_test_cap_padded"), ids, **inputs)
+        assert torch.isfinite(got).all() and relative_l1(got[real], eager[real]) < 1e-5, side
+    assert falling_back.sparse_calls == 0 and sparse.sparse_calls == 4
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_right_padded_batch_under_a_sliding_window_gives_sdpa_logits_everywhere(tmp_path, device):
+    """Mistral with a 100-key window on a right-padded batch: the window's mask is read with the padding, each prompt
+    runs sparse under the window, its padding queries see their window's remaining keys or, past its reach, none.
+    SDPA's logits at every position that sees a key (float32 on CPU, bf16 on the GPU); those that see none get zeros
+    from the attention, as from SDPA's math backend on the CPU (everywhere there). SDPA's GPU kernels under a mask
+    give such rows other values, so on the GPU those positions are left out of the comparison."""
+    path = mistral_with_window(tmp_path, 100)
+    n, dtype, tolerance = (300, torch.float32, 1e-5) if device == "cpu" else (1000, torch.bfloat16, 2e-2)
+    ids = prompt(n, batch=3, seed=5).to(device)
+    ends = (n, n // 2, 40)
+    mask = right_padded(ids, ends)
+    attention = register("sparge_test_window_right", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                         min_padded_tokens=0)
+    got = logits(load(path, "sparge_test_window_right").to(device, dtype), ids, attention_mask=mask)
+    assert attention.sparse_calls == 2 and torch.isfinite(got).all()
+    expected = logits(load(path, "sdpa").to(device, dtype), ids, attention_mask=mask)
+    sees_a_key = torch.arange(n, device=device)[None, :] < torch.tensor(ends, device=device)[:, None] + 99
+    assert not sees_a_key.all(), "some padding queries must be past their window's reach"
+    compared = sees_a_key if device == "cuda" else torch.ones_like(sees_a_key)
+    assert relative_l1(got[compared].float(), expected[compared].float()) < tolerance
 
 
 def test_a_model_with_sinks_compiles_to_one_graph(tmp_path):
