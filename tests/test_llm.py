@@ -799,6 +799,11 @@ def test_packed_sequences_run_each_sequence_as_if_alone(tiny_llama):
     """Sequences packed in one row (position ids restarting, no cache: transformers then masks each sequence
     causally on its own keys) run one call each: with TopCdf skipping, each sequence's logits are those of the same
     tokens run alone; keeping every block gives SDPA's."""
+    import transformers.masking_utils as masking
+
+    if not hasattr(masking, "find_packed_sequence_indices"):  # added in 4.54
+        pytest.skip(f"transformers {transformers.__version__} does not mask packed sequences apart: they attend "
+                    "across each other, under SDPA too")
     lengths = (400, 260, 220)
     ids = prompt(sum(lengths))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -1275,6 +1280,8 @@ def test_right_padded_batch_under_a_sliding_window_gives_sdpa_logits_everywhere(
 
 def test_a_model_with_sinks_compiles_to_one_graph(tmp_path):
     """gpt-oss compiled (aot_eager, fullgraph): its sinks reach the kernels' operator, logits equal eager's."""
+    if TRANSFORMERS_4:
+        pytest.skip("transformers 4.x's gpt-oss loops over the experts hit (data-dependent): no fullgraph compile")
     path = gpt_oss_with_sinks(tmp_path)
     register("sparge_test_sinks_compiled", simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None)
     model = load(path, "sparge_test_sinks_compiled")
