@@ -313,7 +313,7 @@ def packed_segments(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> lis
     return [(start, end, start) for start, end in zip(cumulative, cumulative[1:])]
 
 
-HIDDEN = torch.finfo(torch.float32).min  # the score of a key a boolean mask hides in eager_attention
+_MASKED_SCORE = torch.finfo(torch.float32).min  # the score of a key a boolean mask hides in eager_attention
 
 
 def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -351,7 +351,7 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             scores = softcap * torch.tanh(scores / softcap)
         if attention_mask is not None:
             mask = attention_mask[:, :, start:stop, :kv_len][:, :, None]
-            scores = scores.masked_fill(~mask, HIDDEN) if mask.dtype == torch.bool else scores + mask.float()
+            scores = scores.masked_fill(~mask, _MASKED_SCORE) if mask.dtype == torch.bool else scores + mask.float()
         elif is_causal and q_len > 1:
             positions = torch.arange(start, stop, device=query.device)
             scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > positions[:, None],
@@ -419,7 +419,8 @@ class SpargeLLMAttention:
       (``padding_side="right"``, or ``padding="max_length"``), of at least ``min_padded_tokens`` keys, without a
       static cache. Each prompt's real queries run as one causal call on its keys; its padding queries, which see
       all of them under this mask (under a sliding window those still in their window), by exact attention (SDPA,
-      or :func:`eager_attention` with sinks or a cap), so that the output equals SDPA's at every position.
+      or :func:`eager_attention` with sinks or a cap), so that the output equals SDPA's at every position whose
+      query sees a key (those past a window's reach get zeros, as left padding's do).
     - a mask that restarts causal attention within a prompt, each query seeing one run of keys that ends at its
       causal end: Llama 4's chunked-attention layers (chunks of ``attention_chunk_size`` positions, counted from
       each prompt's first real token; whole, padded or against a cache) and sequences packed in one row. Each chunk
