@@ -1011,9 +1011,10 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     entries): a row matches when its keys are one run that ends at its causal end, no full-size pattern built.
 
     With a ``sliding_window`` W, the query at position p also sees no key before p - W + 1 (transformers' sliding
-    mask of a local layer), and only the first kind is read: p_b is then the first key any query of the row sees,
-    the padding's end, or where the first query's window starts if that is later, which leaves each query the same
-    keys."""
+    mask of a local layer). p_b is then the first key any query of the row sees, the padding's end, or where the
+    first query's window starts if that is later, which leaves each query the same keys. Sequences packed in one row
+    under the window are read too (a query that sees only itself opens one, and no later query sees a key before
+    it): ``segments`` as above, each run under the window."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q_len \
             or mask.shape[3] < kv_len or q_len == 0:
         return None
@@ -1031,16 +1032,38 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
         return _causal_runs_layout(first, torch.where(seen, runs, True).all(), used, q_len, kv_len, right_padding)
     padding = first.amin(1)  # (B,): the first key any query of the row sees, kv_len where none
     padding = torch.where(padding < kv_len, padding, used)
-    window_start = torch.maximum(padding[:, None], positions - sliding_window + 1)  # (B, Nq): the first key in view
+    # a query that sees only itself opens a sequence (packed sequences restart there); the queries after it see no
+    # key before that one. Queries before a row's first such query continue the sequence the padding ends. (Under a
+    # one-key window every query sees only itself: one sequence, the same attention.)
+    head = seen & (count == 1) & (last == positions) & (sliding_window > 1)
+    sequence_start = torch.where(head, positions, -1).cummax(dim=1).values
+    sequence_start = torch.where(sequence_start >= 0, sequence_start, padding[:, None])  # (B, Nq): its first key
+    window_start = torch.maximum(sequence_start, positions - sliding_window + 1)  # (B, Nq): the first key in view
     expected_seen = window_start <= positions
     matches = torch.where(expected_seen, seen & runs & (first == window_start), ~seen).all()
     right, ends = right_padding
-    verdict = torch.cat([matches.long()[None], right.long()[None], used.long()[None], padding.long(),
-                         ends.long()]).tolist()
     batch = first.shape[0]
+    verdict = torch.cat([matches.long()[None], right.long()[None], used.long()[None], padding.long(),
+                         ends.long(), torch.where(expected_seen, sequence_start, -1).flatten().long()]).cpu()
     if verdict[0]:
-        return CausalMaskLayout(verdict[2], verdict[3:3 + batch])
-    return CausalMaskLayout(max(verdict[3 + batch:]), [0] * batch, None, verdict[3 + batch:]) if verdict[1] else None
+        starts = verdict[3 + 2 * batch:].view(batch, q_len)
+        return _windowed_layout(int(verdict[2]), verdict[3:3 + batch].tolist(), starts, q_len)
+    ends = verdict[3 + batch:3 + 2 * batch].tolist()
+    return CausalMaskLayout(max(ends), [0] * batch, None, ends) if verdict[1] else None
+
+
+def _windowed_layout(used: int, padding: list[int], starts: torch.Tensor, q_len: int) -> CausalMaskLayout:
+    """:func:`read_causal_mask`'s layout of a matched sliding mask from each query's sequence start (``starts``,
+    (B, Nq) on the host, -1 for a query that sees no key): the padded layout where each row holds one sequence from
+    its first query that sees a key to its last query, else the runs of queries of one sequence as ``segments``
+    (packed sequences, each then run as its own call under the window)."""
+    segments, plain = [], True
+    for row, pad in zip(starts, padding):
+        bounds = torch.cat([torch.tensor([0]), (row[1:] != row[:-1]).nonzero().flatten() + 1]).tolist()
+        runs = [(s, e, int(row[s])) for s, e in zip(bounds, bounds[1:] + [q_len]) if row[s] >= 0]
+        plain &= not runs or (len(runs) == 1 and runs[0][1] == q_len and runs[0][2] == pad)
+        segments.append(runs)
+    return CausalMaskLayout(used, padding, None if plain else segments)
 
 
 def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor, q_len: int, kv_len: int,

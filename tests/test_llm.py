@@ -379,6 +379,16 @@ def test_segmented_mask_reader_finds_each_run_of_queries_on_its_own_keys():
     for start, end in ((0, 3), (3, 8), (8, 10)):
         packed[0, 0, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
     assert read(packed, 10, 10).segments == [[(0, 3, 0), (3, 8, 3), (8, 10, 8)]]
+    # packed under a sliding window of 4 keys: the same sequences, each query also seeing at most 4 keys back
+    windowed = packed & (torch.arange(10)[None, :] > torch.arange(10)[:, None] - 4)
+    assert read(windowed, 10, 10, sliding_window=4).segments == [[(0, 3, 0), (3, 8, 3), (8, 10, 8)]]
+    assert read(windowed, 10, 10, sliding_window=3) is None  # a window the mask does not apply
+    assert read(windowed, 10, 10, sliding_window=1) is None
+    one_key = torch.eye(10, dtype=torch.bool)[None, None]  # a one-key window: every query sees itself only
+    assert read(one_key, 10, 10, sliding_window=1) == CausalMaskLayout(10, [0])
+    late_head = windowed.clone()
+    late_head[0, 0, 6, 3:6] = False  # a query that sees itself only, whose successors still see keys before it
+    assert read(late_head, 10, 10, sliding_window=4) is None
     hole = chunked(300, 300, 64)
     hole[0, 0, 100, 70] = False  # a row that is not one run
     assert read(hole, 300, 300) is None
@@ -826,6 +836,35 @@ def test_packed_sequences_run_each_sequence_as_if_alone(tiny_llama):
     varlen = logits(load(tiny_llama, "sparge_test_packed_keep"), ids, position_ids=positions,
                     cu_seq_lens_q=cumulative, cu_seq_lens_k=cumulative, max_length_q=400, max_length_k=400)
     assert relative_l1(varlen, got) < 1e-5
+
+
+def test_packed_sequences_under_a_sliding_window_run_each_sequence_under_it(tmp_path):
+    """Mistral with a 64-key window and three sequences packed in one row (position ids restarting): transformers'
+    sliding mask holds both the packing and the window; each sequence runs as its own call under the window, SDPA's
+    logits with every block kept (before session 55 the call went to SDPA under the mask), and with TopCdf skipping
+    each sequence's logits are those of its tokens alone."""
+    import transformers.masking_utils as masking
+
+    if not hasattr(masking, "find_packed_sequence_indices"):  # added in 4.54
+        pytest.skip(f"transformers {transformers.__version__} does not mask packed sequences apart")
+    path = mistral_with_window(tmp_path, 64)
+    lengths = (300, 40, 200)
+    ids = prompt(sum(lengths), seed=6)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    keep_all = register("sparge_test_packed_window", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                        min_segment_queries=0)
+    got = logits(load(path, "sparge_test_packed_window"), ids, position_ids=positions, use_cache=False)
+    assert keep_all.sparse_calls == 2
+    assert relative_l1(got, logits(load(path, "sdpa"), ids, position_ids=positions, use_cache=False)) < 1e-5
+    register("sparge_test_packed_window_skip", simthreshd1=-1.0, cdfthreshd=0.5, strict=True, min_segment_queries=0,
+             min_predicted_window=0)
+    sparse = logits(load(path, "sparge_test_packed_window_skip"), ids, position_ids=positions, use_cache=False)
+    start = 0
+    for n in lengths:
+        alone = logits(load(path, "sparge_test_packed_window_skip"), ids[:, start:start + n], use_cache=False)
+        assert relative_l1(sparse[:, start:start + n], alone) < 1e-5, (start, n)
+        start += n
+    assert relative_l1(sparse, got) > 1e-3, "the settings must skip blocks"
 
 
 def test_compiled_chunked_attention_reads_its_mask_at_run_time(tmp_path):

@@ -4,7 +4,8 @@ test_llm.py checks one feature at a time on a few shapes. Each seed here draws o
 architecture (Llama; Mistral and Gemma 3 with a sliding window; Gemma 2 with a window and logit soft-capping;
 gpt-oss with a window and learned sinks), grouped-query heads, a window from 16 keys to wider than the prompt, a
 prompt length from 1 token to several query blocks, a batch of 1-3 prompts padded on the left, on the right or not
-at all (prompts of a single token, and batches that pad every prompt, included). The function keeps every block, so
+at all (prompts of a single token, and batches that pad every prompt, included), or holding sequences packed back to
+back (position ids restarting). The function keeps every block, so
 its logits at the real positions must be the reference's: SDPA for the models that use it, eager attention for those
 with sinks or a cap (transformers' SDPA function drops sinks and raises on caps), and no output may be NaN or inf.
 
@@ -49,8 +50,12 @@ def draw_prompt(seed: int, device: str) -> dict:
     batch = rng.randint(1, 3)
     lengths = [rng.randint(1, n) for _ in range(batch)]
     lengths[rng.randrange(batch)] = n if rng.random() < 0.7 else lengths[0]  # mostly one prompt unpadded
-    return dict(kind=kind, window=rng.choice([16, 50, 100, 300, 5000]), kv_heads=rng.choice([1, 2, 4]), n=n,
+    call = dict(kind=kind, window=rng.choice([16, 50, 100, 300, 5000]), kv_heads=rng.choice([1, 2, 4]), n=n,
                 lengths=lengths, side=rng.choice(["left", "right", "none"]), seed=seed)
+    # drawn last, so that the fields above stay as earlier runs drew them: an unpadded batch's rows as sequences
+    # packed back to back (position ids restarting at each cut)
+    cuts = sorted(rng.sample(range(1, n), min(2, n - 1))) if rng.random() < 0.5 else []
+    return call | {"packed_cuts": cuts if call["side"] == "none" else []}
 
 
 def build_model(call: dict, path) -> str:
@@ -88,6 +93,10 @@ def batch_inputs(call: dict, device: str) -> tuple[torch.Tensor, dict, torch.Ten
     inputs = {} if side == "none" else {"attention_mask": mask.to(device)}
     if side == "left":
         inputs["position_ids"] = ((mask.cumsum(-1) - 1).clamp(min=0)).to(device)
+    if call["packed_cuts"]:  # transformers (4.54 and later) masks each packed sequence on its own keys
+        bounds = [0, *call["packed_cuts"], n]
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+        inputs |= {"position_ids": positions.expand(ids.shape).to(device), "use_cache": False}
     return ids.to(device), inputs, mask.bool().to(device)
 
 
