@@ -805,30 +805,47 @@ def test_short_segments_go_to_sdpa_unless_asked(tmp_path):
         logits(load(path, "sparge_test_short_chunks_strict"), ids)
 
 
+def skip_without_packed_masks():
+    """Skip where transformers does not mask sequences packed in one row apart (before 4.54): they attend across each
+    other there, under SDPA too."""
+    import transformers.masking_utils as masking
+
+    if not hasattr(masking, "find_packed_sequence_indices"):
+        pytest.skip(f"transformers {transformers.__version__} does not mask packed sequences apart")
+
+
+def packed_positions(lengths):
+    """Position ids of sequences of ``lengths`` packed in one row: restarting at each."""
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def assert_each_sequence_as_if_alone(model, ids, lengths):
+    """The packed row's logits through ``model``, after checking that each sequence's equal those of its tokens run
+    alone."""
+    packed = logits(model, ids, position_ids=packed_positions(lengths), use_cache=False)
+    start = 0
+    for n in lengths:
+        alone = logits(model, ids[:, start:start + n], use_cache=False)
+        assert relative_l1(packed[:, start:start + n], alone) < 1e-5, (start, n)
+        start += n
+    return packed
+
+
 def test_packed_sequences_run_each_sequence_as_if_alone(tiny_llama):
     """Sequences packed in one row (position ids restarting, no cache: transformers then masks each sequence
     causally on its own keys) run one call each: with TopCdf skipping, each sequence's logits are those of the same
     tokens run alone; keeping every block gives SDPA's."""
-    import transformers.masking_utils as masking
-
-    if not hasattr(masking, "find_packed_sequence_indices"):  # added in 4.54
-        pytest.skip(f"transformers {transformers.__version__} does not mask packed sequences apart: they attend "
-                    "across each other, under SDPA too")
+    skip_without_packed_masks()
     lengths = (400, 260, 220)
     ids = prompt(sum(lengths))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    positions = packed_positions(lengths)
     keep_all = register("sparge_test_packed_keep", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
                         min_segment_queries=0)
     register("sparge_test_packed_skip", simthreshd1=-1.0, cdfthreshd=0.5, strict=True, min_segment_queries=0)
     got = logits(load(tiny_llama, "sparge_test_packed_keep"), ids, position_ids=positions, use_cache=False)
     assert relative_l1(got, logits(load(tiny_llama, "sdpa"), ids, position_ids=positions, use_cache=False)) < 1e-5
     assert keep_all.sparse_calls == 2
-    sparse = logits(load(tiny_llama, "sparge_test_packed_skip"), ids, position_ids=positions, use_cache=False)
-    start = 0
-    for n in lengths:
-        alone = logits(load(tiny_llama, "sparge_test_packed_skip"), ids[:, start:start + n], use_cache=False)
-        assert relative_l1(sparse[:, start:start + n], alone) < 1e-5, (start, n)
-        start += n
+    sparse = assert_each_sequence_as_if_alone(load(tiny_llama, "sparge_test_packed_skip"), ids, lengths)
     assert relative_l1(sparse, got) > 1e-3, "the settings must skip blocks"
     # the same sequences described only by flash-attention's cumulative lengths, with a cache (transformers then
     # builds no mask): the same logits
@@ -843,14 +860,11 @@ def test_packed_sequences_under_a_sliding_window_run_each_sequence_under_it(tmp_
     sliding mask holds both the packing and the window; each sequence runs as its own call under the window, SDPA's
     logits with every block kept (before session 55 the call went to SDPA under the mask), and with TopCdf skipping
     each sequence's logits are those of its tokens alone."""
-    import transformers.masking_utils as masking
-
-    if not hasattr(masking, "find_packed_sequence_indices"):  # added in 4.54
-        pytest.skip(f"transformers {transformers.__version__} does not mask packed sequences apart")
+    skip_without_packed_masks()
     path = mistral_with_window(tmp_path, 64)
     lengths = (300, 40, 200)
     ids = prompt(sum(lengths), seed=6)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    positions = packed_positions(lengths)
     keep_all = register("sparge_test_packed_window", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
                         min_segment_queries=0)
     got = logits(load(path, "sparge_test_packed_window"), ids, position_ids=positions, use_cache=False)
@@ -858,12 +872,7 @@ def test_packed_sequences_under_a_sliding_window_run_each_sequence_under_it(tmp_
     assert relative_l1(got, logits(load(path, "sdpa"), ids, position_ids=positions, use_cache=False)) < 1e-5
     register("sparge_test_packed_window_skip", simthreshd1=-1.0, cdfthreshd=0.5, strict=True, min_segment_queries=0,
              min_predicted_window=0)
-    sparse = logits(load(path, "sparge_test_packed_window_skip"), ids, position_ids=positions, use_cache=False)
-    start = 0
-    for n in lengths:
-        alone = logits(load(path, "sparge_test_packed_window_skip"), ids[:, start:start + n], use_cache=False)
-        assert relative_l1(sparse[:, start:start + n], alone) < 1e-5, (start, n)
-        start += n
+    sparse = assert_each_sequence_as_if_alone(load(path, "sparge_test_packed_window_skip"), ids, lengths)
     assert relative_l1(sparse, got) > 1e-3, "the settings must skip blocks"
 
 
