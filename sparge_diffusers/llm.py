@@ -744,12 +744,7 @@ class SpargeLLMAttention:
             reason = self._terms_reason(terms)
         if reason is not None:
             self._warn(reason, terms)
-            if terms.any():
-                return eager_attention(query, key, value, mask, sinks=terms.sinks, softcap=terms.softcap, scale=scale)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask[:, :, :, :key.shape[2]], scale=scale,
-                enable_gqa=query.shape[1] != key.shape[1])
-            return out.transpose(1, 2).contiguous()
+            return _exact_attention(query, key, value, scale, terms, mask[:, :, :, :key.shape[2]]).contiguous()
         out, stats = self._sparse_call(query, key, value, scale, variant, layout, window, terms)
         if self.collect_stats:
             self._record(stats)
@@ -880,10 +875,10 @@ def _method_extras(window: int | None, terms: ScoreTerms) -> dict[str, Any]:
 
 def _exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
                      terms: ScoreTerms, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact attention, without a causal mask: SDPA (grouped-query heads as they come), or with sinks or a cap
-    :func:`eager_attention`. query (B, H, Nq, D), key/value (B, H_kv, Nkv, D); ``mask``: None (every query sees every
-    key) or a boolean (1, 1, Nq, Nkv) mask (True = attend; a row with no key gets what SDPA gives it). Returns
-    (B, Nq, H, D)."""
+    """Exact attention under ``mask`` alone (no causal mask of its own): SDPA (grouped-query heads as they come), or
+    with sinks or a cap :func:`eager_attention`. query (B, H, Nq, D), key/value (B, H_kv, Nkv, D); ``mask``: None
+    (every query sees every key) or transformers' (B|1, 1, Nq, Nkv) mask, boolean (True = attend) or additive.
+    Returns (B, Nq, H, D)."""
     if terms.any():
         return eager_attention(query, key, value, mask, sinks=terms.sinks, softcap=terms.softcap, scale=scale)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
@@ -1041,29 +1036,10 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
     window_start = torch.maximum(sequence_start, positions - sliding_window + 1)  # (B, Nq): the first key in view
     expected_seen = window_start <= positions
     matches = torch.where(expected_seen, seen & runs & (first == window_start), ~seen).all()
-    right, ends = right_padding
-    batch = first.shape[0]
-    verdict = torch.cat([matches.long()[None], right.long()[None], used.long()[None], padding.long(),
-                         ends.long(), torch.where(expected_seen, sequence_start, -1).flatten().long()]).cpu()
-    if verdict[0]:
-        starts = verdict[3 + 2 * batch:].view(batch, q_len)
-        return _windowed_layout(int(verdict[2]), verdict[3:3 + batch].tolist(), starts, q_len)
-    ends = verdict[3 + batch:3 + 2 * batch].tolist()
-    return CausalMaskLayout(max(ends), [0] * batch, None, ends) if verdict[1] else None
-
-
-def _windowed_layout(used: int, padding: list[int], starts: torch.Tensor, q_len: int) -> CausalMaskLayout:
-    """:func:`read_causal_mask`'s layout of a matched sliding mask from each query's sequence start (``starts``,
-    (B, Nq) on the host, -1 for a query that sees no key): the padded layout where each row holds one sequence from
-    its first query that sees a key to its last query, else the runs of queries of one sequence as ``segments``
-    (packed sequences, each then run as its own call under the window)."""
-    segments, plain = [], True
-    for row, pad in zip(starts, padding):
-        bounds = torch.cat([torch.tensor([0]), (row[1:] != row[:-1]).nonzero().flatten() + 1]).tolist()
-        runs = [(s, e, int(row[s])) for s, e in zip(bounds, bounds[1:] + [q_len]) if row[s] >= 0]
-        plain &= not runs or (len(runs) == 1 and runs[0][1] == q_len and runs[0][2] == pad)
-        segments.append(runs)
-    return CausalMaskLayout(used, padding, None if plain else segments)
+    # each query's sequence start plays the part of its first key in the layout without a window: runs of queries
+    # of one sequence are its segments, one per row from the padding's end is the padded mask
+    return _causal_runs_layout(torch.where(expected_seen, sequence_start, kv_len), matches, used, q_len, kv_len,
+                               right_padding)
 
 
 def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor, q_len: int, kv_len: int,
@@ -1084,8 +1060,9 @@ def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor,
 
 def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.Tensor, q_len: int, kv_len: int,
                         right_padding: tuple[torch.Tensor, torch.Tensor]) -> CausalMaskLayout | None:
-    """:func:`read_causal_mask`'s layout without a window, from each query row's first seen key (``first``, (B, Nq),
-    kv_len where none) once every row matched (``matches``) one run of keys to its causal end (``used`` - Nq + i):
+    """:func:`read_causal_mask`'s layout, from each query row's first seen key (``first``, (B, Nq), kv_len where none;
+    under a window the first key of the query's sequence) once every row matched (``matches``) one run of keys to
+    its causal end (``used`` - Nq + i):
     rows sharing their first key form the segments; one per batch row, starting where its queries first reach a key,
     is the padded causal mask. Otherwise, where ``right_padding`` (:func:`_right_padding`) holds, the right-padded
     layout. One read-back (a device sync)."""
