@@ -2,9 +2,12 @@
 build short) with transformers' SDPA attention against sparge_diffusers.llm's attention function, one run on
 one GPU, random weights built on the GPU in bf16.
 
-Reports per prompt length: prefill ms with SDPA, with SpargeAttn at default thresholds and at an aggressive
-setting (simthreshd1=-1, cdfthreshd=0.9), with the S2O and FSA methods at their defaults, sparsity, and the
-relative L1 of the last layer's hidden states against SDPA's. Random weights attend broadly and are not
+Reports per prompt length: prefill ms with SDPA, with FlexAttention (transformers' ``flex_attention``
+implementation: compiled flex_attention on the BlockMask transformers builds from the same mask, which skips the
+key blocks that mask hides; its compilation outside the timing, its BlockMask built inside it, as each forward
+builds it), with SpargeAttn at default thresholds and at an aggressive setting (simthreshd1=-1, cdfthreshd=0.9),
+with the S2O and FSA methods at their defaults, sparsity, and the relative L1 of the last layer's hidden states
+against SDPA's. ``--no-flex`` leaves FlexAttention out. Random weights attend broadly and are not
 self-similar, so the default finds nothing to skip: that row shows our overhead; the aggressive row shows what a
 given sparsity buys.
 
@@ -47,7 +50,7 @@ default mode) with SDPA and with the default settings, whose masked calls go thr
 Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096]
        [--right-padded 16384,12288,8192,4096] [--layers 4]
        [--static 32768:2048:40960,32768:8192:40960] [--window 4096 | --llama4 | --gemma3] [--compiled]
-       [--out results.json]
+       [--no-flex] [--out results.json]
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=None, help="a sliding window of W keys on every layer")
     ap.add_argument("--llama4", action="store_true", help="Llama-4-Scout's text layers (chunked attention)")
     ap.add_argument("--gemma3", action="store_true", help="Gemma-3-12B's text layers (head dim 256, windows of 1024)")
+    ap.add_argument("--no-flex", dest="flex", action="store_false", help="leave FlexAttention out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shapes = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
@@ -123,18 +127,19 @@ def main(argv=None):
     for n in [int(n) for n in args.lengths.split(",") if n]:
         ids = torch.randint(0, config.vocab_size, (1, n), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(1))
-        results["lengths"][n] = row = compare(model, functions, ids)
+        results["lengths"][n] = row = compare(model, functions, ids, flex=args.flex)
         print(n, row, flush=True)
     statics = [tuple(int(x) for x in case.split(":")) for case in args.static.split(",") if case]
     for filled, chunk, slots in statics:
         results.setdefault("static", {})[f"{filled}:{chunk}:{slots}"] = row = static_chunk_compare(
-            model, functions, filled, chunk, slots)
+            model, functions, filled, chunk, slots, flex=args.flex)
         print("static", (filled, chunk, slots), row, flush=True)
     padded = [int(n) for n in args.padded.split(",") if n]
     if padded:
         ids, mask = padded_batch(config, padded, "left")
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        results["padded"] = row = compare(model, functions, ids, attention_mask=mask, position_ids=positions)
+        results["padded"] = row = compare(model, functions, ids, attention_mask=mask, position_ids=positions,
+                                         flex=args.flex)
         row["prompt_lengths"] = padded
         print("padded", padded, row, flush=True)
         if args.compiled:
@@ -144,7 +149,7 @@ def main(argv=None):
     right_padded = [int(n) for n in args.right_padded.split(",") if n]
     if right_padded:
         ids, mask = padded_batch(config, right_padded, "right")
-        results["right_padded"] = row = compare(model, functions, ids, attention_mask=mask)
+        results["right_padded"] = row = compare(model, functions, ids, attention_mask=mask, flex=args.flex)
         row["prompt_lengths"] = right_padded
         print("right padded", right_padded, row, flush=True)
     model_name = "Llama-4-Scout" if args.llama4 else "Gemma-3-12B" if args.gemma3 else "Llama-3.1-8B"
@@ -155,7 +160,8 @@ def main(argv=None):
                                          if args.window else "")
              + ("; chunks of 8192, every fourth layer global, dense MLPs" if args.llama4 else "")
              + ("; windows of 1024 keys, every fourth layer global" if args.gemma3 else ""),
-             f"{'tokens':>7} {'sdpa ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'spars':>6} {'rel L1':>7}"]
+             f"{'tokens':>7} {'sdpa ms':>9} {'flex ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'x flex':>6} "
+             f"{'spars':>6} {'rel L1':>7}"]
     rows = list(results["lengths"].items()) + ([("padded", results["padded"])] if padded else []) \
         + ([("right", results["right_padded"])] if right_padded else []) \
         + [(f"static{i}", r) for i, r in enumerate(results.get("static", {}).values())]
@@ -163,8 +169,10 @@ def main(argv=None):
         for name in settings:
             e = r[name]
             sparsity = f"{e['sparsity']:6.3f}" if e["sparsity"] is not None else f"{'-':>6}"
-            lines.append(f"{n:>7} {r['sdpa_ms']:9.1f} {name:>10} {e['ms']:8.1f} {e['speedup']:6.2f} {sparsity} "
-                         f"{e['relative_l1']:7.4f}")
+            flex_ms, x_flex = (f"{r['flex_ms']:9.1f}", f"{e['x_flex']:6.2f}") if "flex_ms" in r else (
+                f"{'-':>9}", f"{'-':>6}")
+            lines.append(f"{n:>7} {r['sdpa_ms']:9.1f} {flex_ms} {name:>10} {e['ms']:8.1f} {e['speedup']:6.2f} {x_flex} "
+                         f"{sparsity} {e['relative_l1']:7.4f}")
     if "padded_compiled" in results:
         c = results["padded_compiled"]
         lines.append(f"{'padded':>7} compiled: sdpa {c['sdpa_ms']:.1f} ms, default {c['default_ms']:.1f} ms "
@@ -194,10 +202,10 @@ def padded_batch(config, lengths: list[int], side: str) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-def compare(model, functions, ids, after_each=None, **inputs) -> dict:
-    """Prefill ms with SDPA and with each registered function; sparsity and relative L1 against SDPA's last
-    hidden states (at the real positions where an attention mask marks padding). ``after_each``: called after every
-    forward (timed with it)."""
+def compare(model, functions, ids, after_each=None, flex: bool = True, **inputs) -> dict:
+    """Prefill ms with SDPA, with FlexAttention (``flex``) and with each registered function; sparsity and relative
+    L1 against SDPA's last hidden states (at the real positions where an attention mask marks padding).
+    ``after_each``: called after every forward (timed with it)."""
     real = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones_like(ids, dtype=torch.bool)
 
     def prefill():
@@ -210,6 +218,11 @@ def compare(model, functions, ids, after_each=None, **inputs) -> dict:
     model.set_attn_implementation("sdpa")
     dense = prefill()[real].float()
     row = {"sdpa_ms": timed(prefill)}
+    if flex:
+        model.set_attn_implementation("flex_attention")
+        out = prefill()[real].float()  # compiles flex_attention for this shape: outside the timing
+        row["flex_ms"] = timed(prefill)
+        row["flex_relative_l1"] = relative_l1(out, dense)
     for name, fn in functions.items():
         model.set_attn_implementation(f"sparge_bench_{name}")
         fn.stats.clear()
@@ -224,10 +237,12 @@ def compare(model, functions, ids, after_each=None, **inputs) -> dict:
         fn.collect_stats = True
         row[name] = {"ms": ms, "speedup": row["sdpa_ms"] / ms, "sparsity": sparsity,
                      "relative_l1": relative_l1(out, dense)}
+        if flex:
+            row[name]["x_flex"] = row["flex_ms"] / ms
     return row
 
 
-def static_chunk_compare(model, functions, filled: int, chunk: int, slots: int) -> dict:
+def static_chunk_compare(model, functions, filled: int, chunk: int, slots: int, flex: bool = True) -> dict:
     """:func:`compare` for the forward of tokens filled - chunk .. filled - 1 against a static cache of ``slots``
     positions whose first filled - chunk hold an SDPA prefill of the tokens before (one cache for every function, so
     only the chunk differs; each timed forward rewrites the chunk's own slots with the same values: transformers 5.x
@@ -258,7 +273,8 @@ def static_chunk_compare(model, functions, filled: int, chunk: int, slots: int) 
             elif isinstance(getattr(layer, "cumulative_length", None), int):
                 layer.cumulative_length -= chunk
 
-    return compare(model, functions, ids[:, prefix:], after_each=rewind, use_cache=True, position_ids=positions[None],
+    return compare(model, functions, ids[:, prefix:], after_each=rewind, flex=flex, use_cache=True,
+                   position_ids=positions[None],
                    cache_position=positions, **{name: cache})
 
 

@@ -277,14 +277,16 @@ def test_readme_pipeline_table_is_the_committed_results():
 
 def test_readme_llm_prefill_table_is_the_committed_results():
     results = json.loads((ROOT / "benchmarks" / "results" / "llm-prefill-H100.json").read_text())
-    rows = table_after("| | SDPA | default | `simthreshd1=-1, cdfthreshd=0.9` |")
+    rows = table_after("| | SDPA | FlexAttention | default | `simthreshd1=-1, cdfthreshd=0.9` |")
     assert [row[0].split()[0] for row in rows] == ["8K", "32K", "left-padded"]
     for row, r in zip(rows, [results["lengths"]["8192"], results["lengths"]["32768"], results["padded"]]):
-        expected = [[r["sdpa_ms"]], [r["default"]["ms"], r["default"]["speedup"]],
-                    [r["aggressive"]["ms"], r["aggressive"]["speedup"], r["aggressive"]["sparsity"]],
-                    [r["s2o"]["ms"], r["s2o"]["speedup"]], [r["fsa"]["ms"], r["fsa"]["speedup"], r["fsa"]["sparsity"]]]
+        ratios = {name: [r[name]["ms"], r[name]["speedup"], r[name]["x_flex"]] for name in ("default", "aggressive",
+                                                                                              "s2o", "fsa")}
+        expected = [[r["sdpa_ms"]], [r["flex_ms"]], ratios["default"],
+                    ratios["aggressive"] + [r["aggressive"]["sparsity"]], ratios["s2o"],
+                    ratios["fsa"] + [r["fsa"]["sparsity"]]]
         if row[0].startswith("left-padded"):  # the padded row shows times and ratios only
-            expected = [values[:2] for values in expected]
+            expected = [values[:3] for values in expected]
         for cell, values in zip(row[1:], expected):
             assert_cell_shows(cell, values, f"LLM prefill {row[0]}")
 
