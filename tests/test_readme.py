@@ -291,6 +291,17 @@ def test_readme_llm_prefill_table_is_the_committed_results():
             assert_cell_shows(cell, values, f"LLM prefill {row[0]}")
 
 
+def test_readme_gemma3_prefill_table_is_the_committed_results():
+    results = json.loads((ROOT / "benchmarks" / "results" / "llm-prefill-gemma3-H100.json").read_text())
+    rows = table_after("| tokens | SDPA | FlexAttention | ours default | x SDPA | x FlexAttention |")
+    assert [row[0].split()[0] for row in rows] == ["8192", "32768", "left-padded"]
+    for row, r in zip(rows, [results["lengths"]["8192"], results["lengths"]["32768"], results["padded"]]):
+        d = r["default"]
+        for cell, value in zip(row[1:], [r["sdpa_ms"], r["flex_ms"], d["ms"], d["speedup"], d["x_flex"],
+                                         d["relative_l1"]]):
+            assert_shown_as(cell, value, f"Gemma 3 prefill {row[0]}")
+
+
 def test_readme_pbs_table_is_the_committed_results():
     lengths = json.loads((ROOT / "benchmarks" / "results" / "pbs-H100.json").read_text())["lengths"]
     rows = table_after("| N | tau | keys | density | rel. L1 | whole call ms")
