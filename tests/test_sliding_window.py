@@ -18,7 +18,9 @@ from test_kernels import L1_TOL, make_qkv, poisoned_like
 
 # Nq, Nkv, variant, window: windows under one block, of one block, across block edges, wider than the sequence;
 # chunks whose offset is no multiple of a block; a window of one key (each query sees only itself); rows whose walk
-# holds blocks cut by the window, whole blocks and the diagonal (700 / 400)
+# holds blocks cut by the window, whole blocks and the diagonal (700 / 400); more queries than keys under either
+# variant (upper left: rows past the last key, whose windows start past the last key's window; lower right: rows
+# before the first key)
 CASES = [
     (700, 700, None, 400),
     (300, 300, None, 100),
@@ -27,6 +29,8 @@ CASES = [
     (260, 260, None, 1000),
     (200, 457, "lower_right", 129),
     (77, 390, "lower_right", 200),
+    (700, 500, "upper_left", 300),
+    (450, 300, "lower_right", 100),
 ]
 
 
@@ -109,8 +113,9 @@ def test_compacted_walk_puts_the_masked_blocks_last_and_drops_those_outside_the_
 def test_stage_1_keeps_only_blocks_in_the_window_and_matches_reference(Nq, Nkv, variant, window):
     """Stage 1's kernel against the reference, with the sink block forced (it falls outside most windows and
     must then be dropped); every query block keeps its diagonal."""
-    q, k, _ = llm_like_qkv(Nkv, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16, seed=window)
-    q = q[:, :, Nkv - Nq:]
+    n = max(Nq, Nkv)  # one sequence: the queries and keys are its last rows (lower right) or its first
+    q, k, _ = llm_like_qkv(n, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16, seed=window)
+    q, k = (q[:, :, n - Nq:], k[:, :, n - Nkv:]) if variant == "lower_right" else (q[:, :, :Nq], k[:, :, :Nkv])
     kw = dict(is_causal=True, causal_variant=variant, sliding_window=window, attention_sink=True, cdfthreshd=0.9)
     mask = predict_block_mask(q, k, backend="triton", **kw)
     ref = predict_block_mask(q, k, backend="reference", **kw)
@@ -121,10 +126,10 @@ def test_stage_1_keeps_only_blocks_in_the_window_and_matches_reference(Nq, Nkv, 
     seen = torch.stack([torch.stack([allowed[i * BLOCK_Q:(i + 1) * BLOCK_Q, j * BLOCK_K:(j + 1) * BLOCK_K].any()
                                      for j in range(shape.k_blocks)]) for i in range(shape.q_blocks)])
     assert not (mask & ~seen).any()
-    assert mask.any(-1).all()
+    assert (mask.any(-1) == seen.any(-1)).all(), "every query block that sees a key keeps a block"
 
 
-@pytest.mark.parametrize("Nq,Nkv,variant,window", CASES[:4] + CASES[5:6])
+@pytest.mark.parametrize("Nq,Nkv,variant,window", CASES[:4] + CASES[5:6] + CASES[7:])
 def test_whole_method_with_a_window(Nq, Nkv, variant, window):
     """sparge_attention keeping every block equals SDPA under the window; at default settings its statistics
     count against the blocks the window leaves (keep-all: nothing skipped)."""
@@ -173,7 +178,8 @@ def test_bad_windows_raise():
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("Nq,Nkv,variant,window", [(3000, 3000, None, 1024), (1000, 4567, "lower_right", 777),
-                                                   (2049, 2049, None, 64), (700, 700, None, 4096)])
+                                                   (2049, 2049, None, 64), (700, 700, None, 4096),
+                                                   (3987, 3268, "upper_left", 2000), (2500, 1800, "lower_right", 300)])
 def test_gpu_kernels_match_reference_with_a_window(Nq, Nkv, variant, window, D, monkeypatch):
     """On a GPU: the Hopper kernel (where it runs) and the Triton kernel, on a random mask and on every block,
     against the float32 reference; and the whole method keeping every block against SDPA under the window."""

@@ -68,6 +68,12 @@ class AttentionShape:
         return math.ceil(self.kv_len / BLOCK_K)
 
     @property
+    def last_row_position(self) -> int:
+        """The causal position of the last query row (past the last key in an upper-left call with more queries
+        than keys): where the last row's sliding window starts from."""
+        return self.q_len - 1 + self.causal_offset
+
+    @property
     def last_query_position(self) -> int:
         """The causal position of the last query row, capped at the last key: no query block sees past it."""
         return min(self.q_len - 1 + self.causal_offset, self.kv_len - 1)

@@ -28,13 +28,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_POSITION, WINDOW, IS_CAUSAL: tl.constexpr,
+def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_ROW, WINDOW, IS_CAUSAL: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, KEY_SEGMENT: tl.constexpr):
     """(visible, needs_masking, diagonal) of key blocks ``cols`` for the query block(s) starting at row ``first_q``
     (shapes broadcast): visible = ``valid`` and, under causal masking, not wholly in the future; diagonal = under
     causal masking, blocks some of whose keys lie after the block's first query; needs element masking = those
     and the ragged last block. Query row r sits at causal position r + Q_OFFSET (``AttentionShape.
-    causal_offset``), and no row past LAST_POSITION (``AttentionShape.last_query_position``). With keys permuted
+    causal_offset``), and the last row at LAST_ROW (``AttentionShape.last_row_position``, not capped at the last
+    key). With keys permuted
     within segments of KEY_SEGMENT positions (``_inputs.PermutedKeys``; BLOCK_K = keys in order), a block's keys may
     come from anywhere in its segment, so the rule applies to the segment's extent (``_inputs.
     causal_block_visible`` restates it for the reference; change both together). A sliding window of WINDOW keys
@@ -49,10 +50,12 @@ def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_POSITION, WIND
         else:
             first_k = cols * BLOCK_K // KEY_SEGMENT * KEY_SEGMENT
         first_position = first_q + Q_OFFSET
-        last_position = tl.minimum(first_position + BLOCK_Q - 1, LAST_POSITION)
+        last_position = tl.minimum(first_position + BLOCK_Q - 1, LAST_ROW)
         visible = visible & (first_k <= last_position)
         diagonal = (first_k + KEY_SEGMENT - 1) > first_position
-        # the query at position p sees keys p - WINDOW + 1 .. p (no-ops at NO_WINDOW)
+        # the query at position p sees keys p - WINDOW + 1 .. p (no-ops at NO_WINDOW). The last row's own position
+        # decides the masking: an upper-left call with more queries than keys has rows past the last key, whose
+        # windows start later than the last key's (a position capped there left such blocks unmasked)
         visible = visible & (first_k + KEY_SEGMENT - 1 > first_position - WINDOW)
         needs_masking = needs_masking | diagonal | (first_k <= last_position - WINDOW)
     return visible, needs_masking, diagonal
@@ -93,7 +96,7 @@ def _walk_positions(keep, needs_masking, axis: tl.constexpr):
 @triton.jit
 def _block_mask_to_index_kernel(
     MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width, H, NQ, NK, KV_LEN, Q_OFFSET,
-    LAST_POSITION, WINDOW, stride_mb, stride_mh, stride_mq, stride_mk,
+    LAST_ROW, WINDOW, stride_mb, stride_mh, stride_mq, stride_mk,
     NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     KEY_SEGMENT: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
 ):
@@ -105,7 +108,7 @@ def _block_mask_to_index_kernel(
     cvalid = cols < NK
     keep = tl.load(MASK + b * stride_mb + h * stride_mh + pid_q * stride_mq + cols * stride_mk,
                    mask=cvalid, other=0) != 0
-    keep, needs_masking, _ = _key_block_flags(pid_q * BLOCK_Q, cols, keep & cvalid, KV_LEN, Q_OFFSET, LAST_POSITION,
+    keep, needs_masking, _ = _key_block_flags(pid_q * BLOCK_Q, cols, keep & cvalid, KV_LEN, Q_OFFSET, LAST_ROW,
                                               WINDOW, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
                                               KEY_SEGMENT=KEY_SEGMENT)
     position, n_full = _walk_positions(keep, needs_masking, axis=0)
@@ -428,7 +431,7 @@ def block_mask_to_index(block_mask: torch.Tensor, shape: AttentionShape, is_caus
     n_full = torch.empty_like(count)
     launch(_block_mask_to_index_kernel, (nq, B * H),
         m, index, count, n_full, *tail_kernel_args(tail, count), H, nq, nk, shape.kv_len, shape.causal_offset,
-        shape.last_query_position, shape.window_arg, *m.stride(),
+        shape.last_row_position, shape.window_arg, *m.stride(),
         NK_PAD=max(next_power_of_2(nk), 16), IS_CAUSAL=is_causal, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         KEY_SEGMENT=key_segment, RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=4,
     )

@@ -128,7 +128,7 @@ def _compressed_scores_kernel(QMEAN, KMEAN, S, H, GROUP, NQ, NK, scale_log2, cap
 @triton.jit
 def _topcdf_block_mask_kernel(
     SCORES, QSIM, KSIM, THETA, TAU, MASK, INDEX, COUNT, NFULL, TAIL_SIZES, TAIL_TILES, tail_start, tail_width,
-    H, GROUP, NQ, NK, KV_LEN, Q_OFFSET, LAST_POSITION, WINDOW,
+    H, GROUP, NQ, NK, KV_LEN, Q_OFFSET, LAST_ROW, WINDOW,
     ROWS: tl.constexpr, NK_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     KEY_SEGMENT: tl.constexpr, BITS_ABOVE_ONE: tl.constexpr, RECORD_TAIL: tl.constexpr, BUCKETS: tl.constexpr,
@@ -151,7 +151,7 @@ def _topcdf_block_mask_kernel(
     q_similar = tl.load(QSIM + pid_bh * NQ + rows, mask=rvalid, other=1.0) > theta
     k_similar = tl.load(KSIM + bhk * NK + cols, mask=cvalid, other=1.0) > theta
     valid, needs_masking, diagonal = _key_block_flags(
-        (rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :], KV_LEN, Q_OFFSET, LAST_POSITION,
+        (rows * BLOCK_Q)[:, None], cols[None, :], rvalid[:, None] & cvalid[None, :], KV_LEN, Q_OFFSET, LAST_ROW,
         WINDOW, IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=KEY_SEGMENT)
     live = valid & k_similar[None, :]
     s = tl.where(live, s, float("-inf"))
@@ -297,7 +297,7 @@ def topcdf_block_mask_triton(
     launch(_topcdf_block_mask_kernel, grid,
         scores, q_sim, k_sim, simthreshd1, cdfthreshd, mask, index, count, n_full, *tail_kernel_args(tail, count),
         shape.heads, shape.heads // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset,
-        shape.last_query_position, shape.window_arg, ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
+        shape.last_row_position, shape.window_arg, ROWS=rows, NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink,
         BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, KEY_SEGMENT=key_segment, BITS_ABOVE_ONE=_BITS_ABOVE_ONE,
         RECORD_TAIL=tail is not None, BUCKETS=attention_hopper.TAIL_BUCKETS, num_warps=num_warps,
     )

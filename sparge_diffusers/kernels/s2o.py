@@ -159,7 +159,7 @@ _COLUMN_BITS = 29
 @triton.jit
 def _visit_order_kernel(
     SCORES, QSIM, KSIM, THETA, INDEX, N_UNMASKED, N_FORCED, COUNT, H, GROUP, NQ, NK, KV_LEN, Q_OFFSET,
-    LAST_POSITION, SEGMENT, NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr,
+    LAST_ROW, SEGMENT, NK_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, SINK: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr, COLUMN_BITS: tl.constexpr,
 ):
     """One query block's visiting order: the same groups and order as :func:`_visit_order_torch`, by one
@@ -177,7 +177,7 @@ def _visit_order_kernel(
     forced = tl.minimum(tl.load(KSIM + bhk.to(tl.int64) * NK + cols, mask=cvalid, other=1.0),
                         tl.load(QSIM + row)) <= theta
     first_q = i * BLOCK_Q
-    visible, needs_masking, _ = _key_block_flags(first_q, cols, cvalid, KV_LEN, Q_OFFSET, LAST_POSITION, _NO_WINDOW,
+    visible, needs_masking, _ = _key_block_flags(first_q, cols, cvalid, KV_LEN, Q_OFFSET, LAST_ROW, _NO_WINDOW,
                                                  IS_CAUSAL=IS_CAUSAL, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
                                                  KEY_SEGMENT=BLOCK_K)
     forced = forced | needs_masking  # the ragged last block and the causal diagonal
@@ -239,7 +239,7 @@ def _visit_order_triton(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.
     nk_pad = max(next_power_of_2(nk), 16)
     launch(_visit_order_kernel, (nq, B * H),
         scores.contiguous(), q_sim.contiguous(), k_sim.contiguous(), simthreshd1, index, n_unmasked, n_forced,
-        count, H, H // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset, shape.last_query_position, segment,
+        count, H, H // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset, shape.last_row_position, segment,
         NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         COLUMN_BITS=_COLUMN_BITS, num_warps=4 if nk_pad <= 2048 else 8)
     return VisitOrder((index, n_unmasked, n_forced, count))
