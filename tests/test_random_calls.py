@@ -10,10 +10,11 @@ density, the same mask compacted, every block (dense), or the whole method on st
 into a NaN-poisoned buffer longer than the call's rows. The checks are the same for every call: no NaN, the rows past
 the call untouched, and relative L1 against the reference under the dtype's tolerance (rows that see no key: zeros).
 tests/test_gpu_random_calls.py draws larger calls on a GPU; its seed 2005 found a window bug that no grid here held
-(an upper-left call with more queries than keys), which is why the draws combine the axes.
+(an upper-left call with more queries than keys), which is why the draws combine the axes. The same for S2O: its
+order walked by the kernel and by the reference, or built by the kernels and visited in full against exact attention.
 
-``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 1 s each), ``SPARGE_RANDOM_FIRST`` the first;
-the seeds in ``FOUND_BUGS`` run every time.
+``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O half as many),
+``SPARGE_RANDOM_FIRST`` the first; the seeds in ``FOUND_BUGS`` run every time.
 """
 
 import math
@@ -24,9 +25,10 @@ import pytest
 import torch
 
 from sparge_diffusers import (BLOCK_K, BLOCK_Q, block_sparse_attention, compact_block_mask, predict_block_mask,
-                              relative_l1, sparge_attention)
+                              relative_l1, s2o_attention, sparge_attention)
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_kernels import L1_TOL
+from test_s2o import order_for
 
 CALLS = int(os.environ.get("SPARGE_RANDOM_CALLS", "24"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
@@ -70,10 +72,37 @@ def _inputs(call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                               text_tokens=call["seed"] % 50, dtype=dtype, seed=call["seed"], tensor_layout=layout)
     g = torch.Generator().manual_seed(call["seed"])
 
+    if call["entry"] == "structured":  # S2O's stop test needs structure: the first rows of one video-like sequence
+        n = max(q_len, kv_len)
+        side = max(1, math.ceil(math.sqrt(n / 2)))
+        q, k, v = video_like_qkv((2, side, side), batch=B, heads=H, kv_heads=HK, head_dim=D, dtype=dtype,
+                                 seed=call["seed"], tensor_layout=layout)
+        return q.narrow(seq, 0, q_len), k.narrow(seq, 0, kv_len), v.narrow(seq, 0, kv_len)
+
     def rnd(h, n):
         return torch.randn((B, h, n, D) if layout == "HND" else (B, n, h, D), generator=g).to(dtype)
 
     return rnd(H, q_len), rnd(HK, kv_len), rnd(HK, kv_len)
+
+
+def _poisoned_output(q: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, out): a NaN buffer 5 rows longer than q along the sequence, and its first rows, where the call
+    writes."""
+    big_shape = list(q.shape)
+    big_shape[seq] += 5
+    big = torch.full(big_shape, float("nan"), dtype=q.dtype)
+    return big, big.narrow(seq, 0, q.shape[seq])
+
+
+def _check(result, out, big, ref, seq: int, call: dict) -> None:
+    """The output written in place, no NaN, the rows past the call untouched, close to the reference."""
+    assert result.data_ptr() == out.data_ptr(), call
+    assert not torch.isnan(result).any(), call
+    assert torch.isnan(big.narrow(seq, out.shape[seq], 5)).all(), ("rows past the call were written", call)
+    if ref.abs().sum() == 0:  # every kept row empty: zeros, which relative L1 cannot measure
+        assert (result == 0).all(), call
+    else:
+        assert relative_l1(result, ref) < L1_TOL[call["dtype"]], call
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
@@ -85,10 +114,7 @@ def test_random_call_matches_reference(seed):
     layout, dtype = call["layout"], call["dtype"]
     seq = 2 if layout == "HND" else 1
     q_len, kv_len = q.shape[seq], k.shape[seq]
-    big_shape = list(q.shape)
-    big_shape[seq] += 5
-    big = torch.full(big_shape, float("nan"), dtype=dtype)
-    out = big.narrow(seq, 0, q_len)
+    big, out = _poisoned_output(q, seq)
     common = dict(is_causal=call["causal"], tensor_layout=layout, causal_variant=call["causal_variant"],
                   sliding_window=call["sliding_window"])
     capped = dict(common, softcap=call["softcap"])
@@ -109,10 +135,58 @@ def test_random_call_matches_reference(seed):
                                         sink_logits=sinks, **capped)
     ref = block_sparse_attention(q, k, v, mask, pvthreshd=call["pvthreshd"], backend="reference", sink_logits=sinks,
                                  **capped)
-    assert result.data_ptr() == out.data_ptr(), call
-    assert not torch.isnan(result).any(), call
-    assert torch.isnan(big.narrow(seq, q_len, 5)).all(), ("rows past the call were written", call)
-    if ref.abs().sum() == 0:  # every kept row empty: zeros, which relative L1 cannot measure
-        assert (result == 0).all(), call
+    _check(result, out, big, ref, seq, call)
+
+
+def draw_s2o_call(seed: int) -> dict:
+    """One S2O call's settings: shapes as :func:`draw_call`'s (no window: S2O takes none), S2O's own knobs (tau,
+    the stop test's spacing, the causal segment, the sink block), sink logits, and whether the call walks an order
+    given to it ("order") or builds its own and visits every block ("whole")."""
+    rng = random.Random(seed)
+    kv_heads = rng.choice([1, 2])
+    causal = rng.random() < 0.5
+    variant = rng.choice([None, "upper_left", "lower_right"]) if causal else None
+    q_len = rng.randint(1, 600)
+    return dict(
+        batch=rng.choice([1, 2]), kv_heads=kv_heads, heads=kv_heads * rng.choice([1, 2, 3]),
+        head_dim=rng.choice([64, 64, 128, 32]), causal=causal, causal_variant=variant, q_len=q_len,
+        kv_len=q_len if causal and variant is None else rng.randint(1, 600),
+        dtype=rng.choice([torch.bfloat16, torch.float16]), layout=rng.choice(["HND", "NHD"]),
+        entry="structured", walk=rng.choice(["order", "order", "whole"]),
+        tau=rng.choice([0.0, None, 0.001, 0.01, 0.2]), check_every=rng.choice([1, 4, 16]),
+        segment=rng.choice([128, 256, 512]), attention_sink=rng.random() < 0.3,
+        simthreshd1=rng.choice([0.6, 0.6, -1.0, 0.95]), pvthreshd=rng.choice([None, None, 8.0]),
+        sinks=rng.random() < 0.25, seed=seed)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS // 2))
+def test_random_s2o_call_matches_reference(seed):
+    """S2O in the interpreter against its float32 reference walking the same order ("order"), or, building its own
+    order and visiting every block (tau 0 or None), against exact attention ("whole")."""
+    call = draw_s2o_call(seed)
+    q, k, v = _inputs(call)
+    layout = call["layout"]
+    seq = 2 if layout == "HND" else 1
+    big, out = _poisoned_output(q, seq)
+    common = dict(is_causal=call["causal"], tensor_layout=layout, causal_variant=call["causal_variant"])
+    sinks = torch.randn(call["heads"], generator=torch.Generator().manual_seed(seed)) * 3 if call["sinks"] else None
+    knobs = dict(segment=call["segment"], check_every=call["check_every"], simthreshd1=call["simthreshd1"],
+                 attention_sink=call["attention_sink"], pvthreshd=call["pvthreshd"], sink_logits=sinks)
+    if call["walk"] == "order":
+        order = order_for(q, k, call["causal"], theta=call["simthreshd1"], segment=call["segment"],
+                          sink=call["attention_sink"], layout=layout, backend="triton",
+                          causal_variant=call["causal_variant"])[1]
+        result, stats = s2o_attention(q, k, v, tau=call["tau"], order=order, out=out, return_sparsity=True,
+                                      backend="triton", **knobs, **common)
+        ref, ref_stats = s2o_attention(q, k, v, tau=call["tau"], order=order, backend="reference",
+                                       return_sparsity=True, **knobs, **common)
+        # a stop test lying on its threshold may fall either way under the kernel's rounding
+        assert (stats.qk_skipped - ref_stats.qk_skipped).abs().max() <= 0.02, call
     else:
-        assert relative_l1(result, ref) < L1_TOL[dtype], call
+        knobs["pvthreshd"] = None  # exact only without the stage-2 test
+        result = s2o_attention(q, k, v, tau=call["tau"] if call["tau"] in (0.0, None) else 0.0, out=out,
+                               backend="triton", **knobs, **common)
+        ref = block_sparse_attention(q, k, v, None, backend="reference", sink_logits=sinks, **common)
+    _check(result, out, big, ref, seq, call)
