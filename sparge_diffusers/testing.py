@@ -89,7 +89,9 @@ def video_like_qkv(
         low = randn(1, channels, T // 4 + 2, Hh // 8 + 2, W // 8 + 2)
         field = F.interpolate(low, size=(T, Hh, W), mode="trilinear", align_corners=True)[0]
         field = field.reshape(channels, n_vis).T
-        field = (field - field.mean(0)) / field.std(0).clamp(min=1e-6)  # [N, C], smooth in space-time
+        # [N, C], smooth in space-time (one token: no spread to divide by, and std(0) of one row is NaN)
+        spread = field.std(0).clamp(min=1e-6) if field.shape[0] > 1 else torch.ones_like(field[0])
+        field = (field - field.mean(0)) / spread
         w_qk = randn(kv_heads, channels, content_dim) / math.sqrt(channels)
         w_v = randn(kv_heads, channels, head_dim) / math.sqrt(channels)
         content = field[None] @ w_qk  # [Hkv, N, content_dim]
@@ -155,8 +157,9 @@ def llm_like_qkv(
         stripe_dir = F.normalize(randn(kv_heads, content_dim), dim=-1)
         scale = math.sqrt(head_dim)
         k[:, 0, pos_dim:] += 4.0 * sink_dir
-        stripes = torch.randint(1, seq_len, (n_stripes,), generator=gen, device=dev)
-        k[:, stripes, pos_dim:] += 3.0 * stripe_dir[:, None, :]
+        if seq_len > 1:  # stripes sit after the sink (a one-token sequence has none: randint(1, 1) raises)
+            stripes = torch.randint(1, seq_len, (n_stripes,), generator=gen, device=dev)
+            k[:, stripes, pos_dim:] += 3.0 * stripe_dir[:, None, :]
         q_dirs = 2.5 * sink_dir + 2.5 * stripe_dir
         q[:, :, pos_dim:] += q_dirs.repeat_interleave(group, 0)[:, None, :] * (scale / 10)
         norm = k.norm(dim=-1).mean()

@@ -371,6 +371,18 @@ def test_structured_inputs_are_sparse_and_accurate(maker, causal):
     assert relative_l1(out, dense) < 0.1
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_structured_generators_take_sequences_of_a_few_tokens(n):
+    """Until session 56 a one-token sequence broke both generators: llm_like_qkv raised a RuntimeError (no key
+    after the sink to put a stripe on; found by a random PBS call) and video_like_qkv gave NaN (the std of one
+    token)."""
+    q, k, v = llm_like_qkv(n, heads=4, kv_heads=2, head_dim=64, seed=n)
+    assert q.shape == (1, 4, n, 64) and k.shape == v.shape == (1, 2, n, 64)
+    assert all(torch.isfinite(t).all() for t in (q, k, v))
+    q, k, v = video_like_qkv((1, 1, n), heads=2, head_dim=64, seed=n)
+    assert q.shape == (1, 2, n, 64) and all(torch.isfinite(t).all() for t in (q, k, v))
+
+
 def test_sparsity_stats_count_causal_blocks():
     q, k, v = make_qkv(1, 2, 2, 512, 512, 64, torch.float16, "HND", seed=2)
     # dense causal: query block i (128 rows) sees key blocks 0..2i+1 (64 keys each) -> 2+4+6+8 = 20 blocks

@@ -11,9 +11,10 @@ into a NaN-poisoned buffer longer than the call's rows. The checks are the same 
 the call untouched, and relative L1 against the reference under the dtype's tolerance (rows that see no key: zeros).
 tests/test_gpu_random_calls.py draws larger calls on a GPU; its seed 2005 found a window bug that no grid here held
 (an upper-left call with more queries than keys), which is why the draws combine the axes. The same for S2O: its
-order walked by the kernel and by the reference, or built by the kernels and visited in full against exact attention.
+order walked by the kernel and by the reference, or built by the kernels and visited in full against exact attention;
+and for PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and the walk on permuted keys).
 
-``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O half as many),
+``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O and PBS half as many),
 ``SPARGE_RANDOM_FIRST`` the first; the seeds in ``FOUND_BUGS`` run every time.
 """
 
@@ -24,16 +25,24 @@ import random
 import pytest
 import torch
 
-from sparge_diffusers import (BLOCK_K, BLOCK_Q, block_sparse_attention, compact_block_mask, predict_block_mask,
-                              relative_l1, s2o_attention, sparge_attention)
+from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_attention, compact_block_mask,
+                              predict_block_mask, relative_l1, s2o_attention, sparge_attention)
+from sparge_diffusers.llm import pbs_sparge_attention
+from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_kernels import L1_TOL
 from test_s2o import order_for
 
 CALLS = int(os.environ.get("SPARGE_RANDOM_CALLS", "24"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
-# seeds whose calls failed before a fix: 67 (and 254) drew the upper-left window call of the fix in session 56
-FOUND_BUGS = [67]
+# seeds whose calls failed before a fix, run every time: public-API seed 67 (and 254) drew the upper-left window call
+# of session 56's kernel fix; PBS seed 335 a one-token prompt, which the structured generator could not make
+FOUND_BUGS = {"call": [67], "pbs": [335]}
+
+
+def seeds(test: str, share: int = 1) -> list[int]:
+    """The seeds of a test: CALLS // share from FIRST, and the seeds that found bugs."""
+    return sorted(set(range(FIRST, FIRST + CALLS // share)) | set(FOUND_BUGS.get(test, [])))
 
 
 def draw_call(seed: int) -> dict:
@@ -107,7 +116,7 @@ def _check(result, out, big, ref, seq: int, call: dict) -> None:
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
-@pytest.mark.parametrize("seed", sorted(set(range(FIRST, FIRST + CALLS)) | set(FOUND_BUGS)))
+@pytest.mark.parametrize("seed", seeds("call"))
 def test_random_call_matches_reference(seed):
     call = draw_call(seed)
     q, k, v = _inputs(call)
@@ -161,7 +170,7 @@ def draw_s2o_call(seed: int) -> dict:
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
-@pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS // 2))
+@pytest.mark.parametrize("seed", seeds("s2o", share=2))
 def test_random_s2o_call_matches_reference(seed):
     """S2O in the interpreter against its float32 reference walking the same order ("order"), or, building its own
     order and visiting every block (tau 0 or None), against exact attention ("whole")."""
@@ -190,3 +199,44 @@ def test_random_s2o_call_matches_reference(seed):
                                backend="triton", **knobs, **common)
         ref = block_sparse_attention(q, k, v, None, backend="reference", sink_logits=sinks, **common)
     _check(result, out, big, ref, seq, call)
+
+
+def draw_pbs_call(seed: int) -> dict:
+    """One PBS-Attn call (causal, HND, N_q <= N_kv): the whole prompt or a lower-right chunk of it."""
+    rng = random.Random(seed)
+    kv_heads = rng.choice([1, 2])
+    kv_len = rng.randint(1, 700)
+    q_len = kv_len if rng.random() < 0.5 else rng.randint(1, kv_len)
+    return dict(
+        batch=rng.choice([1, 2]), kv_heads=kv_heads, heads=kv_heads * rng.choice([1, 2, 3]),
+        head_dim=rng.choice([64, 128, 32]), kv_len=kv_len, q_len=q_len, segment=rng.choice([64, 128, 256, 512]),
+        dtype=rng.choice([torch.bfloat16, torch.float16]), cdfthreshd=rng.choice([0.9, 0.98, 1.0]),
+        simthreshd1=rng.choice([0.6, -1.0, 1.0]),  # 1.0: no block summarised, every block kept
+        pvthreshd=rng.choice([None, None, 8.0]), causal=True, layout="HND", entry="whole",
+        causal_variant="lower_right" if q_len < kv_len else None, seed=seed)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.parametrize("seed", seeds("pbs", share=2))
+def test_random_pbs_call_matches_reference(seed):
+    """pbs_sparge_attention with the Triton kernels against the float32 reference given the same permuted keys and
+    mask; with every block kept (simthreshd1 1) and no stage-2 test, also against exact causal attention."""
+    call = draw_pbs_call(seed)
+    q, k, v = _inputs(call)
+    big, out = _poisoned_output(q, 2)
+    variant = call["causal_variant"]
+    thresholds = dict(cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"], pvthreshd=call["pvthreshd"])
+    result = pbs_sparge_attention(q, k, v, segment=call["segment"], causal_variant=variant, out=out,
+                                  backend="triton", **thresholds)
+    order = segmented_key_order(last_block_key_importance(q, k, causal_variant=variant), call["segment"])
+    kp, vp = gather_keys(k, order), gather_keys(v, order)
+    kw = dict(is_causal=True, permuted_keys=PermutedKeys(order.to(torch.int32), call["segment"]),
+              causal_variant=variant)
+    mask = predict_block_mask(q, kp, cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"],
+                              backend="triton", **kw)
+    ref = block_sparse_attention(q, kp, vp, mask, pvthreshd=call["pvthreshd"], backend="reference", **kw)
+    _check(result, out, big, ref, 2, call)
+    if call["simthreshd1"] == 1.0 and call["pvthreshd"] is None:
+        exact = block_sparse_attention(q, k, v, None, backend="reference", is_causal=True, causal_variant=variant)
+        _check(result, out, big, exact, 2, call)
