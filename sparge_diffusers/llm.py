@@ -173,12 +173,20 @@ def _sparge_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Te
     return settings
 
 
+def _permutes_keys(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a call runs on PBS's permuted keys: with ``pbs_segment`` set, where it has no fewer keys than queries.
+    A lower-right call with fewer (its first queries see no key) runs on the keys in order instead, the same
+    attention with stage 1's blocks chosen on unpermuted keys: the ranking needs the last queries' own keys.
+    transformers builds no such mask, but a mask can read as one (a random mask draw, session 57, raised)."""
+    return attention.pbs_segment is not None and q.shape[2] <= k.shape[2]
+
+
 def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float | None, variant: str | None, stats: bool, window: int | None = None,
                     sinks: torch.Tensor | None = None, softcap: float | None = None):
     """SpargeAttn (stage 1's TopCdf mask, then the block-sparse kernel); PBS's key order where asked."""
     settings = _sparge_settings(attention, q, k, scale, variant, window, sinks, softcap)
-    if attention.pbs_segment is not None:
+    if _permutes_keys(attention, q, k):
         del settings["is_causal"]  # pbs_sparge_attention is always causal
         return pbs_sparge_attention(q, k, v, segment=attention.pbs_segment, return_sparsity=stats, **settings)
     return sparge_attention(q, k, v, return_sparsity=stats, **settings)
@@ -188,7 +196,7 @@ def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Te
                      scale: float | None, variant: str | None, window: int | None = None,
                      sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     settings = _sparge_settings(attention, q, k, scale, variant, window, sinks, softcap)
-    if attention.pbs_segment is not None:
+    if _permutes_keys(attention, q, k):
         del settings["is_causal"]
         return pbs_sparge_attention_op(q, k, v, segment=attention.pbs_segment, **settings)
     return sparge_attention_op(q, k, v, **settings)
@@ -216,11 +224,17 @@ def _s2o_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tenso
     return s2o_attention_op(q, k, v, **_s2o_settings(attention, q, k, scale, variant, sinks))
 
 
+def _fsa_top_k(attention: SpargeLLMAttention, k: torch.Tensor) -> int:
+    """``top_k``, at most the call's key blocks: the selection's further columns would all be -1, and the index and
+    the partial outputs grow with its width (a short segment of a long top_k made them as wide as top_k)."""
+    return min(attention.top_k, -(-k.shape[2] // attention.block_size))
+
+
 def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float | None, variant: str | None, stats: bool, sinks: torch.Tensor | None = None):
     """NSA-style selection of ``top_k`` key blocks per query token, computed by FSA's KV-outer kernel."""
     settings = dict(block_size=attention.block_size, is_causal=True, causal_variant=_causal_variant(q, k, variant))
-    selection = select_key_blocks(q, k, top_k=attention.top_k, scale=scale, **settings)
+    selection = select_key_blocks(q, k, top_k=_fsa_top_k(attention, k), scale=scale, **settings)
     out = selected_block_attention(q, k, v, selection, scale=scale, validate=False,  # the selector's are in range
                                    sink_logits=sinks, **settings)
     if not stats:
@@ -231,7 +245,7 @@ def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor
 def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float | None, variant: str | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     settings = dict(block_size=attention.block_size, is_causal=True, causal_variant=_causal_variant(q, k, variant))
-    selection = select_key_blocks_op(q, k, top_k=attention.top_k, scale=scale, **settings)
+    selection = select_key_blocks_op(q, k, top_k=_fsa_top_k(attention, k), scale=scale, **settings)
     return selected_block_attention_op(q, k, v, selection, scale=scale, validate=False, sink_logits=sinks,
                                        **settings)
 
@@ -583,7 +597,7 @@ class SpargeLLMAttention:
             span = key.shape[2]  # so any key may be seen
         else:
             verdict = self._mask_route(attention_mask, query.shape[2], key.shape[2], window)
-            span = verdict[2].keys if verdict[2] is not None else key.shape[2]
+            span = _layout_span(verdict[2], key.shape[2]) if verdict[2] is not None else key.shape[2]
         reason, window = self._window_route(window, span)
         if reason is None:
             reason = self._terms_reason(_score_terms(kwargs))
@@ -739,7 +753,7 @@ class SpargeLLMAttention:
         warning); a sparse call is counted and its statistics kept with ``collect_stats``. Returns (B, Nq, H, D)."""
         reason, variant, layout = self._mask_route(mask, query.shape[2], key.shape[2], window)
         if reason is None:
-            reason, window = self._window_route(window, layout.keys)
+            reason, window = self._window_route(window, _layout_span(layout, key.shape[2]))
         if reason is None:
             reason = self._terms_reason(terms)
         if reason is not None:
@@ -1085,6 +1099,15 @@ def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.
         segments.append(runs)
     padding = [runs[0][2] if runs else used for runs in segments]
     return CausalMaskLayout(used, padding, None if plain else segments)
+
+
+def _layout_span(layout: CausalMaskLayout, kv_len: int) -> int:
+    """How far back from its own position a query under this layout may see, in keys (its position + 1 from key 0
+    on): whether a sliding window hides a key from any query. The last query sits at position ``keys`` - 1, except
+    in a right-padded batch, whose padding queries sit at positions up to ``kv_len`` - 1 (:func:`read_causal_mask`
+    counts them from Nkv - Nq) past every prompt's last real key: a window shorter than that hides keys from them
+    even where every prompt is shorter than the window."""
+    return kv_len if layout.ends is not None else layout.keys
 
 
 def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, **settings: Any

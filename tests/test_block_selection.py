@@ -74,6 +74,22 @@ def test_kernel_matches_reference(case, dtype, layout, keys, monkeypatch):
     assert (out[..., 0] == ref[..., 0]).float().mean() > 0.97
 
 
+def test_top_k_above_the_key_blocks_sorts_only_the_blocks_there_are(monkeypatch):
+    """top_k far above the key blocks (1000 against 7): the kernel is launched on 7 columns (its sort width, a
+    compile-time constant, followed top_k: 10_000 compiled a 16384-wide sort, once per block count, minutes each on
+    an H100), and the public result is the 7-column selection followed by -1s."""
+    q, k = make_qk(1, 4, 2, 200, 200, 32, torch.float16, "HND", seed=11)
+    launched = []
+    kernel = selection_module.select_key_blocks_triton
+    monkeypatch.setattr(selection_module, "select_key_blocks_triton",
+                        lambda qh, kh, out, **kw: launched.append(out.shape[-1]) or kernel(qh, kh, out, **kw))
+    wide = select_key_blocks(q, k, top_k=1000, block_size=32, backend="triton")
+    exact = select_key_blocks(q, k, top_k=7, block_size=32, backend="triton")
+    assert launched == [7, 7] and wide.shape == (1, 2, 200, 1000)
+    assert torch.equal(wide[..., :7], exact) and (wide[..., 7:] == -1).all()
+    assert torch.equal(wide, select_key_blocks(q, k, top_k=1000, block_size=32, backend="reference"))
+
+
 @pytest.mark.parametrize("nq, nkv, variant", [(70, 300, "lower_right"), (200, 90, "lower_right"),
                                               (100, 300, "upper_left")])
 def test_causal_variants_match_the_reference_and_the_equal_length_call(nq, nkv, variant, monkeypatch):

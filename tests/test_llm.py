@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.masking_utils")  # transformers >= 4.53, as sparge_diffusers.llm needs
 
 from sparge_diffusers import relative_l1  # noqa: E402
-from sparge_diffusers.llm import CausalMaskLayout, SpargeLLMAttention, register  # noqa: E402
+from sparge_diffusers.llm import CausalMaskLayout, SpargeLLMAttention, read_causal_mask, register  # noqa: E402
 
 # transformers 4.x (4.53-4.57 run) differs from 5.x where these tests look: its generate leaves a prompt's last token
 # to the first decode step, it masks a static cache's first prefill, and its SDPA function adds no position bias
@@ -340,6 +340,33 @@ def test_mask_reader_finds_right_padding():
     assert read(right_padded_mask_4d([150, 140], 150), 150, 150, sliding_window=64) is None  # no window read
     assert read(right_padded_mask_4d([150, 140], 150), 150, 150, sliding_window=150).ends == [150, 140]  # hides none
     assert read(right_padded_mask_4d([150, 140], 150).float(), 150, 150) is None
+
+
+def test_right_padded_call_shorter_than_its_window_keeps_the_window_for_its_padding_queries():
+    """Every prompt right-padded and shorter than the window (ends 9 and 43, window 50) after 3 cached keys: the
+    window hides no key from a real query, but the padding queries at positions 50..67 see only keys from p - 49 on.
+    The function read the window's span off the longest prompt (43 keys) and dropped the window, so those rows saw
+    every real key (found by a random mask draw, session 57). Eager calls and the compiled path's masked operator
+    (``_masked_call``) give SDPA's rows under the mask, wherever a row sees a key."""
+    ends, nq, nkv, window = [9, 43], 65, 68, 50
+    positions = torch.arange(nq)[:, None] + nkv - nq
+    mask = right_padded_mask_4d(ends, nq, nkv) & (torch.arange(nkv)[None, :] > positions - window)
+    assert read_causal_mask(mask, nq, nkv, sliding_window=window).ends == ends
+    torch.manual_seed(924)
+    q, k, v = torch.randn(2, 4, nq, 64), torch.randn(2, 2, nkv, 64), torch.randn(2, 2, nkv, 64)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, min_padded_tokens=0, strict=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    seen = mask[:, 0].any(-1)[:, :, None, None]  # (B, Nq, 1, 1)
+    assert not seen.all()
+    eager, _ = attention(module, q, k, v, mask, scaling=0.2, sliding_window=window)
+    masked = attention._masked_call(q, k, v, mask, 0.2, window)
+    for out in (eager, masked):
+        assert out.shape == (2, nq, 4, 64) and torch.isfinite(out).all()
+        assert torch.equal(out * ~seen, torch.zeros_like(out))
+        torch.testing.assert_close(out * seen, expected.transpose(1, 2) * seen, rtol=1e-5, atol=1e-5)
+    assert attention.sparse_calls == 1
 
 
 def test_segmented_mask_reader_finds_each_run_of_queries_on_its_own_keys():
@@ -1025,6 +1052,22 @@ def test_attention_function_answers_in_transformers_layout():
     assert relative_l1(out, expected.transpose(1, 2)) < 1e-5
 
 
+def test_fsa_selects_at_most_the_key_blocks_a_call_has(monkeypatch):
+    """method="fsa" with top_k above a call's key blocks (1000 against 3 blocks of 64 for 130 keys) selects 3: the
+    selection's index and partial outputs grow with its width, and its further columns would all be -1. Every block
+    kept: SDPA's output."""
+    from sparge_diffusers import llm
+
+    module, (q, k, v), _ = direct_call_setup(5)
+    widths = []
+    select = llm.select_key_blocks
+    monkeypatch.setattr(llm, "select_key_blocks", lambda *a, top_k, **kw: widths.append(top_k) or select(
+        *a, top_k=top_k, **kw))
+    out, _ = SpargeLLMAttention(method="fsa", top_k=1000)(module, q, k, v, None, scaling=0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+    assert widths == [3] and relative_l1(out, expected.transpose(1, 2)) < 1e-5
+
+
 def test_a_value_head_dim_unlike_the_querys_falls_back_to_sdpa():
     """SDPA takes v with another head dim than q and k (DeepSeek-style attention at small sizes); the kernels
     refuse it, which raised in the middle of the model. Now transformers' SDPA function answers, with a warning."""
@@ -1304,16 +1347,20 @@ def test_padded_batches_of_a_capped_model_give_eager_logits_on_either_path(tmp_p
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_right_padded_batch_under_a_sliding_window_gives_sdpa_logits_everywhere(tmp_path, device):
+@pytest.mark.parametrize("shorter_than_window", [False, True])
+def test_right_padded_batch_under_a_sliding_window_gives_sdpa_logits_everywhere(tmp_path, device,
+                                                                               shorter_than_window):
     """Mistral with a 100-key window on a right-padded batch: the window's mask is read with the padding, each prompt
     runs sparse under the window, its padding queries see their window's remaining keys or, past its reach, none.
     SDPA's logits at every position that sees a key (float32 on CPU, bf16 on the GPU); those that see none get zeros
     from the attention, as from SDPA's math backend on the CPU (everywhere there). SDPA's GPU kernels under a mask
-    give such rows other values, so on the GPU those positions are left out of the comparison."""
+    give such rows other values, so on the GPU those positions are left out of the comparison.
+    ``shorter_than_window``: every prompt padded and shorter than the window, which still hides keys from the padding
+    queries past position 99 (the window was dropped there, as if it hid none: their rows saw every real key)."""
     path = mistral_with_window(tmp_path, 100)
     n, dtype, tolerance = (300, torch.float32, 1e-5) if device == "cpu" else (1000, torch.bfloat16, 2e-2)
     ids = prompt(n, batch=3, seed=5).to(device)
-    ends = (n, n // 2, 40)
+    ends = (90, 50, 40) if shorter_than_window else (n, n // 2, 40)
     mask = right_padded(ids, ends)
     attention = register("sparge_test_window_right", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
                          min_padded_tokens=0)

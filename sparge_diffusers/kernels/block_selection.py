@@ -285,5 +285,10 @@ def select_key_blocks(
                                            query_chunk=query_chunk, **kwargs)
     check_kernel_dtype(q.dtype)
     out = torch.empty(shape.batch, shape.kv_heads, shape.q_len, top_k, dtype=torch.int32, device=q.device)
-    select_key_blocks_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), out, **kwargs)
+    # no query sees more than the key blocks there are: the kernel sorts min(top_k, blocks) columns (its sort width,
+    # a compile-time constant, follows top_k: top_k = 10_000 compiled a 16384-wide sort, once per block count) and
+    # the rest are -1, as they would be
+    picked = min(top_k, cdiv(shape.kv_len, block_size))
+    out[..., picked:] = -1
+    select_key_blocks_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), out[..., :picked], **kwargs)
     return out
