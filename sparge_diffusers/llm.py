@@ -837,7 +837,10 @@ class SpargeLLMAttention:
             real = min(q_len, max(0, end - offset))  # queries at positions before `end`: the real tokens
             k, v = key[rows, :, :end], value[rows, :, :end]
             if real:
-                o, s = self._prefill(query[rows, :, :real], k, v, scale, "lower_right", window, terms)
+                # the window where it hides a key from these queries (the batch's may hide keys only from padding
+                # queries: see _layout_span), so that a prompt shorter than it runs as without one
+                hides = window if window is not None and end > window else None
+                o, s = self._prefill(query[rows, :, :real], k, v, scale, "lower_right", hides, terms)
                 out[rows, :real] = o.transpose(1, 2)
                 if s is not None:
                     parts.append(s)

@@ -369,6 +369,28 @@ def test_right_padded_call_shorter_than_its_window_keeps_the_window_for_its_padd
     assert attention.sparse_calls == 1
 
 
+def test_right_padded_prompt_shorter_than_the_window_runs_as_alone():
+    """A right-padded batch whose window hides keys from some padding queries (window 300, 400 positions) but not from
+    a prompt's real queries (ends 290 and 100): each prompt's real rows are its call alone, without the window, as
+    predicted by stage 1 (cdfthreshd 0.5 skips blocks). A window shorter than ``min_predicted_window`` made them
+    keep every block."""
+    ends, n, window = [290, 100], 400, 300
+    positions = torch.arange(n)[:, None]
+    mask = right_padded_mask_4d(ends, n) & (torch.arange(n)[None, :] > positions - window)
+    torch.manual_seed(7)
+    q, k, v = torch.randn(2, 4, n, 64), torch.randn(2, 2, n, 64), torch.randn(2, 2, n, 64)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=0.5, min_padded_tokens=0, collect_stats=True,
+                                   strict=True)
+    out, _ = attention(module, q, k, v, mask, scaling=0.125, sliding_window=window)
+    assert attention.stats[-1].sparsity > 0  # stage 1 skipped blocks
+    for b, end in enumerate(ends):
+        alone, _ = attention(module, q[b:b + 1, :, :end], k[b:b + 1, :, :end], v[b:b + 1, :, :end], None,
+                             scaling=0.125, sliding_window=window)
+        assert torch.equal(out[b:b + 1, :end], alone), b
+
+
 def test_segmented_mask_reader_finds_each_run_of_queries_on_its_own_keys():
     """read_causal_mask reads causal attention restarted within a prompt (Llama 4's chunks, packed
     sequences): each run of queries that see the same first key, with padding, a cache and a static cache's empty
