@@ -35,6 +35,24 @@ def dense_reference(q, k, v, is_causal, layout):
     return out if layout == "HND" else out.transpose(1, 2)
 
 
+def exact_attention(q, k, v, allowed, scale=None, sinks=None, softcap=None, dtype=torch.float32):
+    """Attention by its definition, in ``dtype``, of (B, H, N, D) inputs with grouped K/V heads: scores
+    scale * q . k, soft-capped to softcap * tanh(s / softcap) where given, hidden where ``allowed`` is False, learned
+    ``sinks`` (one logit per query head) as one more column dropped after the softmax; rows that see no key (and
+    have no sink) are zero."""
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k, v = (t.to(dtype).repeat_interleave(group, 1) for t in (k, v))
+    scores = (q.to(dtype) @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return probs[..., :k.shape[2]] @ v
+
+
 def poisoned_like(q):
     return torch.full_like(q, float("nan"))
 

@@ -31,6 +31,8 @@ pytest.importorskip("transformers")  # fallbacks call transformers' SDPA functio
 from sparge_diffusers import relative_l1  # noqa: E402
 from sparge_diffusers.llm import SpargeLLMAttention, read_causal_mask  # noqa: E402
 
+from test_kernels import exact_attention  # noqa: E402
+
 SEEDS = int(os.environ.get("SPARGE_RANDOM_MASKS", "200"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_MASKS_FIRST", "0"))
 # 924: every prompt right-padded and shorter than the window; its padding queries lost the window. 3395: a mask read
@@ -95,21 +97,6 @@ def perturbed(rng: random.Random, mask: torch.Tensor) -> tuple[torch.Tensor, str
     return mask, "a row shifted"
 
 
-def exact_attention(q, k, v, mask, scale, sinks, softcap):
-    """Attention under a boolean mask in float64, sinks and soft-capping as gpt-oss's and Gemma 2's eager attention
-    apply them; rows that see no key (and no sink) give zeros."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = (q.double() @ k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1)
-    weights = torch.softmax(scores, -1).nan_to_num(0.0)
-    return weights[..., :k.shape[2]] @ v
-
-
 def check_seed(seed: int, device: str) -> None:
     rng = random.Random(seed)
     mask, window, kind = family_mask(rng, device)
@@ -125,7 +112,8 @@ def check_seed(seed: int, device: str) -> None:
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, kv_heads * group, q_len, 64, generator=generator)
     k, v = (torch.randn(batch, kv_heads, kv_len, 64, generator=generator) for _ in range(2))
-    expected = exact_attention(q, k, v, mask, 0.2, kwargs.get("s_aux"), kwargs.get("softcap")).transpose(1, 2)
+    expected = exact_attention(q, k, v, mask, 0.2, kwargs.get("s_aux"), kwargs.get("softcap"), torch.float64)
+    expected = expected.transpose(1, 2)
     what = f"seed {seed}: {kind} mask, {how}, {tuple(mask.shape)}, window {window}, {method}, {sorted(kwargs)}"
 
     module = torch.nn.Module()

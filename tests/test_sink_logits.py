@@ -11,7 +11,7 @@ import torch
 from sparge_diffusers import (block_sparse_attention, relative_l1, s2o_attention, s2o_attention_op, sparge_attention,
                               sparge_attention_op, selected_block_attention, selected_block_attention_op)
 from sparge_diffusers.kernels._inputs import check_attention_inputs
-from test_kernels import L1_TOL, make_qkv, poisoned_like
+from test_kernels import L1_TOL, exact_attention, make_qkv, poisoned_like
 from test_sliding_window import random_mask, window_mask
 
 # one head without a sink (-inf), one whose sink outweighs every key (100: rows almost zero, never NaN), two ordinary
@@ -32,24 +32,13 @@ def allowed_keys(nq, nkv, causal, variant, window):
     return window_mask(nq, nkv, variant, window if window is not None else nkv + nq)
 
 
-def exact_with_sinks(q, k, v, allowed, sinks, scale=None):
-    """float32 attention of (B, H, N, D) inputs with the sink as one more logit column, dropped after the softmax."""
-    group = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, -math.inf)
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return probs @ v.float().repeat_interleave(group, 1)
-
-
 @pytest.mark.parametrize("Nq,Nkv,causal,variant,window", CASES)
 def test_reference_with_every_block_equals_the_definition(Nq, Nkv, causal, variant, window):
     q, k, v = make_qkv(2, 4, 2, Nq, Nkv, 64, torch.float32, "HND", seed=Nq + Nkv)
     sinks = torch.tensor(SINKS)
     kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window)
     out = block_sparse_attention(q, k, v, None, sink_logits=sinks, **kw)
-    expected = exact_with_sinks(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window), sinks)
+    expected = exact_attention(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window), sinks=sinks)
     assert relative_l1(out, expected) < 1e-5
     without = block_sparse_attention(q, k, v, None, **kw)
     assert relative_l1(without, expected) > 0.05, "the sinks must change the output for this test to mean anything"
@@ -89,7 +78,7 @@ def test_whole_method_with_sinks_and_its_operator():
     reference and the custom operator; a strided sink tensor is read as its values."""
     q, k, v = make_qkv(1, 4, 2, 300, 300, 64, torch.float16, "HND", seed=5)
     sinks = torch.tensor([[x, 0.0] for x in SINKS])[:, 0]  # stride 2
-    expected = exact_with_sinks(q, k, v, allowed_keys(300, 300, True, None, None), sinks)
+    expected = exact_attention(q, k, v, allowed_keys(300, 300, True, None, None), sinks=sinks)
     kw = dict(is_causal=True, cdfthreshd=1.0, pvthreshd=None, sink_logits=sinks)
     for out in (sparge_attention(q, k, v, backend="triton", **kw), sparge_attention(q, k, v, **kw),
                 sparge_attention_op(q, k, v, **kw)):
@@ -119,7 +108,7 @@ def test_s2o_walk_with_sinks_matches_reference(causal, layout):
         torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
         if tau == 0.0:
             qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
-            expected = exact_with_sinks(qh, kh, vh, allowed_keys(300, 300, causal, None, None), sinks)
+            expected = exact_attention(qh, kh, vh, allowed_keys(300, 300, causal, None, None), sinks=sinks)
             expected = expected if layout == "HND" else expected.transpose(1, 2)
             assert relative_l1(out.float(), expected) < L1_TOL[torch.float16]
             op = s2o_attention_op(q, k, v, **{name: value for name, value in kw.items() if name != "return_sparsity"})
@@ -147,7 +136,7 @@ def test_fsa_merge_adds_the_sinks(causal, layout, monkeypatch):
         out = selected_block_attention(q, k, v, selection, backend="triton", out=poisoned_like(q), **kw)
         assert not torch.isnan(out).any() and relative_l1(out.float(), ref.float()) < L1_TOL[torch.float16]
     qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
-    expected = exact_with_sinks(qh, kh, vh, allowed_keys(200, 200, causal, None, None), sinks)
+    expected = exact_attention(qh, kh, vh, allowed_keys(200, 200, causal, None, None), sinks=sinks)
     expected = expected if layout == "HND" else expected.transpose(1, 2)
     assert relative_l1(out.float(), expected) < L1_TOL[torch.float16]
     assert relative_l1(selected_block_attention_op(q, k, v, selection, **kw).float(), expected) < L1_TOL[torch.float16]
@@ -218,7 +207,7 @@ def test_gpu_kernels_match_reference_with_sinks(Nq, Nkv, causal, variant, window
             assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
     monkeypatch.setattr(attention_hopper, "OVERRIDE", None)
     out = sparge_attention(q, k, v, cdfthreshd=1.0, pvthreshd=None, **kw)
-    expected = exact_with_sinks(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window).cuda(), sinks)
+    expected = exact_attention(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window).cuda(), sinks=sinks)
     assert relative_l1(out.float(), expected) < L1_TOL[torch.bfloat16]
     if window is None:  # S2O's walks (the Gluon one on an H100, then the Triton one) visiting every block
         from sparge_diffusers.kernels import s2o_hopper

@@ -11,7 +11,7 @@ from sparge_diffusers import (block_sparse_attention, predict_block_mask, relati
                               sparge_attention_op)
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.testing import llm_like_qkv
-from test_kernels import L1_TOL, make_qkv, poisoned_like
+from test_kernels import L1_TOL, exact_attention, make_qkv, poisoned_like
 from test_sink_logits import allowed_keys
 from test_sliding_window import random_mask
 
@@ -26,22 +26,12 @@ CASES = [
 ]
 
 
-def exact_capped(q, k, v, allowed, cap, scale=None):
-    """float32 attention of (B, H, N, D) inputs over cap * tanh(scale * q . k / cap); rows that see no key zero."""
-    group = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
-    scores = (cap * torch.tanh(scores / cap)).masked_fill(~allowed, -math.inf)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return probs @ v.float().repeat_interleave(group, 1)
-
-
 @pytest.mark.parametrize("Nq,Nkv,causal,variant,window", CASES)
 def test_reference_with_every_block_equals_the_definition(Nq, Nkv, causal, variant, window):
     q, k, v = make_qkv(2, 4, 2, Nq, Nkv, 64, torch.float32, "HND", seed=Nq + Nkv)
     kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window)
     out = block_sparse_attention(q, k, v, None, softcap=CAP, **kw)
-    expected = exact_capped(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window), CAP)
+    expected = exact_attention(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window), softcap=CAP)
     assert relative_l1(out, expected) < 1e-5
     assert relative_l1(block_sparse_attention(q, k, v, None, **kw), expected) > 0.05, "the cap must matter here"
 
@@ -77,7 +67,7 @@ def test_stage_1_caps_the_compressed_scores(causal):
     capped = predict_block_mask(q, k, backend="triton", softcap=2.0, **kw)
     assert torch.equal(capped, predict_block_mask(q, k, backend="reference", softcap=2.0, **kw))
     assert capped.sum() > predict_block_mask(q, k, backend="triton", **kw).sum()
-    expected = exact_capped(q, k, v, allowed_keys(700, 700, causal, None, None), 2.0)
+    expected = exact_attention(q, k, v, allowed_keys(700, 700, causal, None, None), softcap=2.0)
     for out in (sparge_attention(q, k, v, is_causal=causal, cdfthreshd=1.0, pvthreshd=None, softcap=2.0,
                                  backend="triton"),
                 sparge_attention_op(q, k, v, is_causal=causal, cdfthreshd=1.0, pvthreshd=None, softcap=2.0)):

@@ -289,6 +289,7 @@ def select_key_blocks(
     # a compile-time constant, follows top_k: top_k = 10_000 compiled a 16384-wide sort, once per block count) and
     # the rest are -1, as they would be
     picked = min(top_k, cdiv(shape.kv_len, block_size))
-    out[..., picked:] = -1
+    if picked < top_k:
+        out[..., picked:] = -1
     select_key_blocks_triton(to_hnd(q, tensor_layout), to_hnd(k, tensor_layout), out[..., :picked], **kwargs)
     return out
