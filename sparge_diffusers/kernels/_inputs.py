@@ -104,6 +104,11 @@ def wide_offsets(*views: torch.Tensor) -> bool:
     return False
 
 
+def size_or_one(size: int) -> str:
+    """How an error message names a dimension that may also broadcast from 1: "4 or 1", or "1"."""
+    return "1" if size == 1 else f"{size} or 1"
+
+
 def check_layout(layout: str) -> None:
     if layout not in ("HND", "NHD"):
         raise ValueError(f"tensor_layout must be 'HND' (B, H, N, D) or 'NHD' (B, N, H, D), got {layout!r}")
@@ -547,8 +552,8 @@ def check_permuted_keys(permuted_keys: PermutedKeys | None, shape: AttentionShap
     p = permuted_keys.positions
     b, h, n = p.shape
     if n != shape.kv_len or b not in (1, shape.batch) or h not in (1, shape.kv_heads):
-        raise ValueError(f"permuted_keys.positions has shape {tuple(p.shape)}, expected ({shape.batch} or 1, "
-                         f"{shape.kv_heads} or 1, {shape.kv_len})")
+        raise ValueError(f"permuted_keys.positions has shape {tuple(p.shape)}, expected "
+                         f"({size_or_one(shape.batch)}, {size_or_one(shape.kv_heads)}, {shape.kv_len})")
     if p.device != device:
         raise ValueError(f"permuted_keys.positions is on {p.device}, q on {device}")
     if shape.sliding_window is not None:

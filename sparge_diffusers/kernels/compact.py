@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._inputs import (BLOCK_K, AttentionShape, Backend, CausalVariant, PermutedKeys, TensorLayout,
-                      check_attention_inputs, check_permuted_keys, pick_backend)
+                      check_attention_inputs, check_permuted_keys, pick_backend, size_or_one)
 from .attention import block_mask_to_index
 from .attention_hopper import TailSchedule, new_tail_schedule, wants_tail_schedule
 
@@ -92,7 +92,7 @@ def check_block_mask(block_mask: torch.Tensor, shape: AttentionShape, device: to
     b, h, nq, nk = block_mask.shape
     if (nq, nk) != expected or b not in (1, shape.batch) or h not in (1, shape.heads):
         raise ValueError(f"block_mask shape {tuple(block_mask.shape)} does not match the inputs: expected "
-                         f"({shape.batch} or 1, {shape.heads} or 1, {expected[0]}, {expected[1]}) for "
+                         f"({size_or_one(shape.batch)}, {size_or_one(shape.heads)}, {expected[0]}, {expected[1]}) for "
                          f"128-query x 64-key blocks")
     if block_mask.device != device:
         raise ValueError(f"block_mask is on {block_mask.device}, q on {device}")
