@@ -430,7 +430,8 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         (lambda: sparge_attention(q[..., :60], k[..., :60], v[..., :60]), "head dim 60"),
         (lambda: sparge_attention(q, k[:, :, :90], v[:, :, :90], is_causal=True), "causal_variant"),
         (lambda: sparge_attention(q[0], k[0], v[0]), "must be 4-D"),
-        (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 3, 2, dtype=torch.bool)), "block_mask shape"),
+        (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 3, 2, dtype=torch.bool)),
+         r"block_mask shape \(1, 1, 3, 2\) does not match the inputs: expected \(1, 4 or 1, 1, 2\)"),
         (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 1, 2)), "bool or integer"),
         (lambda: sparge_attention(q, k, v, out=torch.empty(3)), "out must match q"),
     ]
