@@ -430,6 +430,8 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         (lambda: sparge_attention(q[..., :60], k[..., :60], v[..., :60]), "head dim 60"),
         (lambda: sparge_attention(q, k[:, :, :90], v[:, :, :90], is_causal=True), "causal_variant"),
         (lambda: sparge_attention(q[0], k[0], v[0]), "must be 4-D"),
+        (lambda: sparge_attention(q[:0], k[:0], v[:0]), r"empty input: q shape \(0, 4, 100, 64\)"),
+        (lambda: block_sparse_attention(q, k[:, :, :0], v[:, :, :0], None), r"k shape \(1, 2, 0, 64\)"),
         (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 3, 2, dtype=torch.bool)),
          r"block_mask shape \(1, 1, 3, 2\) does not match the inputs: expected \(1, 4 or 1, 1, 2\)"),
         (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 1, 2)), "bool or integer"),
