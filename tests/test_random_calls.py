@@ -30,14 +30,17 @@ from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_atten
 from sparge_diffusers.llm import pbs_sparge_attention
 from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
-from test_gpu_random_calls import _assert_close_to
+from test_gpu_random_calls import _assert_close_to, stage1_defaults
+from test_kernels import assert_stage1_agrees
 from test_s2o import order_for
 
 CALLS = int(os.environ.get("SPARGE_RANDOM_CALLS", "24"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
 # seeds whose calls failed before a fix, run every time: public-API seed 67 (and 254) drew the upper-left window call
-# of session 56's kernel fix; PBS seed 335 a one-token prompt, which the structured generator could not make
-FOUND_BUGS = {"call": [67], "pbs": [335]}
+# of session 56's kernel fix; PBS seed 335 a one-token prompt, which the structured generator could not make; seed
+# 100594 a soft cap of 1.5 that saturates every compressed score, so TopCdf's cut fell among exact ties (3 of 90
+# blocks differed: over the 2% of blocks this test allowed, inside what stage1_borderline now allows)
+FOUND_BUGS = {"call": [67, 100594], "pbs": [335]}
 
 
 def seeds(test: str, share: int = 1) -> list[int]:
@@ -129,8 +132,7 @@ def test_random_call_matches_reference(seed):
         result = sparge_attention(q, k, v, pvthreshd=call["pvthreshd"], out=out, backend="triton",
                                   sink_logits=sinks, **capped)
         mask = predict_block_mask(q, k, backend="triton", **capped)
-        ref_mask = predict_block_mask(q, k, backend="reference", **capped)
-        assert (mask != ref_mask).float().mean() <= 0.02, call  # a block exactly at the TopCdf cut may tip
+        assert_stage1_agrees(mask, q, k, **stage1_defaults(call))  # but where a block sits on a threshold
     else:
         mask = None
         if call["entry"] != "dense":
