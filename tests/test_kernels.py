@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, relative_l1
 from sparge_diffusers import compact_block_mask, sparge_attention
-from sparge_diffusers.kernels.predict import block_statistics_triton, qk_block_statistics_triton
 from sparge_diffusers.kernels._inputs import causal_offset
+from sparge_diffusers.kernels.predict import block_statistics_triton, qk_block_statistics_triton
 from sparge_diffusers.kernels.reference import reference_block_statistics, reference_prediction_details
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
@@ -106,12 +106,12 @@ MASK_CASES = [
 
 def stage1_borderline(details: dict, theta: torch.Tensor, tau: torch.Tensor, rel: float = 2e-3,
                       slack: float = 1e-4) -> torch.Tensor:
-    """The blocks whose stage-1 decision sits on a threshold, where the kernel's rounding (another summation
-    order, tf32x3 products, an approximate tanh) may tip it against the float32 reference: a query or key block
-    whose self-similarity lies within ``slack`` of θ; a key block whose TopCdf mass could lie on either side of τ
-    (within ``slack``) once probabilities within ``rel`` of each other swap places (ties: a saturated soft cap
-    makes whole rows of equal scores); two or more key blocks within ``rel`` of their row's most probable one (the
-    one kept as the row's maximum may change)."""
+    """The blocks whose stage-1 decision sits on a threshold, where the kernel's rounding (another summation order,
+    tf32x3 products) may tip it against the float32 reference: a query or key block whose self-similarity lies
+    within ``slack`` of θ; a key block whose TopCdf mass could lie on either side of τ (within ``slack``) once
+    probabilities within ``rel`` of each other swap places (ties: a saturated soft cap makes whole rows of equal
+    scores); two or more key blocks within ``rel`` of their row's most probable one (the one kept as the row's
+    maximum may change)."""
     p = details["probability"]
     H = theta.numel()
     t = tau.to(p).view(1, H, 1, 1)

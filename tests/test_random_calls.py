@@ -132,7 +132,7 @@ def test_random_call_matches_reference(seed):
         result = sparge_attention(q, k, v, pvthreshd=call["pvthreshd"], out=out, backend="triton",
                                   sink_logits=sinks, **capped)
         mask = predict_block_mask(q, k, backend="triton", **capped)
-        assert_stage1_agrees(mask, q, k, **stage1_defaults(call))  # but where a block sits on a threshold
+        assert_stage1_agrees(mask, q, k, **stage1_defaults(call))  # the reference's mask off every threshold
     else:
         mask = None
         if call["entry"] != "dense":
