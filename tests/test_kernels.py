@@ -127,14 +127,15 @@ def stage1_borderline(details: dict, theta: torch.Tensor, tau: torch.Tensor, rel
 
 
 def assert_stage1_agrees(mask, q, k, *, theta, tau, causal, layout, causal_variant=None, sliding_window=None,
-                         softcap=None) -> torch.Tensor:
+                         softcap=None, key_segment=BLOCK_K) -> torch.Tensor:
     """A predicted mask equals the reference's but where a decision sits on a threshold (``stage1_borderline``);
-    returns the reference mask."""
+    returns the reference mask. ``key_segment``: PBS's permuted keys (``PermutedKeys.segment``)."""
     seq = 2 if layout == "HND" else 1
     offset = causal_offset(q.shape[seq], k.shape[seq], causal, causal_variant)
     details = reference_prediction_details(q, k, scale=q.shape[-1] ** -0.5, simthreshd1=theta, cdfthreshd=tau,
                                            attention_sink=False, is_causal=causal, tensor_layout=layout,
-                                           causal_offset=offset, sliding_window=sliding_window, softcap=softcap)
+                                           causal_offset=offset, sliding_window=sliding_window, softcap=softcap,
+                                           key_segment=key_segment)
     ref = details["mask"].to(mask.device)
     differ = (mask != ref) & ~stage1_borderline(details, theta, tau).to(mask.device)
     assert differ.sum() == 0, f"{int(differ.sum())} blocks differ off every threshold, at {differ.nonzero()[:5]}"
