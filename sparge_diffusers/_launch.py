@@ -143,7 +143,7 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
             with torch.cuda.device(target):
                 launch(fn, grid, *args, **kwargs)
             return
-    runtime = _knobs.runtime if _knobs is not None else None
+    runtime: Any = _knobs.runtime if _knobs is not None else None  # None only with _JITFunction None too
     if not (ENABLED and _JITFunction is not None and isinstance(fn, _JITFunction) and not fn.pre_run_hooks
             and _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)):
         launch_fitting(fn, grid, args, kwargs)
@@ -257,7 +257,7 @@ def tensor_descriptor(cls: type, t: torch.Tensor, block_shape: tuple[int, ...], 
         if len(_DESCRIPTOR_FIELDS) >= MAX_DESCRIPTOR_KEYS:
             _DESCRIPTOR_FIELDS.clear()
         _DESCRIPTOR_FIELDS[key] = fields
-    descriptor = object.__new__(cls)
+    descriptor: Any = object.__new__(cls)
     descriptor.__dict__["base"] = t
     descriptor.__dict__.update(fields)
     return descriptor

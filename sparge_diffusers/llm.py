@@ -35,7 +35,7 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple, cast, overload
 
 import torch
 
@@ -64,6 +64,26 @@ class ScoreTerms(NamedTuple):
 
 
 NO_TERMS = ScoreTerms()
+
+
+@overload
+def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = ...,
+                         scale: float | None = ..., return_sparsity: Literal[False] = ...,
+                         causal_variant: CausalVariant | None = ..., **sparge_settings: Any) -> torch.Tensor: ...
+
+
+@overload
+def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = ...,
+                         scale: float | None = ..., return_sparsity: Literal[True],
+                         causal_variant: CausalVariant | None = ...,
+                         **sparge_settings: Any) -> tuple[torch.Tensor, SparsityStats]: ...
+
+
+@overload
+def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = ...,
+                         scale: float | None = ..., return_sparsity: bool = ...,
+                         causal_variant: CausalVariant | None = ...,
+                         **sparge_settings: Any) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]: ...
 
 
 def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment: int = 256,
@@ -117,9 +137,10 @@ def _pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              attention_sink: bool, causal_variant: str | None = None,
                              sink_logits: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     # written into the buffer the fake describes (as the kernels' operators do)
-    return pbs_sparge_attention(q, k, v, segment=segment, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd,
-                                pvthreshd=pvthreshd, attention_sink=attention_sink, causal_variant=causal_variant,
-                                out=new_output(q), sink_logits=sink_logits, softcap=softcap)
+    return pbs_sparge_attention(
+        q, k, v, segment=segment, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, pvthreshd=pvthreshd,
+        attention_sink=attention_sink, causal_variant=cast("CausalVariant | None", causal_variant), out=new_output(q),
+        sink_logits=sink_logits, softcap=softcap)
 
 
 @_pbs_sparge_attention_op.register_fake
@@ -155,13 +176,14 @@ def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> st
 
 def _sparge_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
                      variant: str | None, window: int | None = None, sinks: torch.Tensor | None = None,
-                     softcap: float | None = None) -> dict:
+                     softcap: float | None = None) -> dict[str, Any]:
     """sparge_attention's keyword arguments for one causal call, eager or through its operator (``window``: a
     sliding window that hides keys from some query, else None; ``sinks``, ``softcap``: the layer's
     :class:`ScoreTerms`)."""
-    settings = dict(is_causal=True, scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
-                    pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink,
-                    causal_variant=_causal_variant(q, k, variant))
+    settings: dict[str, Any] = dict(
+        is_causal=True, scale=scale, simthreshd1=attention.simthreshd1, cdfthreshd=attention.cdfthreshd,
+        pvthreshd=attention.pvthreshd, attention_sink=attention.attention_sink,
+        causal_variant=_causal_variant(q, k, variant))
     if window is not None:
         settings["sliding_window"] = window
         if window < attention.min_predicted_window:
@@ -173,12 +195,13 @@ def _sparge_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Te
     return settings
 
 
-def _permutes_keys(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether a call runs on PBS's permuted keys: with ``pbs_segment`` set, where it has no fewer keys than queries.
+def _pbs_segment(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor) -> int | None:
+    """The segment of PBS's permuted keys where a call runs on them (else None): with ``pbs_segment`` set, where it
+    has no fewer keys than queries.
     A lower-right call with fewer (its first queries see no key) runs on the keys in order instead, the same
     attention with stage 1's blocks chosen on unpermuted keys: the ranking needs the last queries' own keys.
     transformers builds no such mask, but a mask can read as one (a random mask draw, session 57, raised)."""
-    return attention.pbs_segment is not None and q.shape[2] <= k.shape[2]
+    return attention.pbs_segment if q.shape[2] <= k.shape[2] else None
 
 
 def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -186,9 +209,10 @@ def _sparge_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Ten
                     sinks: torch.Tensor | None = None, softcap: float | None = None):
     """SpargeAttn (stage 1's TopCdf mask, then the block-sparse kernel); PBS's key order where asked."""
     settings = _sparge_settings(attention, q, k, scale, variant, window, sinks, softcap)
-    if _permutes_keys(attention, q, k):
+    segment = _pbs_segment(attention, q, k)
+    if segment is not None:
         del settings["is_causal"]  # pbs_sparge_attention is always causal
-        return pbs_sparge_attention(q, k, v, segment=attention.pbs_segment, return_sparsity=stats, **settings)
+        return pbs_sparge_attention(q, k, v, segment=segment, return_sparsity=stats, **settings)
     return sparge_attention(q, k, v, return_sparsity=stats, **settings)
 
 
@@ -196,16 +220,17 @@ def _sparge_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Te
                      scale: float | None, variant: str | None, window: int | None = None,
                      sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     settings = _sparge_settings(attention, q, k, scale, variant, window, sinks, softcap)
-    if _permutes_keys(attention, q, k):
+    segment = _pbs_segment(attention, q, k)
+    if segment is not None:
         del settings["is_causal"]
-        return pbs_sparge_attention_op(q, k, v, segment=attention.pbs_segment, **settings)
+        return pbs_sparge_attention_op(q, k, v, segment=segment, **settings)
     return sparge_attention_op(q, k, v, **settings)
 
 
 def _s2o_settings(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, scale: float | None,
-                  variant: str | None, sinks: torch.Tensor | None = None) -> dict:
+                  variant: str | None, sinks: torch.Tensor | None = None) -> dict[str, Any]:
     """s2o_attention's keyword arguments for one causal call, eager or through its operator."""
-    settings = dict(is_causal=True, scale=scale, tau=attention.tau, segment=attention.s2o_segment,
+    settings: dict[str, Any] = dict(is_causal=True, scale=scale, tau=attention.tau, segment=attention.s2o_segment,
                     simthreshd1=attention.simthreshd1, pvthreshd=attention.pvthreshd,
                     attention_sink=attention.attention_sink, causal_variant=_causal_variant(q, k, variant))
     if sinks is not None:
@@ -233,7 +258,8 @@ def _fsa_top_k(attention: SpargeLLMAttention, k: torch.Tensor) -> int:
 def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float | None, variant: str | None, stats: bool, sinks: torch.Tensor | None = None):
     """NSA-style selection of ``top_k`` key blocks per query token, computed by FSA's KV-outer kernel."""
-    settings = dict(block_size=attention.block_size, is_causal=True, causal_variant=_causal_variant(q, k, variant))
+    settings: dict[str, Any] = dict(block_size=attention.block_size, is_causal=True,
+                                    causal_variant=_causal_variant(q, k, variant))
     selection = select_key_blocks(q, k, top_k=_fsa_top_k(attention, k), scale=scale, **settings)
     out = selected_block_attention(q, k, v, selection, scale=scale, validate=False,  # the selector's are in range
                                    sink_logits=sinks, **settings)
@@ -244,7 +270,8 @@ def _fsa_prefill(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor
 
 def _fsa_compiled(attention: SpargeLLMAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float | None, variant: str | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    settings = dict(block_size=attention.block_size, is_causal=True, causal_variant=_causal_variant(q, k, variant))
+    settings: dict[str, Any] = dict(block_size=attention.block_size, is_causal=True,
+                                    causal_variant=_causal_variant(q, k, variant))
     selection = select_key_blocks_op(q, k, top_k=_fsa_top_k(attention, k), scale=scale, **settings)
     return selected_block_attention_op(q, k, v, selection, scale=scale, validate=False, sink_logits=sinks,
                                        **settings)
@@ -313,7 +340,8 @@ def packed_segments(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> lis
         raise ValueError("SpargeLLMAttention: packed sequences given only by cu_seq_lens_q/k (no mask) are read on the "
                          "host, which a compiled graph cannot do; pass position_ids without a cache (transformers "
                          "then builds the packed mask, read at run time) or run eagerly")
-    lengths_q, lengths_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    lengths_q: Any = kwargs.get("cu_seq_lens_q")  # at least one of the two is a tensor (_packed_given)
+    lengths_k: Any = kwargs.get("cu_seq_lens_k")
     lengths_k = lengths_q if lengths_k is None else lengths_k
     lengths_q = lengths_k if lengths_q is None else lengths_q
     n = query.shape[2]
@@ -585,9 +613,11 @@ class SpargeLLMAttention:
         if reason is not None:
             return reason, None, None, None
         window = kwargs.get("sliding_window")
+        verdict: tuple[str | None, str | None, CausalMaskLayout | None]
         if _packed_given(attention_mask, kwargs):
             layout = self._packed_layout(query, key, kwargs)  # each sequence attends to itself only
             verdict = None, "lower_right", layout
+            assert layout.segments is not None  # (a packed layout's runs)
             span = max(end - first for first, end, _ in layout.segments[0])
         elif attention_mask is None:
             verdict = None, "upper_left", None  # SDPA's is_causal, which transformers' SDPA function would use here
@@ -597,7 +627,7 @@ class SpargeLLMAttention:
             span = key.shape[2]  # so any key may be seen
         else:
             verdict = self._mask_route(attention_mask, query.shape[2], key.shape[2], window)
-            span = _layout_span(verdict[2], key.shape[2]) if verdict[2] is not None else key.shape[2]
+            span = _layout_span(verdict[2], key.shape[2])
         reason, window = self._window_route(window, span)
         if reason is None:
             reason = self._terms_reason(_score_terms(kwargs))
@@ -1089,28 +1119,29 @@ def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.
     if not packed[0]:
         if not packed[2]:
             return None
-        ends = packed[3:3 + batch].tolist()
-        return CausalMaskLayout(max(ends), [0] * batch, None, ends)
-    used, first = int(packed[1]), packed[3 + batch:].view(batch, q_len)
-    segments, plain = [], True
-    for row in first:
+        prompt_ends = packed[3:3 + batch].tolist()
+        return CausalMaskLayout(max(prompt_ends), [0] * batch, None, prompt_ends)
+    keys, first_keys = int(packed[1]), packed[3 + batch:].view(batch, q_len)
+    segments: list[list[tuple[int, int, int]]] = []
+    plain = True
+    for row in first_keys:
         starts = torch.cat([torch.tensor([0]), (row[1:] != row[:-1]).nonzero().flatten() + 1]).tolist()
         runs = [(s, e, int(row[s])) for s, e in zip(starts, starts[1:] + [q_len]) if row[s] < kv_len]
         # the padded causal mask: at most one run, from the first query whose causal end reaches its first key
         plain &= not runs or (len(runs) == 1 and runs[0][1] == q_len
-                              and runs[0][0] == max(0, runs[0][2] - (used - q_len)))
+                              and runs[0][0] == max(0, runs[0][2] - (keys - q_len)))
         segments.append(runs)
-    padding = [runs[0][2] if runs else used for runs in segments]
-    return CausalMaskLayout(used, padding, None if plain else segments)
+    padding = [runs[0][2] if runs else keys for runs in segments]
+    return CausalMaskLayout(keys, padding, None if plain else segments)
 
 
-def _layout_span(layout: CausalMaskLayout, kv_len: int) -> int:
+def _layout_span(layout: CausalMaskLayout | None, kv_len: int) -> int:
     """How far back from its own position a query under this layout may see, in keys (its position + 1 from key 0
     on): whether a sliding window hides a key from any query. The last query sits at position ``keys`` - 1, except
     in a right-padded batch, whose padding queries sit at positions up to ``kv_len`` - 1 (:func:`read_causal_mask`
     counts them from Nkv - Nq) past every prompt's last real key: a window shorter than that hides keys from them
-    even where every prompt is shorter than the window."""
-    return kv_len if layout.ends is not None else layout.keys
+    even where every prompt is shorter than the window. No layout (no causal mask read): any key, ``kv_len``."""
+    return kv_len if layout is None or layout.ends is not None else layout.keys
 
 
 def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, **settings: Any

@@ -119,7 +119,8 @@ def _transformers(path: str, device: torch.device) -> ClipModel:
         raise FileNotFoundError(
             f"{path} holds no CLIP model (no config.json). Save one with CLIPModel.save_pretrained and the "
             "tokenizer's save_pretrained into that folder, or pass a hub id such as openai/clip-vit-base-patch32")
-    model = CLIPModel.from_pretrained(path).to(device).eval()
+    model: Any = CLIPModel.from_pretrained(path)  # (transformers types .to as taking a model)
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     def projected(output):  # transformers 5 returns a model output whose pooler_output is the projection
@@ -136,8 +137,12 @@ def _transformers(path: str, device: torch.device) -> ClipModel:
                      image_size=model.config.vision_config.image_size, device=device, name=f"transformers:{path}")
 
 
-_BACKENDS = {"open_clip": lambda rest, device: _open_clip(*(rest.split(":", 1) + [""])[:2], device),
-             "transformers": _transformers}
+def _open_clip_spec(rest: str, device: torch.device) -> ClipModel:
+    name, _, pretrained = rest.partition(":")
+    return _open_clip(name, pretrained, device)
+
+
+_BACKENDS = {"open_clip": _open_clip_spec, "transformers": _transformers}
 
 
 def load_clip(spec: str, device: str | torch.device = "cpu") -> ClipModel:

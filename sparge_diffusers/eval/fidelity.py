@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,7 @@ def ssim(x: torch.Tensor, ref: torch.Tensor) -> float:
     from torchmetrics.functional.image import structural_similarity_index_measure
 
     _check_pair(x, ref)
-    return float(structural_similarity_index_measure(x.float(), ref.float(), data_range=1.0))
+    return float(cast(torch.Tensor, structural_similarity_index_measure(x.float(), ref.float(), data_range=1.0)))
 
 
 # LPIPS (Zhang et al. 2018) on AlexNet: unit-normalise the activations of the five ReLUs along channels, square
@@ -61,6 +62,9 @@ class LPIPS(nn.Module):
 
     Build it with :meth:`from_files` for the real metric; the constructor alone gives random weights (tests).
     """
+
+    shift: torch.Tensor  # buffers, registered below
+    scale: torch.Tensor
 
     def __init__(self):
         super().__init__()
@@ -118,7 +122,8 @@ class LPIPS(nn.Module):
         _check_pair(x, ref)
         p = next(self.parameters())
         fx, fr = self._activations(x.to(p)), self._activations(ref.to(p))
-        return sum(F.conv2d((a - b) ** 2, w).mean((2, 3)).flatten() for a, b, w in zip(fx, fr, self.lins))
+        return torch.stack([F.conv2d((a - b) ** 2, w).mean((2, 3)).flatten()
+                            for a, b, w in zip(fx, fr, self.lins)]).sum(0)
 
     def distance(self, x: torch.Tensor, ref: torch.Tensor, batch: int = 16) -> float:
         """Mean distance over images/frames, in batches."""

@@ -91,12 +91,12 @@ def load_images(folder: str | os.PathLike, size: tuple[int, int]) -> torch.Tenso
         raise ValueError(f"{folder} must hold at least two images (.png/.jpg/.jpeg/.webp) for FID")
     out = []
     for f in files:
-        img = Image.open(f).convert("RGB").resize((size[1], size[0]), Image.BICUBIC)
+        img = Image.open(f).convert("RGB").resize((size[1], size[0]), Image.Resampling.BICUBIC)
         out.append(torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(size[0], size[1], 3))
     return torch.stack(out).permute(0, 3, 1, 2).float() / 255
 
 
-def _mean(values: list[float]) -> float | None:
+def _mean(values: list[float | None]) -> float | None:
     finite = [v for v in values if v is not None]
     if not finite:
         return None
@@ -151,7 +151,7 @@ def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionM
     sparsity: dict[str, dict[str, float]] = {}
     with tqdm(total=len(modes) * len(prompts), desc="eval", unit="sample", disable=not progress) as bar:
         for mode in modes:
-            processor = install(pipe, processors[mode.name]) if mode.sparse else None
+            installed = install(pipe, processors[mode.name]) if mode.sparse else None
             try:
                 outputs[mode.name], seconds[mode.name] = [], []
                 for i, prompt in enumerate(prompts):
@@ -160,11 +160,11 @@ def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionM
                     outputs[mode.name].append(frames)
                     seconds[mode.name].append(s)
                     bar.update()
-                if processor is not None:
-                    sparsity[mode.name] = processor.sparsity_by_layer()
+                if installed is not None:
+                    sparsity[mode.name] = installed.sparsity_by_layer()
             finally:
-                if processor is not None:
-                    processor.detach(getattr(pipe, "transformer", pipe))
+                if installed is not None:
+                    installed.detach(getattr(pipe, "transformer", pipe))
 
     is_video = outputs[modes[0].name][0].shape[0] > 1
     samples = []
@@ -279,7 +279,7 @@ def _plot(path: Path, report: dict) -> None:
         ax.annotate(label, (s[x_key], y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("seconds per denoising step" if x_key == "seconds_per_step" else "seconds per sample")
     ax.set_ylabel({"psnr": "PSNR vs dense, dB (identical drawn at 100)", "clip_score": "CLIP score",
-                   "clipsim": "CLIPSIM"}.get(y_key, "(no quality metric)"))
+                   "clipsim": "CLIPSIM"}.get(y_key or "", "(no quality metric)"))
     ax.set_title(f"{report['model_class']} on {report['device']}", fontsize=9)
     ax.tick_params(axis="x", labelrotation=30)
     fig.tight_layout()

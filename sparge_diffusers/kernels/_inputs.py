@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence, Union
 
 import torch
+from typing_extensions import TypeIs  # (a dependency of torch)
 
 # Block sizes of the block mask, the same as upstream SpargeAttn (b_q = 128 query rows, b_k = 64 keys).
 # The attention kernel's tiles equal these, so one mask entry is exactly one Q.K^T tile product.
@@ -299,7 +300,7 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     return scale
 
 
-def per_head(value: PerHead, heads: int, name: str, device: torch.device, *,
+def per_head(value: PerHead, heads: int, name: str, device: torch.device | str, *,
              low: float = -math.inf, high: float = math.inf) -> torch.Tensor:
     """A float32 tensor of one threshold per q head, from a scalar or a length-H sequence.
 
@@ -341,7 +342,7 @@ def check_threshold_values(name: str, value: Any) -> None:
             raise ValueError(f"{name} values must lie in {span}, got {x!r}")
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> TypeIs[float | int]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -399,14 +400,19 @@ WIDE_HEAD_SHARED_BYTES = 147456
 
 @functools.lru_cache(maxsize=16)
 def _shared_memory_of_index(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    return _opt_in_shared_memory(device_index)
+
+
+def _opt_in_shared_memory(device_index: int) -> int:
+    properties: Any = torch.cuda.get_device_properties(device_index)  # (torch's stubs lack the field)
+    return properties.shared_memory_per_block_optin
 
 
 def shared_memory_per_block(device_index: int) -> int:
     """The opt-in maximum of shared memory per block of a CUDA device, in bytes (looked up once per device; read
     directly while torch.compile traces, as ``device_capability`` does)."""
     if torch.compiler.is_compiling():
-        return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+        return _opt_in_shared_memory(device_index)
     return _shared_memory_of_index(device_index)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal, overload
 
 import torch
 
@@ -65,6 +66,7 @@ def _pv_thresholds(pvthreshd: PerHead | None, shape: AttentionShape, device: tor
                    ) -> torch.Tensor | None:
     if pvthreshd is None:
         return None
+    values: tuple[float, ...]
     if _is_number(pvthreshd):
         values = (float(pvthreshd),)
     elif isinstance(pvthreshd, (list, tuple)) and all(_is_number(x) for x in pvthreshd):
@@ -216,6 +218,39 @@ def _address_ranges_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+@overload
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           block_mask: torch.Tensor | CompactBlockMask | None, *, is_causal: bool = ...,
+                           scale: float | None = ..., pvthreshd: PerHead | None = ...,
+                           tensor_layout: TensorLayout = ..., return_sparsity: Literal[False] = ...,
+                           backend: Backend = ..., out: torch.Tensor | None = ...,
+                           permuted_keys: PermutedKeys | None = ..., causal_variant: CausalVariant | None = ...,
+                           sliding_window: int | None = ..., sink_logits: torch.Tensor | None = ...,
+                           softcap: float | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           block_mask: torch.Tensor | CompactBlockMask | None, *, is_causal: bool = ...,
+                           scale: float | None = ..., pvthreshd: PerHead | None = ...,
+                           tensor_layout: TensorLayout = ..., return_sparsity: Literal[True], backend: Backend = ...,
+                           out: torch.Tensor | None = ..., permuted_keys: PermutedKeys | None = ...,
+                           causal_variant: CausalVariant | None = ..., sliding_window: int | None = ...,
+                           sink_logits: torch.Tensor | None = ...,
+                           softcap: float | None = ...) -> tuple[torch.Tensor, SparsityStats]: ...
+
+
+@overload
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           block_mask: torch.Tensor | CompactBlockMask | None, *, is_causal: bool = ...,
+                           scale: float | None = ..., pvthreshd: PerHead | None = ...,
+                           tensor_layout: TensorLayout = ..., return_sparsity: bool = ..., backend: Backend = ...,
+                           out: torch.Tensor | None = ..., permuted_keys: PermutedKeys | None = ...,
+                           causal_variant: CausalVariant | None = ..., sliding_window: int | None = ...,
+                           sink_logits: torch.Tensor | None = ...,
+                           softcap: float | None = ...) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]: ...
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -361,6 +396,36 @@ def _keeps_every_block(cdfthreshd: PerHead) -> bool:
     return False
 
 
+@overload
+def sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = ...,
+                     scale: float | None = ..., simthreshd1: PerHead = ..., cdfthreshd: PerHead = ...,
+                     pvthreshd: PerHead | None = ..., attention_sink: bool = ..., tensor_layout: TensorLayout = ...,
+                     return_sparsity: Literal[False] = ..., backend: Backend = ..., out: torch.Tensor | None = ...,
+                     permuted_keys: PermutedKeys | None = ..., causal_variant: CausalVariant | None = ...,
+                     sliding_window: int | None = ..., sink_logits: torch.Tensor | None = ...,
+                     softcap: float | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = ...,
+                     scale: float | None = ..., simthreshd1: PerHead = ..., cdfthreshd: PerHead = ...,
+                     pvthreshd: PerHead | None = ..., attention_sink: bool = ..., tensor_layout: TensorLayout = ...,
+                     return_sparsity: Literal[True], backend: Backend = ..., out: torch.Tensor | None = ...,
+                     permuted_keys: PermutedKeys | None = ..., causal_variant: CausalVariant | None = ...,
+                     sliding_window: int | None = ..., sink_logits: torch.Tensor | None = ...,
+                     softcap: float | None = ...) -> tuple[torch.Tensor, SparsityStats]: ...
+
+
+@overload
+def sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = ...,
+                     scale: float | None = ..., simthreshd1: PerHead = ..., cdfthreshd: PerHead = ...,
+                     pvthreshd: PerHead | None = ..., attention_sink: bool = ..., tensor_layout: TensorLayout = ...,
+                     return_sparsity: bool = ..., backend: Backend = ..., out: torch.Tensor | None = ...,
+                     permuted_keys: PermutedKeys | None = ..., causal_variant: CausalVariant | None = ...,
+                     sliding_window: int | None = ..., sink_logits: torch.Tensor | None = ...,
+                     softcap: float | None = ...) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]: ...
+
+
 def sparge_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -427,6 +492,36 @@ def sparge_attention(
     return _block_sparse_checked(q, k, v, compact, shape, is_causal=is_causal, scale=scale, thr=thr,
                                  tensor_layout=tensor_layout, return_sparsity=return_sparsity, chosen=chosen, out=out,
                                  ticket=ticket, permuted_keys=permuted_keys, sink_logits=sink_logits, softcap=softcap)
+
+
+@overload
+def s2o_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = ...,
+                  scale: float | None = ..., tau: PerHead | None = ..., segment: int = ..., check_every: int = ...,
+                  simthreshd1: PerHead = ..., pvthreshd: PerHead | None = ..., attention_sink: bool = ...,
+                  tensor_layout: TensorLayout = ..., return_sparsity: Literal[False] = ..., backend: Backend = ...,
+                  out: torch.Tensor | None = ..., order: VisitOrder | None = ...,
+                  causal_variant: CausalVariant | None = ...,
+                  sink_logits: torch.Tensor | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def s2o_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = ...,
+                  scale: float | None = ..., tau: PerHead | None = ..., segment: int = ..., check_every: int = ...,
+                  simthreshd1: PerHead = ..., pvthreshd: PerHead | None = ..., attention_sink: bool = ...,
+                  tensor_layout: TensorLayout = ..., return_sparsity: Literal[True], backend: Backend = ...,
+                  out: torch.Tensor | None = ..., order: VisitOrder | None = ...,
+                  causal_variant: CausalVariant | None = ...,
+                  sink_logits: torch.Tensor | None = ...) -> tuple[torch.Tensor, SparsityStats]: ...
+
+
+@overload
+def s2o_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = ...,
+                  scale: float | None = ..., tau: PerHead | None = ..., segment: int = ..., check_every: int = ...,
+                  simthreshd1: PerHead = ..., pvthreshd: PerHead | None = ..., attention_sink: bool = ...,
+                  tensor_layout: TensorLayout = ..., return_sparsity: bool = ..., backend: Backend = ...,
+                  out: torch.Tensor | None = ..., order: VisitOrder | None = ...,
+                  causal_variant: CausalVariant | None = ...,
+                  sink_logits: torch.Tensor | None = ...) -> torch.Tensor | tuple[torch.Tensor, SparsityStats]: ...
 
 
 def s2o_attention(
@@ -519,7 +614,7 @@ def s2o_attention(
                                           is_causal=is_causal, scale=scale, tau=tau_t, pvthreshd=thr,
                                           return_counts=return_sparsity, check_every=check_every,
                                           sink_logits=sink_logits)
-        if return_sparsity:
+        if counts is not None:  # asked for (return_sparsity)
             visited, pv_count = counts
     if not return_sparsity:
         return result

@@ -704,8 +704,10 @@ def hopper_block_sparse_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.
     if ticket is None:
         ticket = torch.zeros(1, device=qh.device, dtype=torch.int32)
     idx, count, n_full = index if index is not None else (ticket, ticket, ticket)  # the dense mode reads none
-    use_tail = tail is not None and index is not None
-    sizes, tiles, tail_start = (tail.sizes, tail.tiles, tail.start) if use_tail else (ticket, ticket, n_tiles)
+    if tail is not None and index is not None:
+        use_tail, sizes, tiles, tail_start = True, tail.sizes, tail.tiles, tail.start
+    else:
+        use_tail, sizes, tiles, tail_start = False, ticket, ticket, n_tiles
     grid = (min(_sm_count(qh.device), n_tiles),)
     kpos = key_positions if key_positions is not None else ticket
     kpos_strides = (kpos.stride(0), kpos.stride(1)) if key_positions is not None else (0, 0)

@@ -33,6 +33,8 @@ of dense cuDNN attention; the variants measured on the way are in benchmarks/res
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -276,8 +278,8 @@ def select_key_blocks(
                              ("query_chunk", query_chunk, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    kwargs = dict(block_size=block_size, is_causal=is_causal, scale=scale, sink_blocks=sink_blocks,
-                  local_blocks=local_blocks, causal_offset=shape.causal_offset)
+    kwargs: dict[str, Any] = dict(block_size=block_size, is_causal=is_causal, scale=scale, sink_blocks=sink_blocks,
+                                  local_blocks=local_blocks, causal_offset=shape.causal_offset)
     if pick_backend(backend, q.device, q.shape[-1]) == "reference":
         from .reference import reference_select_key_blocks
 

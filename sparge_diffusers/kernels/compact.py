@@ -55,7 +55,9 @@ class CompactBlockMask:
 
     @property
     def kernel_walk(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        return None if self.index is None else (self.index, self.count, self.n_full)
+        if self.index is None or self.count is None or self.n_full is None:  # all three or none (reference)
+            return None
+        return self.index, self.count, self.n_full
 
     def check_matches(self, shape: AttentionShape, is_causal: bool, device: torch.device,
                       key_segment: int = BLOCK_K) -> None:

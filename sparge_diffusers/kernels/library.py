@@ -10,6 +10,8 @@ it, so a compiled model keeps a single graph around every attention call. Eager 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ._inputs import (CausalVariant, PerHead, TensorLayout, _is_number, check_attention_inputs, check_sink_logits,
@@ -20,6 +22,11 @@ from .s2o import CHECK_EVERY
 from .selected import MAX_PARTIAL_BYTES, _check_block_size, selected_block_attention
 
 
+def _typed(tensor_layout: str, causal_variant: str | None) -> tuple[TensorLayout, CausalVariant | None]:
+    """An operator schema's plain strings as the entry points' types (the entry points check the values)."""
+    return cast(TensorLayout, tensor_layout), cast("CausalVariant | None", causal_variant)
+
+
 @torch.library.custom_op("sparge_diffusers::sparge_attention", mutates_args=())
 def _sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                          simthreshd1: list[float], cdfthreshd: list[float], pvthreshd: list[float] | None,
@@ -28,10 +35,11 @@ def _sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
                          softcap: float | None = None) -> torch.Tensor:
     # an operator's output must have the strides its fake gives: written into the same kind of buffer (the
     # reference path returns a fresh tensor of its own layout, which sparge_attention copies into ``out``)
-    return sparge_attention(q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1,
-                            cdfthreshd=cdfthreshd, pvthreshd=pvthreshd, attention_sink=attention_sink,
-                            tensor_layout=tensor_layout, out=new_output(q), causal_variant=causal_variant,
-                            sliding_window=sliding_window, sink_logits=sink_logits, softcap=softcap)
+    layout, variant = _typed(tensor_layout, causal_variant)
+    return sparge_attention(
+        q, k, v, is_causal=is_causal, scale=scale, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, pvthreshd=pvthreshd,
+        attention_sink=attention_sink, tensor_layout=layout, out=new_output(q), causal_variant=variant,
+        sliding_window=sliding_window, sink_logits=sink_logits, softcap=softcap)
 
 
 @_sparge_attention_op.register_fake
@@ -56,7 +64,7 @@ def _check_dense_flag(dense: torch.Tensor) -> None:
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
-                    tensor_layout: str, causal_variant: str | None = None) -> torch.Tensor:
+                    tensor_layout: TensorLayout, causal_variant: CausalVariant | None = None) -> torch.Tensor:
     """SDPA on sparge_attention's inputs (layouts, grouped-query heads, causal variants), written into an output
     laid out as sparge_attention's (:func:`~sparge_diffusers.kernels.api.new_output`)."""
     qh, kh, vh = (to_hnd(x, tensor_layout) for x in (q, k, v))
@@ -83,8 +91,8 @@ def _sparge_attention_or_exact_op(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   causal_variant: str | None = None) -> torch.Tensor:
     _check_dense_flag(dense)
     if bool(dense):
-        return exact_attention(q, k, v, is_causal=is_causal, scale=scale, tensor_layout=tensor_layout,
-                               causal_variant=causal_variant)
+        layout, variant = _typed(tensor_layout, causal_variant)
+        return exact_attention(q, k, v, is_causal=is_causal, scale=scale, tensor_layout=layout, causal_variant=variant)
     return _sparge_attention_op(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink,
                                 tensor_layout, causal_variant)
 
@@ -159,10 +167,11 @@ def _s2o_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
                       tau: list[float] | None, segment: int, check_every: int, simthreshd1: list[float],
                       pvthreshd: list[float] | None, attention_sink: bool, tensor_layout: str,
                       causal_variant: str | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
-    return s2o_attention(q, k, v, is_causal=is_causal, scale=scale, tau=tau, segment=segment, check_every=check_every,
-                         simthreshd1=simthreshd1, pvthreshd=pvthreshd, attention_sink=attention_sink,
-                         tensor_layout=tensor_layout, out=new_output(q), causal_variant=causal_variant,
-                         sink_logits=sink_logits)
+    layout, variant = _typed(tensor_layout, causal_variant)
+    return s2o_attention(
+        q, k, v, is_causal=is_causal, scale=scale, tau=tau, segment=segment, check_every=check_every,
+        simthreshd1=simthreshd1, pvthreshd=pvthreshd, attention_sink=attention_sink, tensor_layout=layout,
+        out=new_output(q), causal_variant=variant, sink_logits=sink_logits)
 
 
 @_s2o_attention_op.register_fake
@@ -206,9 +215,10 @@ def _selected_block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  block_size: int, is_causal: bool, scale: float, tensor_layout: str, validate: bool,
                                  max_partial_bytes: int, causal_variant: str | None = None,
                                  sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    layout, variant = _typed(tensor_layout, causal_variant)
     return selected_block_attention(q, k, v, block_indices, block_size=block_size, is_causal=is_causal, scale=scale,
-                                    tensor_layout=tensor_layout, validate=validate, out=new_output(q),
-                                    max_partial_bytes=max_partial_bytes, causal_variant=causal_variant,
+                                    tensor_layout=layout, validate=validate, out=new_output(q),
+                                    max_partial_bytes=max_partial_bytes, causal_variant=variant,
                                     sink_logits=sink_logits)
 
 
@@ -251,9 +261,10 @@ def selected_block_attention_op(
 def _select_key_blocks_op(q: torch.Tensor, k: torch.Tensor, top_k: int, block_size: int, is_causal: bool,
                           scale: float, sink_blocks: int, local_blocks: int, tensor_layout: str,
                           causal_variant: str | None = None) -> torch.Tensor:
+    layout, variant = _typed(tensor_layout, causal_variant)
     return select_key_blocks(q, k, top_k=top_k, block_size=block_size, is_causal=is_causal, scale=scale,
-                             sink_blocks=sink_blocks, local_blocks=local_blocks, tensor_layout=tensor_layout,
-                             causal_variant=causal_variant)
+                             sink_blocks=sink_blocks, local_blocks=local_blocks, tensor_layout=layout,
+                             causal_variant=variant)
 
 
 @_select_key_blocks_op.register_fake

@@ -87,5 +87,6 @@ def mask_row_extents_reference(mask: torch.Tensor, max_elements: int = 1 << 26
         firsts.append(torch.where(seen, first, cols))
         lasts.append(torch.where(seen, last, -1))
         counts.append(count)
-    return tuple(torch.cat(t, 1) if t else torch.empty(batch, 0, dtype=torch.int32, device=mask.device)
-                 for t in (firsts, lasts, counts))
+    first, last, count = (torch.cat(t, 1) if t else torch.empty(batch, 0, dtype=torch.int32, device=mask.device)
+                          for t in (firsts, lasts, counts))
+    return first, last, count

@@ -377,6 +377,7 @@ def selected_block_attention(
     sink_logits = check_sink_logits(sink_logits, shape, q.device)
     if not isinstance(max_partial_bytes, int) or isinstance(max_partial_bytes, bool) or max_partial_bytes <= 0:
         raise ValueError(f"max_partial_bytes must be a positive int, got {max_partial_bytes!r}")
+    index: SelectionIndex | None
     if isinstance(block_indices, SelectionIndex):
         index = block_indices
         if chosen == "reference":
@@ -399,6 +400,8 @@ def selected_block_attention(
     if chosen == "reference":
         from .reference import reference_selected_block_attention
 
+        assert isinstance(block_indices, torch.Tensor)  # a SelectionIndex was refused above
+
         result = reference_selected_block_attention(q, k, v, block_indices, shape=shape, block_size=block_size,
                                                     is_causal=is_causal, scale=scale, tensor_layout=tensor_layout,
                                                     causal_offset=shape.causal_offset, sink_logits=sink_logits)
@@ -409,10 +412,11 @@ def selected_block_attention(
     check_kernel_dtype(q.dtype)
     if out is None:
         out = new_output(q)
-    views = [to_hnd(t, tensor_layout) for t in (q, k, v, out)]
+    qh, kh, vh, out_h = (to_hnd(t, tensor_layout) for t in (q, k, v, out))
     if index is not None:
-        selected_attention_triton(*views, shape, index, scale=scale, sink_logits=sink_logits)
+        selected_attention_triton(qh, kh, vh, out_h, shape, index, scale=scale, sink_logits=sink_logits)
         return out
+    assert isinstance(block_indices, torch.Tensor)
     top_k = block_indices.shape[-1]
     per_query = top_k * shape.heads * (shape.head_dim * q.element_size() + 4)
     pieces = math.ceil(shape.q_len * per_query / max_partial_bytes)
@@ -421,7 +425,7 @@ def selected_block_attention(
         index = build_selection_index(block_indices[:, :, start:start + rows], q_len=shape.q_len,
                                       kv_len=shape.kv_len, block_size=block_size, is_causal=is_causal, q_start=start,
                                       causal_offset=shape.causal_offset)
-        selected_attention_triton(*views, shape, index, scale=scale, sink_logits=sink_logits)
+        selected_attention_triton(qh, kh, vh, out_h, shape, index, scale=scale, sink_logits=sink_logits)
     return out
 
 

@@ -69,13 +69,18 @@ ORDERS: dict[str, Callable[[Grid, int], np.ndarray]] = {
 }
 
 
+def _grid_sizes(grid: Grid) -> tuple[int, int, int]:
+    if len(grid) != 3 or any(int(n) < 1 for n in grid):
+        raise ValueError(f"grid must be three positive sizes (T, H, W), got {grid}")
+    t, h, w = (int(n) for n in grid)
+    return t, h, w
+
+
 def grid_order(grid: Grid, order: str, seed: int = 0) -> np.ndarray:
     """The permutation of T*H*W row-major tokens: new position i holds old token ``perm[i]``."""
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; choose from {sorted(ORDERS)}")
-    if len(grid) != 3 or any(int(n) < 1 for n in grid):
-        raise ValueError(f"grid must be three positive sizes (T, H, W), got {grid}")
-    return ORDERS[order](tuple(int(n) for n in grid), seed)
+    return ORDERS[order](_grid_sizes(grid), seed)
 
 
 @dataclass(frozen=True)
@@ -164,8 +169,7 @@ def visual_token_permutation(grid: Grid, order: str, *, text_before: int = 0, te
     """
     if text_before < 0 or text_after < 0:
         raise ValueError("text_before and text_after must be >= 0")
-    return _cached(tuple(int(n) for n in grid), order, int(text_before), int(text_after), str(torch.device(device)),
-                   int(seed))
+    return _cached(_grid_sizes(grid), order, int(text_before), int(text_after), str(torch.device(device)), int(seed))
 
 
 def permuted(attention_fn: Callable, permutation: TokenPermutation) -> Callable:

@@ -30,7 +30,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -205,7 +205,7 @@ def _kept_keys(mask: torch.Tensor) -> list[int | torch.Tensor | None] | None:
     (trailing padding, as HunyuanVideo's), else the kept key positions on the mask's device (QwenImage's padding
     ends its text, before the image). None instead of the list where a row keeps no key (SDPA gives it NaN; left
     to SDPA). One read-back of the (B, N_kv) mask."""
-    rows = []
+    rows: list[int | torch.Tensor | None] = []
     for row in mask[:, 0, 0, :].cpu():
         n = int(row.sum())
         if n == 0:
@@ -440,6 +440,11 @@ class SpargeProcessor:
                     object.__setattr__(self, n, v)
                 raise
 
+    @property
+    def _layers(self) -> dict[str, SpargeSettings]:
+        """``layer_settings`` as held: a dict (a settings file's layers, loaded when set)."""
+        return cast("dict[str, SpargeSettings]", self.layer_settings)
+
     def _checked_option(self, name: str, value: Any) -> Any:
         """``value`` for the option ``name``, checked, in the form the processor reads (a settings file loaded)."""
         if name == "settings":
@@ -469,11 +474,11 @@ class SpargeProcessor:
         names = [name for name, _ in _attention_modules(transformer)]
         if self._settings_file is not None:
             self._settings_file.check_model(transformer, names, self.strict)
-        unknown = set(self.layer_settings) - set(names)
+        unknown = set(self._layers) - set(names)
         if unknown:
             raise ValueError(f"layer_settings name layers the model does not have: {sorted(unknown)[:5]}")
         for name, module in _attention_modules(transformer):  # per-head lists: checked here, not at the first call
-            heads, settings = getattr(module, "heads", None), self.layer_settings.get(name, self.settings)
+            heads, settings = getattr(module, "heads", None), self._layers.get(name, self.settings)
             for field_name in THRESHOLD_RANGES if isinstance(heads, int) else ():
                 values = getattr(settings, field_name)
                 if isinstance(values, (list, tuple)) and len(values) not in (1, heads):
@@ -521,7 +526,8 @@ class SpargeProcessor:
         def __call__(self, *args, **kwargs):
             return SpargeProcessor.__call__(self, *args, **kwargs)
 
-        __call__.__signature__ = own.replace(parameters=params[:at] + added + params[at:])
+        signature = own.replace(parameters=params[:at] + added + params[at:])
+        __call__.__signature__ = signature  # type: ignore[attr-defined]  # read by inspect.signature
         widened = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
                                                 "__qualname__": base.__qualname__, "__doc__": base.__doc__})
         object.__setattr__(self, "__class__", widened)
@@ -755,7 +761,7 @@ class SpargeProcessor:
             if self.layer_settings or self.dense_steps:  # these need the layer names and the step hook
                 self._refuse_unbound_call(attn)
             layer = f"<unbound {type(attn).__name__} {id(attn):x}>"
-        settings = self.layer_settings.get(layer, self.settings)
+        settings = self._layers.get(layer, self.settings)
         # compiling() first: a compiled region that read self.step would guard on it and recompile every step
         # (regional compilation: compile_repeated_blocks compiles the blocks, and the step hook runs eagerly)
         warm_up = self.dense_steps and not compiling() and self.step <= self.dense_steps
@@ -857,8 +863,9 @@ def installed_processor(pipe_or_transformer: Any) -> SpargeProcessor | None:
 
 
 def _set_processor(module: torch.nn.Module, processor: Any) -> None:
-    if hasattr(module, "set_processor"):
-        module.set_processor(processor)
+    setter = getattr(module, "set_processor", None)
+    if setter is not None:
+        setter(processor)
     else:  # MochiAttention in diffusers 0.42 has a processor attribute but no setter
         if not isinstance(processor, torch.nn.Module):
             module._modules.pop("processor", None)  # as set_processor does: a plain object cannot replace a child

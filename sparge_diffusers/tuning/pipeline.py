@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -51,25 +52,25 @@ def _calibration_runs(model: Any, calibration: Sequence[Any] | Callable, pipe_kw
     if isinstance(calibration, (str, bytes)) or not isinstance(calibration, Sequence) or not calibration:
         raise ValueError("calibration must be a non-empty list of prompts or of transformer input dicts, "
                          "or a callable that runs the model")
-    runs = []
+    runs: list[Callable[[], Any]] = []
     transformer = getattr(model, "transformer", model)
     for i, item in enumerate(calibration):
         if isinstance(item, str):
             if transformer is model:
                 raise ValueError("prompts need a pipeline; pass the pipeline, or transformer input dicts")
             device = getattr(model, "device", torch.device("cpu"))
-
-            def run(prompt=item, s=seed + i, device=device):
-                generator = torch.Generator(device=device).manual_seed(s)
-                return model(prompt=prompt, generator=generator, **pipe_kwargs)
+            runs.append(functools.partial(_run_prompt, model, item, seed + i, device, pipe_kwargs))
         elif isinstance(item, dict):
-            def run(kw=item):
-                return transformer(**kw)
+            runs.append(functools.partial(transformer, **item))
         else:
             raise ValueError(f"calibration item {i} is a {type(item).__name__}: use prompts (str) or dicts of "
                              "transformer inputs")
-        runs.append(run)
     return runs
+
+
+def _run_prompt(pipe: Any, prompt: str, seed: int, device: torch.device, pipe_kwargs: dict) -> Any:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return pipe(prompt=prompt, generator=generator, **pipe_kwargs)
 
 
 def _returns_latents_when_asked(model: Any) -> bool:
@@ -79,10 +80,11 @@ def _returns_latents_when_asked(model: Any) -> bool:
         from diffusers import DiffusionPipeline
     except ImportError:
         return False
-    if not isinstance(model, DiffusionPipeline):
+    call = getattr(model, "__call__", None)  # a pipeline's own; DiffusionPipeline declares none
+    if not isinstance(model, DiffusionPipeline) or call is None:
         return False
     try:
-        return "output_type" in inspect.signature(model.__call__).parameters
+        return "output_type" in inspect.signature(call).parameters
     except (TypeError, ValueError):
         return False
 

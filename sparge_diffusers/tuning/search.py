@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -174,10 +174,11 @@ class ThresholdSearch:
         ref = reference.float()
         norm = ref.abs().sum(reduce).double()
         heads = norm.numel()
+        settings: list[dict[str, Any]]
         if self.phase == 1:
             settings = [dict(simthreshd1=s, cdfthreshd=c, pvthreshd=None) for s, c in self._points1]
         else:
-            sim, cdf = self._stage1
+            sim, cdf = self._chosen_stage1()
             settings = [dict(simthreshd1=sim, cdfthreshd=cdf, pvthreshd=p) for p in self.grid.pvthreshd]
         sparsity = torch.empty(len(settings), heads, dtype=torch.float64, device=q.device)
         err = torch.empty_like(sparsity)
@@ -207,6 +208,11 @@ class ThresholdSearch:
         index, ok = _best(sparsity.mean(1), l1_layer, budget)
         return [index] * tally.heads, ok
 
+    def _chosen_stage1(self) -> tuple[list[float], list[float]]:
+        if self._stage1 is None:
+            raise RuntimeError("phase 2 needs finish_stage1 first")
+        return self._stage1
+
     def finish_stage1(self) -> None:
         """Fix (simthreshd1, cdfthreshd) per head and move to the pvthreshd search."""
         if self.phase != 1 or self._tally1 is None:
@@ -231,7 +237,7 @@ class ThresholdSearch:
             layer_l1 = max(l1_per_head)
         else:
             layer_l1 = float(tally.l1(self.aggregate)[1][index[0]])
-        sim, cdf = self._stage1
+        sim, cdf = self._chosen_stage1()
         return LayerChoice(simthreshd1=sim, cdfthreshd=cdf, pvthreshd=[self.grid.pvthreshd[i] for i in index],
                            sparsity=sum(sp_head) / len(sp_head), l1=layer_l1, sparsity_per_head=sp_head,
                            l1_per_head=l1_per_head, calls=tally.calls, within_budget=ok and self._stage1_ok)
