@@ -111,7 +111,7 @@ def test_pbs_segment_permutes_keys_and_keeps_causal_attention(tiny_llama):
     assert relative_l1(logits(load(tiny_llama, "sparge_test_pbs_keep"), ids), dense) < 1e-5
     assert keep_all.sparse_calls == 2
     pbs = register("sparge_test_pbs", simthreshd1=-1.0, cdfthreshd=0.9, pbs_segment=128, collect_stats=True)
-    plain = register("sparge_test_pbs_plain", simthreshd1=-1.0, cdfthreshd=0.9)
+    register("sparge_test_pbs_plain", simthreshd1=-1.0, cdfthreshd=0.9)
     ours = logits(load(tiny_llama, "sparge_test_pbs"), ids)
     assert pbs.sparse_calls == 2 and all(s.sparsity > 0 for s in pbs.stats)
     assert 0 < relative_l1(ours, dense) < 0.5

@@ -120,7 +120,7 @@ def _check(result, out, big, ref, seq: int, call: dict) -> None:
 def test_random_call_matches_reference(seed):
     call = draw_call(seed)
     q, k, v = _inputs(call)
-    layout, dtype = call["layout"], call["dtype"]
+    layout = call["layout"]
     seq = 2 if layout == "HND" else 1
     q_len, kv_len = q.shape[seq], k.shape[seq]
     big, out = _poisoned_output(q, seq)

@@ -3,7 +3,6 @@ its float32 reference on the same order, and the contracts of s2o_attention."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, s2o_attention, s2o_visit_order
 from sparge_diffusers.kernels._inputs import AttentionShape, causal_block_visible, check_attention_inputs

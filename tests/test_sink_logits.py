@@ -59,9 +59,9 @@ def test_kernel_matches_reference_with_sinks(Nq, Nkv, causal, variant, window, d
     shape = check_attention_inputs(q, k, v, tensor_layout=layout, is_causal=causal, causal_variant=variant,
                                    sliding_window=window)
     kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window, tensor_layout=layout)
-    mask = random_mask(shape, 0.5, Nq)
-    mask[0, 0, 0] = False  # a row that sees no key: zeros, whatever the sink
-    for mask, pvthreshd, sink_dtype in ((mask, None, torch.float32), (None, None, dtype), (mask, 4.0, dtype)):
+    drawn = random_mask(shape, 0.5, Nq)
+    drawn[0, 0, 0] = False  # a row that sees no key: zeros, whatever the sink
+    for mask, pvthreshd, sink_dtype in ((drawn, None, torch.float32), (None, None, dtype), (drawn, 4.0, dtype)):
         sinks = torch.tensor(SINKS).to(sink_dtype)
         ref = block_sparse_attention(q, k, v, mask, backend="reference", pvthreshd=pvthreshd, sink_logits=sinks, **kw)
         out = block_sparse_attention(q, k, v, mask, backend="triton", out=poisoned_like(q), pvthreshd=pvthreshd,

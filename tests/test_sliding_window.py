@@ -76,8 +76,8 @@ def test_kernel_matches_reference_with_a_window(Nq, Nkv, variant, window, dtype,
     shape = check_attention_inputs(q, k, v, tensor_layout=layout, is_causal=True, causal_variant=variant,
                                    sliding_window=window)
     kw = dict(is_causal=True, causal_variant=variant, sliding_window=window, tensor_layout=layout)
-    mask = random_mask(shape, 0.5, Nq)
-    for mask, pvthreshd in ((mask, None), (None, None), (mask, 4.0)):
+    drawn = random_mask(shape, 0.5, Nq)
+    for mask, pvthreshd in ((drawn, None), (None, None), (drawn, 4.0)):
         ref = block_sparse_attention(q, k, v, mask, backend="reference", pvthreshd=pvthreshd, **kw)
         out = block_sparse_attention(q, k, v, mask, backend="triton", out=poisoned_like(q), pvthreshd=pvthreshd, **kw)
         assert not torch.isnan(out).any()

@@ -48,9 +48,9 @@ def test_kernel_matches_reference_with_a_cap(Nq, Nkv, causal, variant, window, d
     shape = check_attention_inputs(q, k, v, tensor_layout=layout, is_causal=causal, causal_variant=variant,
                                    sliding_window=window)
     kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window, tensor_layout=layout, softcap=CAP)
-    mask = random_mask(shape, 0.5, Nq)
-    mask[0, 0, 0] = False
-    for mask, pvthreshd in ((mask, None), (None, None), (mask, 4.0)):
+    drawn = random_mask(shape, 0.5, Nq)
+    drawn[0, 0, 0] = False
+    for mask, pvthreshd in ((drawn, None), (None, None), (drawn, 4.0)):
         ref = block_sparse_attention(q, k, v, mask, backend="reference", pvthreshd=pvthreshd, **kw)
         out = block_sparse_attention(q, k, v, mask, backend="triton", out=poisoned_like(q), pvthreshd=pvthreshd, **kw)
         assert not torch.isnan(out).any()

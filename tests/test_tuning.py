@@ -380,7 +380,7 @@ def test_processor_options_are_checked_when_made(options, message):
 def test_processor_options_set_later_are_checked_and_read_as_when_made(tmp_path):
     """A dict or a path assigned to settings / layer_settings after construction failed at the model's first
     attention call; layer settings naming layers the bound model lacks were never used."""
-    from sparge_diffusers.pipelines import LayerSettingsFile, SpargeProcessor, SpargeSettings, apply
+    from sparge_diffusers.pipelines import LayerSettingsFile, SpargeSettings, apply
 
     model, latents = tiny_flux(8)
     processor = apply(model, collect_stats=True)

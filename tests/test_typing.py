@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-import textwrap
 import typing
 
 import pytest

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._inputs import BLOCK_K, BLOCK_Q, NO_WINDOW, AttentionShape, causal_block_visible, wide_offsets
-from .._launch import cdiv, launch, next_power_of_2
+from .._launch import launch, next_power_of_2
 from . import attention, s2o_hopper
 from .attention import (LOG2E, _add_sink, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile,
                         _store_output, _walk_blocks)
