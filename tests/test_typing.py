@@ -11,34 +11,30 @@ import typing
 
 import pytest
 
-from mypy import api as mypy_api  # noqa: E402  (a test dependency: a missing one must fail, not skip)
+from mypy import api as mypy_api  # a test dependency: a missing one must fail, not skip
 
-import sparge_diffusers  # noqa: E402
-from sparge_diffusers import block_sparse_attention, s2o_attention, sparge_attention  # noqa: E402
-from sparge_diffusers.llm import pbs_sparge_attention  # noqa: E402
+import sparge_diffusers
+from sparge_diffusers import block_sparse_attention, s2o_attention, sparge_attention
+from sparge_diffusers.llm import pbs_sparge_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_mypy(*args: str) -> tuple[str, int]:
+def run_mypy(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[str, int]:
     """mypy from the repository root (its [tool.mypy] settings), its report and exit status."""
-    here = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        stdout, stderr, status = mypy_api.run(list(args))
-    finally:
-        os.chdir(here)
+    monkeypatch.chdir(ROOT)
+    stdout, stderr, status = mypy_api.run(list(args))
     return stdout + stderr, status
 
 
-def test_the_package_type_checks():
-    report, status = run_mypy()
+def test_the_package_type_checks(monkeypatch):
+    report, status = run_mypy(monkeypatch)
     assert status == 0, report
 
 
 def test_the_package_ships_its_hints():
     assert os.path.isfile(os.path.join(os.path.dirname(sparge_diffusers.__file__), "py.typed"))
-    import tomllib
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml with the standard library")
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         package_data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
@@ -67,12 +63,12 @@ out = sparge_attention(q, q, q, tensor_layout="BHND")
 """
 
 
-def test_a_users_code_gets_the_type_its_flag_asks_for(tmp_path):
+def test_a_users_code_gets_the_type_its_flag_asks_for(tmp_path, monkeypatch):
     """Annotated as they are used, the calls above check, and the last two lines are errors: a pair where a tensor
     was asked for, and a layout that does not exist."""
     path = tmp_path / "user_code.py"
     path.write_text(USER_CODE)
-    report, status = run_mypy(str(path))
+    report, status = run_mypy(monkeypatch, str(path))
     lines = USER_CODE.splitlines()
     errors = [line for line in report.splitlines() if ": error:" in line]
     at = sorted({int(line.split(":")[1]) for line in errors})

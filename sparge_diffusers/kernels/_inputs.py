@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence, Union
 
 import torch
-from typing_extensions import TypeIs  # (a dependency of torch)
+from typing_extensions import TypeIs
 
 # Block sizes of the block mask, the same as upstream SpargeAttn (b_q = 128 query rows, b_k = 64 keys).
 # The attention kernel's tiles equal these, so one mask entry is exactly one Q.K^T tile product.
