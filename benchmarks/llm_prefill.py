@@ -15,7 +15,9 @@ Then one left-padded batch (``--padded``: prompt lengths, padded on the left to 
 a tokenizer gives): SDPA computes the padded batch under transformers' boolean mask; our function runs each prompt
 without its padding. Relative L1 over the real positions only. ``--right-padded``: the same for a batch padded on the
 right (each prompt one causal call on its keys, its padding queries by SDPA over them, as transformers' mask has
-them attend; before session 55 such a batch went to SDPA under the mask).
+them attend; before session 55 such a batch went to SDPA under the mask). ``--static-right-padded LENGTHS:SLOTS``: a
+right-padded batch's first prefill into a static cache of SLOTS positions, whose mask also hides the empty slots
+(before session 60 such a batch went to SDPA under the mask).
 
 With ``--static FILLED:CHUNK:SLOTS,...``, a chunk against a static cache (``StaticCache``, as
 ``cache_implementation="static"`` and compiled generation use): the cache holds SLOTS positions, the first FILLED -
@@ -48,7 +50,7 @@ default mode) with SDPA and with the default settings, whose masked calls go thr
 ``sparge_diffusers::llm_masked_prefill`` operator (the mask read at run time, each prompt its own call).
 
 Usage: python benchmarks/llm_prefill.py [--lengths 8192,32768] [--padded 16384,12288,8192,4096]
-       [--right-padded 16384,12288,8192,4096] [--layers 4]
+       [--right-padded 16384,12288,8192,4096] [--static-right-padded 16384,12288,8192,4096:20480] [--layers 4]
        [--static 32768:2048:40960,32768:8192:40960] [--window 4096 | --llama4 | --gemma3] [--compiled]
        [--no-flex] [--out results.json]
 """
@@ -81,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--padded", default="16384,12288,8192,4096", help="prompt lengths of one left-padded batch "
                     "('' for none)")
     ap.add_argument("--right-padded", default="", help="prompt lengths of one right-padded batch ('' for none)")
+    ap.add_argument("--static-right-padded", default="", help="LENGTHS:SLOTS, a right-padded batch's first prefill "
+                    "into a static cache of SLOTS positions, e.g. 16384,12288,8192,4096:20480 ('' for none)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--static", default="", help="FILLED:CHUNK:SLOTS,... chunks against a static cache ('' for none)")
     ap.add_argument("--compiled", action="store_true", help="also time the padded batch compiled (SDPA and default)")
@@ -152,6 +156,14 @@ def main(argv=None):
         results["right_padded"] = row = compare(model, functions, ids, attention_mask=mask, flex=args.flex)
         row["prompt_lengths"] = right_padded
         print("right padded", right_padded, row, flush=True)
+    static_right = None
+    if args.static_right_padded:
+        lengths_text, slots_text = args.static_right_padded.split(":")
+        static_right = [int(n) for n in lengths_text.split(",")], int(slots_text)
+        results["static_right_padded"] = row = static_right_padded_compare(model, functions, config, *static_right,
+                                                                          flex=args.flex)
+        row["prompt_lengths"], row["slots"] = static_right
+        print("right padded, static cache", static_right, row, flush=True)
     model_name = "Llama-4-Scout" if args.llama4 else "Gemma-3-12B" if args.gemma3 else "Llama-3.1-8B"
     lines = [f"GPU: {results['gpu']} (torch {torch.__version__}, transformers {transformers.__version__}); "
              f"{model_name} shapes, {args.layers} layers, bf16, random "
@@ -160,10 +172,11 @@ def main(argv=None):
                                          if args.window else "")
              + ("; chunks of 8192, every fourth layer global, dense MLPs" if args.llama4 else "")
              + ("; windows of 1024 keys, every fourth layer global" if args.gemma3 else ""),
-             f"{'tokens':>7} {'sdpa ms':>9} {'flex ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'x flex':>6} "
+             f"{'tokens':>8} {'sdpa ms':>9} {'flex ms':>9} {'setting':>10} {'ms':>8} {'x sdpa':>6} {'x flex':>6} "
              f"{'spars':>6} {'rel L1':>7}"]
     rows = list(results["lengths"].items()) + ([("padded", results["padded"])] if padded else []) \
         + ([("right", results["right_padded"])] if right_padded else []) \
+        + ([("st-right", results["static_right_padded"])] if static_right else []) \
         + [(f"static{i}", r) for i, r in enumerate(results.get("static", {}).values())]
     for n, r in rows:
         for name in settings:
@@ -171,7 +184,7 @@ def main(argv=None):
             sparsity = f"{e['sparsity']:6.3f}" if e["sparsity"] is not None else f"{'-':>6}"
             flex_ms, x_flex = (f"{r['flex_ms']:9.1f}", f"{e['x_flex']:6.2f}") if "flex_ms" in r else (
                 f"{'-':>9}", f"{'-':>6}")
-            lines.append(f"{n:>7} {r['sdpa_ms']:9.1f} {flex_ms} {name:>10} {e['ms']:8.1f} {e['speedup']:6.2f} {x_flex} "
+            lines.append(f"{n:>8} {r['sdpa_ms']:9.1f} {flex_ms} {name:>10} {e['ms']:8.1f} {e['speedup']:6.2f} {x_flex} "
                          f"{sparsity} {e['relative_l1']:7.4f}")
     if "padded_compiled" in results:
         c = results["padded_compiled"]
@@ -187,6 +200,10 @@ def main(argv=None):
     if right_padded:
         lines.append(f"right: the same for a right-padded batch of {len(right_padded)} prompts "
                      f"({', '.join(map(str, right_padded))} tokens); ours per prompt, its padding queries by SDPA")
+    if static_right:
+        lines.append(f"st-right: that right-padded batch's first prefill into a static cache of {static_right[1]} "
+                     f"slots ({', '.join(map(str, static_right[0]))} tokens); SDPA under transformers' (batch, "
+                     f"slots) mask, ours per prompt on its keys (before session 60: SDPA under the mask)")
     save_report(results, "\n".join(lines), args.out)
 
 
@@ -247,40 +264,60 @@ def compare(model, functions, ids, after_each=None, flex: bool = True, **inputs)
     return row
 
 
-def static_chunk_compare(model, functions, filled: int, chunk: int, slots: int, flex: bool = True) -> dict:
-    """:func:`compare` for the forward of tokens filled - chunk .. filled - 1 against a static cache of ``slots``
-    positions whose first filled - chunk hold an SDPA prefill of the tokens before (one cache for every function, so
-    only the chunk differs; each timed forward rewrites the chunk's own slots with the same values: transformers 5.x
-    writes at a running count, rewound after each forward, 4.x at the positions given)."""
+def static_cache(model, slots: int, batch: int = 1):
+    """An empty StaticCache of ``slots`` positions on the GPU and the name of the models' cache argument."""
     import inspect
 
     import transformers
 
-    ids = torch.randint(0, model.config.vocab_size, (1, filled), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(3))
     try:
         cache = transformers.StaticCache(config=model.config, max_cache_len=slots)
     except TypeError:  # transformers before 4.56 sizes it up front
-        cache = transformers.StaticCache(config=model.config, max_batch_size=1, max_cache_len=slots, device="cuda",
-                                         dtype=torch.bfloat16)
+        cache = transformers.StaticCache(config=model.config, max_batch_size=batch, max_cache_len=slots,
+                                         device="cuda", dtype=torch.bfloat16)
     name = "cache" if "cache" in inspect.signature(type(model.model).forward).parameters else "past_key_values"
+    return cache, name
+
+
+def rewinder(cache, tokens: int):
+    """A function that moves the static cache's write position back by ``tokens``, so that the next timed forward
+    writes the same slots again: transformers 5.x's static layers count what they hold (5.24 has crop(-n) for it,
+    5.17 not); 4.x writes at the positions given."""
+    def rewind():
+        for layer in cache.layers:
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                layer.cumulative_length.sub_(tokens)
+            elif isinstance(getattr(layer, "cumulative_length", None), int):
+                layer.cumulative_length -= tokens
+    return rewind
+
+
+def static_chunk_compare(model, functions, filled: int, chunk: int, slots: int, flex: bool = True) -> dict:
+    """:func:`compare` for the forward of tokens filled - chunk .. filled - 1 against a static cache of ``slots``
+    positions whose first filled - chunk hold an SDPA prefill of the tokens before (one cache for every function, so
+    only the chunk differs; each timed forward rewrites the chunk's own slots with the same values)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, filled), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(3))
+    cache, name = static_cache(model, slots)
     prefix = filled - chunk
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         model.model(input_ids=ids[:, :prefix], use_cache=True, cache_position=torch.arange(prefix, device="cuda"),
                     **{name: cache})
     positions = torch.arange(prefix, filled, device="cuda")
+    return compare(model, functions, ids[:, prefix:], after_each=rewinder(cache, chunk), flex=flex, use_cache=True,
+                   position_ids=positions[None], cache_position=positions, **{name: cache})
 
-    def rewind():  # transformers 5.x's static layers count what they hold (5.24 has crop(-n) for it, 5.17 not)
-        for layer in cache.layers:
-            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-                layer.cumulative_length.sub_(chunk)
-            elif isinstance(getattr(layer, "cumulative_length", None), int):
-                layer.cumulative_length -= chunk
 
-    return compare(model, functions, ids[:, prefix:], after_each=rewind, flex=flex, use_cache=True,
-                   position_ids=positions[None],
-                   cache_position=positions, **{name: cache})
+def static_right_padded_compare(model, functions, config, lengths: list[int], slots: int, flex: bool = True) -> dict:
+    """:func:`compare` for the first prefill of a right-padded batch (:func:`padded_batch`) into a static cache of
+    ``slots`` positions, as ``generate(..., cache_implementation="static")`` runs it: transformers' mask hides each
+    prompt's padding keys and the empty slots after the batch's last position."""
+    ids, mask = padded_batch(config, lengths, "right")
+    cache, name = static_cache(model, slots, batch=len(lengths))
+    longest = ids.shape[1]
+    return compare(model, functions, ids, after_each=rewinder(cache, longest), flex=flex, attention_mask=mask,
+                   use_cache=True, cache_position=torch.arange(longest, device="cuda"), **{name: cache})
 
 
 def compiled_compare(model, ids, **inputs) -> dict:

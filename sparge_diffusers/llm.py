@@ -458,8 +458,9 @@ class SpargeLLMAttention:
       keys. Each prompt then runs as its own call without its padding (rows of padding queries get zeros, as
       from SDPA), and its stats are joined over the batch (:meth:`SparsityStats.concat`).
     - the same mask with each prompt's keys from its length on hidden from every query: a right-padded batch
-      (``padding_side="right"``, or ``padding="max_length"``), of at least ``min_padded_tokens`` keys, without a
-      static cache. Each prompt's real queries run as one causal call on its keys; its padding queries, which see
+      (``padding_side="right"``, or ``padding="max_length"``), of at least ``min_padded_tokens`` keys, whole or
+      chunked, against a static cache too (its empty slots never read). Each prompt's real queries run as one causal
+      call on its keys; its padding queries, which see
       all of them under this mask (under a sliding window those still in their window), by exact attention (SDPA,
       or :func:`eager_attention` with sinks or a cap), so that the output equals SDPA's at every position whose
       query sees a key (those past a window's reach get zeros, as left padding's do).
@@ -627,7 +628,7 @@ class SpargeLLMAttention:
             span = key.shape[2]  # so any key may be seen
         else:
             verdict = self._mask_route(attention_mask, query.shape[2], key.shape[2], window)
-            span = _layout_span(verdict[2], key.shape[2])
+            span = _layout_span(verdict[2], query.shape[2], key.shape[2])
         reason, window = self._window_route(window, span)
         if reason is None:
             reason = self._terms_reason(_score_terms(kwargs))
@@ -758,8 +759,10 @@ class SpargeLLMAttention:
         With a mask's layout, only the keys in use are attended (a static cache's empty slots are left out: views,
         no copy). ``window``: a sliding window that hides keys from some query (None: none that does); ``terms``: the
         layer's :class:`ScoreTerms`."""
-        if layout is not None and layout.ends is not None:  # (before the cut below: it counts positions from Nkv)
-            return self._right_padded_prefill(query, key, value, layout.ends, scale, window, terms)
+        if layout is not None and layout.ends is not None:
+            assert layout.query_start is not None  # (read with the ends)
+            return self._right_padded_prefill(query, key, value, layout.ends, layout.query_start, scale, window,
+                                              terms)
         if layout is not None and layout.keys < key.shape[2]:
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         if layout is not None and (layout.segments is not None or any(layout.padding)):
@@ -783,7 +786,7 @@ class SpargeLLMAttention:
         warning); a sparse call is counted and its statistics kept with ``collect_stats``. Returns (B, Nq, H, D)."""
         reason, variant, layout = self._mask_route(mask, query.shape[2], key.shape[2], window)
         if reason is None:
-            reason, window = self._window_route(window, _layout_span(layout, key.shape[2]))
+            reason, window = self._window_route(window, _layout_span(layout, query.shape[2], key.shape[2]))
         if reason is None:
             reason = self._terms_reason(terms)
         if reason is not None:
@@ -845,9 +848,11 @@ class SpargeLLMAttention:
         return out, (SparsityStats.concat(parts) if parts else None)
 
     def _right_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ends: list[int],
-                              scale: float | None, window: int | None = None, terms: ScoreTerms = NO_TERMS
-                              ) -> tuple[torch.Tensor, SparsityStats | None]:
-        """A right-padded batch (:class:`CausalMaskLayout`'s ``ends``): each prompt's real queries as one
+                              offset: int, scale: float | None, window: int | None = None,
+                              terms: ScoreTerms = NO_TERMS) -> tuple[torch.Tensor, SparsityStats | None]:
+        """A right-padded batch (:class:`CausalMaskLayout`'s ``ends``, its first query at position ``offset``,
+        ``query_start``; a static cache's slots past the last query's position are never read): each prompt's real
+        queries as one
         lower-right causal call on its keys 0..ends[b] - 1 (under the sliding ``window`` if one hides keys; rows of
         one end together, as one batch), and its padding queries, which see all of those keys (or those still in
         their window), by exact attention (SDPA, or :func:`eager_attention` with sinks or a cap), so that every row
@@ -856,7 +861,6 @@ class SpargeLLMAttention:
         mask hides their keys), so their rows are computed exactly rather than sparsely only to match SDPA's output
         everywhere. Returns (B, Nq, H, D) and the calls' stats when collected."""
         batch, heads, q_len, head_dim = query.shape
-        offset = key.shape[2] - q_len
         out = query.new_empty(batch, q_len, heads, head_dim)
         parts = []
         start = 0
@@ -875,8 +879,8 @@ class SpargeLLMAttention:
                 if s is not None:
                     parts.append(s)
             # padding queries up to `reach` see keys (with a window: those from p - window + 1 on); those after see
-            # none and get zeros, as left padding's do
-            reach = q_len if window is None else min(q_len, max(real, end + window - 1 - offset))
+            # none and get zeros, as left padding's do (all of them where the prompt shows no key: end = 0)
+            reach = 0 if end == 0 else q_len if window is None else min(q_len, max(real, end + window - 1 - offset))
             if real < reach:
                 mask = None
                 if window is not None:
@@ -1015,12 +1019,16 @@ class CausalMaskLayout(NamedTuple):
 
     ``ends`` (None for the masks above): right padding. Prompt b's real tokens are keys 0..ends[b] - 1 and no query
     sees a key from ends[b] on: a real query (at position ends[b] - 1 or before) sees keys 0..its position, a
-    padding query (at a later position) all of keys 0..ends[b] - 1."""
+    padding query (at a later position) all of keys 0..ends[b] - 1 (ends[b] = 0: no query of the prompt sees a
+    key, its padding queries all past a sliding window's reach). ``query_start`` (with ``ends`` only): the
+    first query's position, Nkv - Nq without a cache or with a dynamic one, less against a static cache (whose
+    slots past the last query's position are empty)."""
 
     keys: int
     padding: list[int]
     segments: list[list[tuple[int, int, int]]] | None = None
     ends: list[int] | None = None
+    query_start: int | None = None
 
 
 def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26,
@@ -1045,8 +1053,9 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
       none past the window's reach) rather than its causal range: ``ends`` (see
       :class:`CausalMaskLayout`; ``keys`` = the largest end). transformers builds this mask for a right-padded
       batch (many tokenizers' default side; ``padding="max_length"`` or ``pad_to_multiple_of`` pad every prompt).
-      The queries' positions are then counted from Nkv - Nq, which holds without a cache and with a dynamic one;
-      a static cache's right-padded mask is not read (it falls back).
+      The queries' positions (``query_start``) are counted from Nkv - Nq, as without a cache or with a dynamic one,
+      or else from where the mask puts them: against a static cache the slots after the last query's position are
+      empty, seen by no query.
 
     Each query row's first and last seen key and its count of seen keys are read (:func:`mask_row_extents`: one
     Triton pass over the mask on CUDA; on CPU PyTorch reductions over row chunks of at most ``max_elements`` mask
@@ -1090,23 +1099,38 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
 
 
 def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor, q_len: int, kv_len: int,
-                   window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whether the rows read as right padding, (B,) ends) from each query row's first and last seen key and count
-    (:func:`mask_row_extents`): prompt b's keys end after the last key any of its queries sees (ends[b]), and the
-    query at position p (Nkv - Nq + its row) sees exactly keys max(0, p - window + 1)..min(p, ends[b] - 1), one
-    run, or none where that range is empty (a padding query past the window's reach). Only where some prompt is
-    padded is it right padding: otherwise the mask is the plain causal one."""
+                   window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(whether the rows read as right padding, (B,) ends, the first query's position) from each query row's first
+    and last seen key and count (:func:`mask_row_extents`): prompt b's keys end after the last key any of its queries
+    sees (ends[b]), and the query at position p (the first query's position + its row) sees exactly keys
+    max(0, p - window + 1)..min(p, ends[b] - 1), one run, or none where that range is empty (a padding query past
+    the window's reach; ends[b] = 0 where every query of the prompt is, as in a late chunk of a short prompt). Only
+    where some prompt is padded and some query sees a key is it right padding: otherwise the mask is the plain
+    causal one, or sees nothing.
+
+    The first query sits at Nkv - Nq without a cache or with a dynamic one, which is tried first (a chunk of only
+    padding queries does not show its positions otherwise). Against a static cache it sits earlier, the slots after
+    the last query's position empty: a real query's last key is its own position and a padding query's is before
+    it, so the largest (last key - row) over the rows is the first query's position."""
     seen = count > 0
     ends = torch.where(seen, last, -1).amax(1) + 1  # (B,); 0 where no query sees a key
-    positions = torch.arange(q_len, device=first.device) + (kv_len - q_len)
-    low = positions - window + 1 if window is not None else torch.zeros_like(positions)
-    low, high = low.clamp(min=0)[None, :], torch.minimum(positions[None, :], ends[:, None] - 1)
-    runs = seen & (first == low) & (last == high) & (count == high - low + 1)
-    return torch.where(low <= high, runs, ~seen).all() & (ends < kv_len).any() & (ends > 0).all(), ends
+    rows = torch.arange(q_len, device=first.device)
+
+    def fits(start: torch.Tensor | int) -> torch.Tensor:
+        positions = rows + start
+        low = positions - window + 1 if window is not None else torch.zeros_like(positions)
+        low, high = low.clamp(min=0)[None, :], torch.minimum(positions[None, :], ends[:, None] - 1)
+        runs = seen & (first == low) & (last == high) & (count == high - low + 1)
+        return torch.where(low <= high, runs, ~seen).all() & (ends < start + q_len).any() & (ends > 0).any()
+
+    read = torch.where(seen, last - rows, -1).amax().clamp(0, kv_len - q_len)
+    dynamic = fits(kv_len - q_len)
+    return dynamic | fits(read), ends, torch.where(dynamic, kv_len - q_len, read)
 
 
 def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.Tensor, q_len: int, kv_len: int,
-                        right_padding: tuple[torch.Tensor, torch.Tensor]) -> CausalMaskLayout | None:
+                        right_padding: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                        ) -> CausalMaskLayout | None:
     """:func:`read_causal_mask`'s layout, from each query row's first seen key (``first``, (B, Nq), kv_len where none;
     under a window the first key of the query's sequence) once every row matched (``matches``) one run of keys to
     its causal end (``used`` - Nq + i):
@@ -1114,14 +1138,15 @@ def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.
     is the padded causal mask. Otherwise, where ``right_padding`` (:func:`_right_padding`) holds, the right-padded
     layout. One read-back (a device sync)."""
     batch = first.shape[0]
-    right, ends = right_padding
-    packed = torch.cat([matches.int()[None], used.int()[None], right.int()[None], ends.int(), first.flatten()]).cpu()
+    right, ends, query_start = right_padding
+    packed = torch.cat([matches.int()[None], used.int()[None], right.int()[None], query_start.int()[None],
+                        ends.int(), first.flatten()]).cpu()
     if not packed[0]:
         if not packed[2]:
             return None
-        prompt_ends = packed[3:3 + batch].tolist()
-        return CausalMaskLayout(max(prompt_ends), [0] * batch, None, prompt_ends)
-    keys, first_keys = int(packed[1]), packed[3 + batch:].view(batch, q_len)
+        prompt_ends = packed[4:4 + batch].tolist()
+        return CausalMaskLayout(max(prompt_ends), [0] * batch, None, prompt_ends, int(packed[3]))
+    keys, first_keys = int(packed[1]), packed[4 + batch:].view(batch, q_len)
     segments: list[list[tuple[int, int, int]]] = []
     plain = True
     for row in first_keys:
@@ -1135,13 +1160,18 @@ def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.
     return CausalMaskLayout(keys, padding, None if plain else segments)
 
 
-def _layout_span(layout: CausalMaskLayout | None, kv_len: int) -> int:
+def _layout_span(layout: CausalMaskLayout | None, q_len: int, kv_len: int) -> int:
     """How far back from its own position a query under this layout may see, in keys (its position + 1 from key 0
     on): whether a sliding window hides a key from any query. The last query sits at position ``keys`` - 1, except
-    in a right-padded batch, whose padding queries sit at positions up to ``kv_len`` - 1 (:func:`read_causal_mask`
-    counts them from Nkv - Nq) past every prompt's last real key: a window shorter than that hides keys from them
-    even where every prompt is shorter than the window. No layout (no causal mask read): any key, ``kv_len``."""
-    return kv_len if layout is None or layout.ends is not None else layout.keys
+    in a right-padded batch, whose padding queries sit at positions up to ``query_start`` + Nq - 1 past every
+    prompt's last real key: a window shorter than that hides keys from them even where every prompt is shorter than
+    the window. No layout (no causal mask read): any key, ``kv_len``."""
+    if layout is None:
+        return kv_len
+    if layout.ends is not None:
+        assert layout.query_start is not None  # (read with the ends)
+        return layout.query_start + q_len
+    return layout.keys
 
 
 def register(name: str = "sparge", attention: SpargeLLMAttention | None = None, **settings: Any

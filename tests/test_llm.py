@@ -271,7 +271,7 @@ def test_mask_check_accepts_only_the_left_padded_lower_right_pattern():
     assert check(pattern(100, 512, padding=(512, 512)), 100, 512) == layout(512, [512, 512])  # nothing seen
     right = pattern(150, 150)
     right[1, :, :, 140:] = False  # right padding of the second prompt (read by the next test)
-    assert check(right, 150, 150) == CausalMaskLayout(150, [0, 0], None, [150, 140])
+    assert check(right, 150, 150) == CausalMaskLayout(150, [0, 0], None, [150, 140], 0)
     inner = pattern(100, 300, padding=(0, 5))
     inner[1, :, 50:, 7] = False  # a hole that is no padding
     assert check(inner, 100, 300) is None
@@ -319,9 +319,9 @@ def test_mask_reader_finds_right_padding():
     else is refused."""
     from sparge_diffusers.llm import read_causal_mask as read
 
-    assert read(right_padded_mask_4d([150, 140], 150), 150, 150) == CausalMaskLayout(150, [0, 0], None, [150, 140])
+    assert read(right_padded_mask_4d([150, 140], 150), 150, 150) == CausalMaskLayout(150, [0, 0], None, [150, 140], 0)
     assert read(right_padded_mask_4d([99, 1, 140], 150), 150, 150, max_elements=700) == CausalMaskLayout(
-        140, [0, 0, 0], None, [99, 1, 140])  # every prompt padded (padding="max_length"), one of a single token
+        140, [0, 0, 0], None, [99, 1, 140], 0)  # every prompt padded (padding="max_length"), one of a single token
     assert read(right_padded_mask_4d([300, 220], 100, 300), 100, 300).ends == [300, 220]  # 200 cached keys
     assert read(right_padded_mask_4d([300, 150], 100, 300), 100, 300).ends == [300, 150]  # a chunk of padding only
     assert read(right_padded_mask_4d([150], 150), 150, 150) == CausalMaskLayout(150, [0])  # no padding: plain causal
@@ -340,6 +340,42 @@ def test_mask_reader_finds_right_padding():
     assert read(right_padded_mask_4d([150, 140], 150), 150, 150, sliding_window=64) is None  # no window read
     assert read(right_padded_mask_4d([150, 140], 150), 150, 150, sliding_window=150).ends == [150, 140]  # hides none
     assert read(right_padded_mask_4d([150, 140], 150).float(), 150, 150) is None
+
+
+def test_mask_reader_finds_right_padding_against_a_static_cache():
+    """Against a static cache a right-padded batch's mask also hides the slots past the last query's position, so its
+    queries do not sit at Nkv - Nq: the reader finds their first position (``query_start``) from the real queries,
+    whose last key is their own position. A first prefill at 0, a chunk at 200 (one prompt padded from inside it, or
+    a chunk whose queries are all padding: any start that describes every row is exact), under a window too; a
+    padding query that sees an empty slot is refused. Before session 60 such masks fell back to SDPA."""
+    from sparge_diffusers.llm import read_causal_mask as read
+
+    def static(ends, nq, nkv, start, window=None):
+        """right_padded_mask_4d with the queries at start.. and slots from start + nq on empty."""
+        positions, keys = torch.arange(nq)[:, None] + start, torch.arange(nkv)[None, :]
+        seen = ((keys <= positions) | (positions >= torch.tensor(ends)[:, None, None])) & (keys <= start + nq - 1)
+        seen &= keys < torch.tensor(ends)[:, None, None]
+        if window is not None:
+            seen &= keys > positions - window
+        return seen[:, None]
+
+    assert read(static([150, 140], 150, 512, 0), 150, 512) == CausalMaskLayout(150, [0, 0], None, [150, 140], 0)
+    assert read(static([130, 1, 140], 150, 512, 0), 150, 512, max_elements=900) == CausalMaskLayout(
+        140, [0, 0, 0], None, [130, 1, 140], 0)  # every prompt padded
+    assert read(static([300, 250], 100, 512, 200), 100, 512) == CausalMaskLayout(
+        300, [0, 0], None, [300, 250], 200)
+    assert read(static([300, 150], 100, 512, 200), 100, 512).query_start == 200  # one prompt's queries all padding
+    only_padding = read(static([150, 140], 100, 512, 200), 100, 512)  # every query padding: rows alike from 149 on
+    assert only_padding is not None and only_padding.ends == [150, 140] and only_padding.query_start >= 149
+    windowed = static([150, 100], 150, 512, 0, window=64)
+    assert read(windowed, 150, 512, sliding_window=64) == CausalMaskLayout(150, [0, 0], None, [150, 100], 0)
+    assert read(windowed, 150, 512) is None  # the window not given
+    odd = static([150, 140], 150, 512, 0)
+    odd[1, 0, 145, 300] = True  # a padding query that sees an empty slot
+    assert read(odd, 150, 512) is None
+    odd = static([300, 250], 100, 512, 200)
+    odd[0, 0, 10, 211] = True  # a real query that sees the next position
+    assert read(odd, 100, 512) is None
 
 
 def test_right_padded_call_shorter_than_its_window_keeps_the_window_for_its_padding_queries():
@@ -366,6 +402,38 @@ def test_right_padded_call_shorter_than_its_window_keeps_the_window_for_its_padd
         assert out.shape == (2, nq, 4, 64) and torch.isfinite(out).all()
         assert torch.equal(out * ~seen, torch.zeros_like(out))
         torch.testing.assert_close(out * seen, expected.transpose(1, 2) * seen, rtol=1e-5, atol=1e-5)
+    assert attention.sparse_calls == 1
+
+
+@pytest.mark.parametrize("slots,window", [(None, 64), (512, 64), (512, None)])
+def test_right_padded_chunk_with_a_prompt_that_sees_no_key_runs_sparse(slots, window):
+    """A right-padded chunk (queries at positions 200..299) of two prompts, the second 280 tokens long, the first 9
+    tokens long under a window of 64 keys (its queries are all padding past the window's reach) or, without a
+    window, all padding: no query of the first prompt sees a key. The mask reads as right padding, with that
+    prompt's end at 0 (before session 60 it fell back to SDPA), with a dynamic cache (300 keys) and a static one
+    (512 slots, those after position 299 empty); eager calls and the masked operator give SDPA's rows where a row
+    sees a key and zeros where none."""
+    nq, nkv, start = 100, slots or 300, 200
+    positions, keys = torch.arange(nq)[:, None] + start, torch.arange(nkv)[None, :]
+    ends = torch.tensor([9 if window else 0, 280])[:, None, None]
+    mask = ((keys <= positions) | (positions >= ends)) & (keys < ends)
+    mask = (mask & (keys > positions - window) if window else mask)[:, None]
+    layout = read_causal_mask(mask, nq, nkv, sliding_window=window)
+    assert layout is not None and layout.ends == [0, 280] and layout.query_start == start
+    torch.manual_seed(60)
+    q, k, v = torch.randn(2, 4, nq, 64), torch.randn(2, 2, nkv, 64), torch.randn(2, 2, nkv, 64)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, min_padded_tokens=0, strict=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    seen = mask[:, 0].any(-1)[:, :, None, None]  # (B, Nq, 1, 1)
+    assert not seen[0].any() and seen[1].all()
+    eager, _ = attention(module, q, k, v, mask, scaling=0.2, sliding_window=window)
+    masked = attention._masked_call(q, k, v, mask, 0.2, window)
+    for out in (eager, masked):
+        assert out.shape == (2, nq, 4, 64) and torch.isfinite(out).all()
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        torch.testing.assert_close(out[1], expected.transpose(1, 2)[1], rtol=1e-5, atol=1e-5)
     assert attention.sparse_calls == 1
 
 
@@ -582,6 +650,50 @@ def test_right_padded_batch_runs_each_prompt_sparse_and_gives_sdpa_logits_everyw
                      **{CACHE: copy.deepcopy(cache)}, use_cache=True)
     assert keep_all.sparse_calls == 6
     assert relative_l1(got, logits(sdpa, ids[:2, 200:], attention_mask=mask, **{CACHE: cache}, use_cache=True)) < 1e-5
+
+
+def test_right_padded_batch_against_a_static_cache_runs_sparse_and_gives_sdpa_tokens(tiny_llama):
+    """A right-padded batch generated with a static cache (``cache_implementation="static"``, whole and chunked)
+    runs each prompt sparse on its own keys (the slots past the last query's position never read) with no warning,
+    and gives SDPA's tokens; a right-padded chunk continued on a StaticCache gives SDPA's logits at every position,
+    and with TopCdf skipping blocks a padded prompt's real tokens get those of the same chunk without the padding."""
+    ids = prompt(300, batch=3, seed=5)
+    mask = right_padded(ids, (300, 230, 1))
+    attention = register("sparge_test_static_right", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
+                         min_padded_tokens=0, strict=True)
+    lengths = recording_key_lengths(attention)
+    for chunk in (None, 128):
+        options = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static",
+                       pad_token_id=0, **({} if chunk is None else {"prefill_chunk_size": chunk}))
+        calls = attention.sparse_calls
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*right-padding was detected")  # transformers' own
+            ours = load(tiny_llama, "sparge_test_static_right").generate(ids, **options)
+            dense = load(tiny_llama, "sdpa").generate(ids, **options)
+        assert torch.equal(ours, dense), chunk
+        assert attention.sparse_calls - calls == (2 if chunk is None else 6), chunk  # each prefill chunk, 2 layers
+    assert max(lengths) <= 300, "a static cache's empty slots must not be attended"
+
+    results = {}
+    for name in ("sdpa", "sparge_test_static_right_keep", "sparge_test_static_right_skip"):
+        if name != "sdpa":
+            register(name, simthreshd1=-1.0, cdfthreshd=1.0 if name.endswith("keep") else 0.5,
+                     pvthreshd=None if name.endswith("keep") else 50, min_padded_tokens=0, strict=True)
+        model = load(tiny_llama, name)
+        cache = static_cache(model, 512, batch=2)
+        batch_mask = right_padded(ids[:2], (300, 260))
+        logits(model, ids[:2, :200], attention_mask=batch_mask[:, :200], **{CACHE: cache}, use_cache=True,
+               cache_position=torch.arange(200))
+        results[name] = logits(model, ids[:2, 200:], attention_mask=batch_mask, **{CACHE: cache}, use_cache=True,
+                               cache_position=torch.arange(200, 300))
+    assert relative_l1(results["sparge_test_static_right_keep"], results["sdpa"]) < 1e-5
+    skip = results["sparge_test_static_right_skip"]
+    assert relative_l1(skip[1, :60], results["sdpa"][1, :60]) > 1e-3, "the settings must skip blocks"
+    model = load(tiny_llama, "sparge_test_static_right_skip")  # the padded prompt alone, unpadded, on its cache
+    cache = static_cache(model, 512)
+    logits(model, ids[1:2, :200], **{CACHE: cache}, use_cache=True, cache_position=torch.arange(200))
+    alone = logits(model, ids[1:2, 200:260], **{CACHE: cache}, use_cache=True, cache_position=torch.arange(200, 260))
+    assert relative_l1(skip[1, :60], alone[0]) < 1e-5
 
 
 def test_short_right_padded_batches_and_other_masks_fall_back_to_sdpa_and_strict_raises(tiny_llama):
