@@ -466,11 +466,13 @@ class SpargeLLMAttention:
       query sees a key (those past a window's reach get zeros, as left padding's do).
     - a mask that restarts causal attention within a prompt, each query seeing one run of keys that ends at its
       causal end: Llama 4's chunked-attention layers (chunks of ``attention_chunk_size`` positions, counted from
-      each prompt's first real token; whole, padded or against a cache) and sequences packed in one row. Each chunk
-      or sequence runs as its own lower-right causal call on its keys (a one-prompt batch's full chunks as one call,
-      the chunks as its batch), where they average at least ``min_segment_queries`` queries per call. Packed
-      sequences given without a mask, by flash-attention's ``cu_seq_lens_q``/``cu_seq_lens_k`` only, run so too
-      (eagerly; :func:`packed_segments`), whatever their length: SDPA's function would attend across them.
+      each prompt's first real token; whole, padded on either side or against a cache) and sequences packed in one
+      row. Each chunk or sequence runs as its own lower-right causal call on its keys (a one-prompt batch's full
+      chunks as one call, the chunks as its batch), where they average at least ``min_segment_queries`` queries per
+      call; a right-padded batch's padding queries, which see their chunk's real keys or none, get exact attention
+      over them or zeros. Packed sequences given without a mask, by flash-attention's ``cu_seq_lens_q``/
+      ``cu_seq_lens_k`` only, run so too (eagerly; :func:`packed_segments`), whatever their length: SDPA's function
+      would attend across them.
 
     A layer with a sliding window (``sliding_window``: Mistral, Gemma 3's local layers, ...) runs sparse too. Where
     the window hides no key (no query sees more keys than it holds: without a mask the query count, with one the
@@ -668,13 +670,14 @@ class SpargeLLMAttention:
         if layout.segments is not None:
             groups = {tuple(row) for row in layout.segments}  # rows sharing their segments run together
             rows = mask.shape[0] if len(groups) == 1 else 1
-            calls = sum(len(_stacked_segments(list(row), layout.keys - q_len, rows)) for row in groups)
+            offset = layout.keys - q_len if layout.query_start is None else layout.query_start
+            calls = sum(len(_stacked_segments(list(row), offset, rows)) for row in groups)
             queries = sum(end - first for row in groups for first, end, _ in row)
             if queries < calls * self.min_segment_queries:
                 return (f"a mask of causal segments (chunked attention or packed sequences) averaging fewer than "
                         f"min_segment_queries={self.min_segment_queries} queries per call ({calls} calls, which "
                         f"would cost more than SDPA under the mask)"), None, None
-        elif (any(layout.padding) or layout.ends is not None) and layout.keys < self.min_padded_tokens:
+        if (any(layout.padding) or layout.ends is not None) and layout.keys < self.min_padded_tokens:
             side = "left" if layout.ends is None else "right"
             return (f"a {side}-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
                     "per prompt would cost more than SDPA under the mask)"), None, None
@@ -760,9 +763,7 @@ class SpargeLLMAttention:
         no copy). ``window``: a sliding window that hides keys from some query (None: none that does); ``terms``: the
         layer's :class:`ScoreTerms`."""
         if layout is not None and layout.ends is not None:
-            assert layout.query_start is not None  # (read with the ends)
-            return self._right_padded_prefill(query, key, value, layout.ends, layout.query_start, scale, window,
-                                              terms)
+            return self._right_padded_prefill(query, key, value, layout, scale, window, terms)
         if layout is not None and layout.keys < key.shape[2]:
             key, value = key[:, :, :layout.keys], value[:, :, :layout.keys]
         if layout is not None and (layout.segments is not None or any(layout.padding)):
@@ -847,39 +848,61 @@ class SpargeLLMAttention:
                     parts.append(s)
         return out, (SparsityStats.concat(parts) if parts else None)
 
-    def _right_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ends: list[int],
-                              offset: int, scale: float | None, window: int | None = None,
+    def _right_padded_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              layout: CausalMaskLayout, scale: float | None, window: int | None = None,
                               terms: ScoreTerms = NO_TERMS) -> tuple[torch.Tensor, SparsityStats | None]:
-        """A right-padded batch (:class:`CausalMaskLayout`'s ``ends``, its first query at position ``offset``,
+        """A right-padded batch (:class:`CausalMaskLayout` with ``ends``; its first query at position
         ``query_start``; a static cache's slots past the last query's position are never read): each prompt's real
-        queries as one
-        lower-right causal call on its keys 0..ends[b] - 1 (under the sliding ``window`` if one hides keys; rows of
-        one end together, as one batch), and its padding queries, which see all of those keys (or those still in
-        their window), by exact attention (SDPA, or :func:`eager_attention` with sinks or a cap), so that every row
-        is what SDPA under the mask gives; padding queries past their window's reach see no key and get zeros, as
-        left padding's do. Padding queries feed no real token's output in any layer (every query's
-        mask hides their keys), so their rows are computed exactly rather than sparsely only to match SDPA's output
-        everywhere. Returns (B, Nq, H, D) and the calls' stats when collected."""
+        queries as one lower-right causal call on its keys 0..ends[b] - 1 (under the sliding ``window`` if one hides
+        keys), or, where the layout restarts causal attention (``segments``: Llama 4's chunks, packed sequences),
+        one call per segment (:meth:`_segmented_prefill`); rows alike run as one batch. Its padding queries see all
+        of those keys (or those still in their window, or from their chunk's or sequence's first key on:
+        ``padding_runs``) and get exact attention over them (SDPA, or :func:`eager_attention` with sinks or a cap),
+        so that every row is what SDPA under the mask gives; padding queries that see no key (past their window's
+        reach, or in a chunk after the prompt's) get zeros, as left padding's do. Padding queries feed no real
+        token's output in any layer (every query's mask hides their keys), so their rows are computed exactly rather
+        than sparsely only to match SDPA's output everywhere. Returns (B, Nq, H, D) and the calls' stats when
+        collected."""
         batch, heads, q_len, head_dim = query.shape
+        ends, offset = layout.ends, layout.query_start
+        assert ends is not None and offset is not None  # (a right-padded layout)
+        per_row = len(ends) == batch  # (else one mask row for the whole batch)
+
+        def row_layout(b: int) -> tuple:
+            b = b if per_row else 0
+            return (ends[b], None if layout.segments is None else layout.segments[b],
+                    None if layout.padding_runs is None else layout.padding_runs[b])
+
         out = query.new_empty(batch, q_len, heads, head_dim)
         parts = []
         start = 0
         for b in range(1, batch + 1):
-            if b < batch and ends[b] == ends[start]:
+            if b < batch and row_layout(b) == row_layout(start):
                 continue
-            rows, end = slice(start, b), ends[start]
+            (end, segments, padding_runs), rows = row_layout(start), slice(start, b)
+            start = b
             real = min(q_len, max(0, end - offset))  # queries at positions before `end`: the real tokens
             k, v = key[rows, :, :end], value[rows, :, :end]
-            if real:
+            stats = None
+            if real and segments is not None:
+                out[rows, :real], stats = self._segmented_prefill(query[rows, :, :real], k, v, [segments], scale,
+                                                                  None, terms)
+            elif real:
                 # the window where it hides a key from these queries (the batch's may hide keys only from padding
                 # queries: see _layout_span), so that a prompt shorter than it runs as without one
                 hides = window if window is not None and end > window else None
-                o, s = self._prefill(query[rows, :, :real], k, v, scale, "lower_right", hides, terms)
+                o, stats = self._prefill(query[rows, :, :real], k, v, scale, "lower_right", hides, terms)
                 out[rows, :real] = o.transpose(1, 2)
-                if s is not None:
-                    parts.append(s)
+            if stats is not None:
+                parts.append(stats)
+            out[rows, real:] = 0  # padding queries that see no key keep these zeros, as left padding's do
+            if padding_runs is not None:  # each run sees keys first key..end - 1
+                for first, stop, first_key in padding_runs:
+                    out[rows, first:stop] = _exact_attention(query[rows, :, first:stop], k[:, :, first_key:],
+                                                             v[:, :, first_key:], scale, terms)
+                continue
             # padding queries up to `reach` see keys (with a window: those from p - window + 1 on); those after see
-            # none and get zeros, as left padding's do (all of them where the prompt shows no key: end = 0)
+            # none (all of them where the prompt shows no key: end = 0)
             reach = 0 if end == 0 else q_len if window is None else min(q_len, max(real, end + window - 1 - offset))
             if real < reach:
                 mask = None
@@ -887,8 +910,6 @@ class SpargeLLMAttention:
                     positions = torch.arange(offset + real, offset + reach, device=query.device)[:, None]
                     mask = (torch.arange(end, device=query.device)[None, :] > positions - window)[None, None]
                 out[rows, real:reach] = _exact_attention(query[rows, :, real:reach], k, v, scale, terms, mask)
-            out[rows, reach:] = 0
-            start = b
         return out, (SparsityStats.concat(parts) if parts else None)
 
     def _warn(self, reason: str, terms: ScoreTerms = NO_TERMS) -> None:
@@ -1022,13 +1043,17 @@ class CausalMaskLayout(NamedTuple):
     padding query (at a later position) all of keys 0..ends[b] - 1 (ends[b] = 0: no query of the prompt sees a
     key, its padding queries all past a sliding window's reach). ``query_start`` (with ``ends`` only): the
     first query's position, Nkv - Nq without a cache or with a dynamic one, less against a static cache (whose
-    slots past the last query's position are empty)."""
+    slots past the last query's position are empty). Right padding over causal attention restarted within a prompt
+    (Llama 4's chunks, packed sequences; no sliding window): ``segments`` then holds each row's runs of real queries
+    as above (first query, end query, first key), and ``padding_runs`` its runs of padding queries that see the
+    same keys, (first query, end query, first key): each such query sees keys first key..ends[b] - 1."""
 
     keys: int
     padding: list[int]
     segments: list[list[tuple[int, int, int]]] | None = None
     ends: list[int] | None = None
     query_start: int | None = None
+    padding_runs: list[list[tuple[int, int, int]]] | None = None
 
 
 def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: int = 1 << 26,
@@ -1055,7 +1080,9 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
       batch (many tokenizers' default side; ``padding="max_length"`` or ``pad_to_multiple_of`` pad every prompt).
       The queries' positions (``query_start``) are counted from Nkv - Nq, as without a cache or with a dynamic one,
       or else from where the mask puts them: against a static cache the slots after the last query's position are
-      empty, seen by no query.
+      empty, seen by no query. Without a window, the real queries may also restart causal attention (Llama 4's
+      chunks, packed sequences: ``segments``) and each padding query see any one run of keys that ends at its
+      prompt's last (``padding_runs``), which transformers' chunked or packed mask gives a right-padded batch.
 
     Each query row's first and last seen key and its count of seen keys are read (:func:`mask_row_extents`: one
     Triton pass over the mask on CUDA; on CPU PyTorch reductions over row chunks of at most ``max_elements`` mask
@@ -1099,14 +1126,18 @@ def read_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int, max_elements: 
 
 
 def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor, q_len: int, kv_len: int,
-                   window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(whether the rows read as right padding, (B,) ends, the first query's position) from each query row's first
-    and last seen key and count (:func:`mask_row_extents`): prompt b's keys end after the last key any of its queries
-    sees (ends[b]), and the query at position p (the first query's position + its row) sees exactly keys
+                   window: int | None = None) -> tuple[torch.Tensor, ...]:
+    """(whether the rows read as right padding, (B,) ends, the first query's position, whether the mask is the plain
+    right-padded one: each query sees from key 0 or its window's start, or none past the window) from each query
+    row's first and last seen key and count (:func:`mask_row_extents`): prompt b's keys end after the last key any
+    of its queries sees (ends[b]). Under a ``window`` the query at position p (the first query's position + its
+    row) sees exactly keys
     max(0, p - window + 1)..min(p, ends[b] - 1), one run, or none where that range is empty (a padding query past
-    the window's reach; ends[b] = 0 where every query of the prompt is, as in a late chunk of a short prompt). Only
-    where some prompt is padded and some query sees a key is it right padding: otherwise the mask is the plain
-    causal one, or sees nothing.
+    the window's reach; ends[b] = 0 where every query of the prompt is, as in a late chunk of a short prompt).
+    Without one, a real query (p < ends[b]) sees one run of keys that ends at p and a padding query none or one run
+    that ends at ends[b] - 1, wherever the runs start (key 0 in a plain right-padded batch; a chunk's or packed
+    sequence's first key otherwise). Only where some prompt is padded and some query sees a key is it right
+    padding: otherwise the mask is the plain causal one, or sees nothing.
 
     The first query sits at Nkv - Nq without a cache or with a dynamic one, which is tried first (a chunk of only
     padding queries does not show its positions otherwise). Against a static cache it sits earlier, the slots after
@@ -1115,22 +1146,31 @@ def _right_padding(first: torch.Tensor, last: torch.Tensor, count: torch.Tensor,
     seen = count > 0
     ends = torch.where(seen, last, -1).amax(1) + 1  # (B,); 0 where no query sees a key
     rows = torch.arange(q_len, device=first.device)
+    contiguous = count == last - first + 1
 
     def fits(start: torch.Tensor | int) -> torch.Tensor:
         positions = rows + start
-        low = positions - window + 1 if window is not None else torch.zeros_like(positions)
-        low, high = low.clamp(min=0)[None, :], torch.minimum(positions[None, :], ends[:, None] - 1)
-        runs = seen & (first == low) & (last == high) & (count == high - low + 1)
-        return torch.where(low <= high, runs, ~seen).all() & (ends < start + q_len).any() & (ends > 0).any()
+        if window is None:
+            real = positions[None, :] < ends[:, None]
+            rows_fit = torch.where(real, seen & (last == positions) & contiguous,
+                                   ~seen | ((last == ends[:, None] - 1) & contiguous))
+        else:
+            low = (positions - window + 1).clamp(min=0)[None, :]
+            high = torch.minimum(positions[None, :], ends[:, None] - 1)
+            rows_fit = torch.where(low <= high, seen & (first == low) & (last == high) & contiguous, ~seen)
+        return rows_fit.all() & (ends < start + q_len).any() & (ends > 0).any()
 
     read = torch.where(seen, last - rows, -1).amax().clamp(0, kv_len - q_len)
     dynamic = fits(kv_len - q_len)
-    return dynamic | fits(read), ends, torch.where(dynamic, kv_len - q_len, read)
+    # the plain right-padded mask: every run from key 0 and every query seeing one but those of a prompt that shows
+    # none (under a window the runs were checked against its start)
+    plain = torch.where(seen, first == 0, ends[:, None] == 0).all() if window is None else \
+        torch.ones((), dtype=torch.bool, device=first.device)
+    return dynamic | fits(read), ends, torch.where(dynamic, kv_len - q_len, read), plain
 
 
 def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.Tensor, q_len: int, kv_len: int,
-                        right_padding: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-                        ) -> CausalMaskLayout | None:
+                        right_padding: tuple[torch.Tensor, ...]) -> CausalMaskLayout | None:
     """:func:`read_causal_mask`'s layout, from each query row's first seen key (``first``, (B, Nq), kv_len where none;
     under a window the first key of the query's sequence) once every row matched (``matches``) one run of keys to
     its causal end (``used`` - Nq + i):
@@ -1138,26 +1178,44 @@ def _causal_runs_layout(first: torch.Tensor, matches: torch.Tensor, used: torch.
     is the padded causal mask. Otherwise, where ``right_padding`` (:func:`_right_padding`) holds, the right-padded
     layout. One read-back (a device sync)."""
     batch = first.shape[0]
-    right, ends, query_start = right_padding
+    right, ends, query_start, plain_right = right_padding
     packed = torch.cat([matches.int()[None], used.int()[None], right.int()[None], query_start.int()[None],
-                        ends.int(), first.flatten()]).cpu()
+                        plain_right.int()[None], ends.int(), first.flatten()]).cpu()
+    keys, first_keys = int(packed[1]), packed[5 + batch:].view(batch, q_len)
     if not packed[0]:
         if not packed[2]:
             return None
-        prompt_ends = packed[4:4 + batch].tolist()
-        return CausalMaskLayout(max(prompt_ends), [0] * batch, None, prompt_ends, int(packed[3]))
-    keys, first_keys = int(packed[1]), packed[4 + batch:].view(batch, q_len)
+        prompt_ends, start = packed[5:5 + batch].tolist(), int(packed[3])
+        if packed[4]:
+            return CausalMaskLayout(max(prompt_ends), [0] * batch, None, prompt_ends, start)
+        # restarted causal attention: each row's real queries (before its end) in runs of one first key, and its
+        # padding queries that see a key in runs of one first key too
+        real_runs, padding_runs = [], []
+        for row, end in zip(first_keys, prompt_ends):
+            real = min(q_len, max(0, end - start))
+            real_runs.append(_runs_of_equal(row, 0, real, kv_len))
+            padding_runs.append(_runs_of_equal(row, real, q_len, kv_len))
+        return CausalMaskLayout(max(prompt_ends), [0] * batch, real_runs, prompt_ends, start, padding_runs)
     segments: list[list[tuple[int, int, int]]] = []
     plain = True
     for row in first_keys:
-        starts = torch.cat([torch.tensor([0]), (row[1:] != row[:-1]).nonzero().flatten() + 1]).tolist()
-        runs = [(s, e, int(row[s])) for s, e in zip(starts, starts[1:] + [q_len]) if row[s] < kv_len]
+        runs = _runs_of_equal(row, 0, q_len, kv_len)
         # the padded causal mask: at most one run, from the first query whose causal end reaches its first key
         plain &= not runs or (len(runs) == 1 and runs[0][1] == q_len
                               and runs[0][0] == max(0, runs[0][2] - (keys - q_len)))
         segments.append(runs)
     padding = [runs[0][2] if runs else keys for runs in segments]
     return CausalMaskLayout(keys, padding, None if plain else segments)
+
+
+def _runs_of_equal(first_keys: torch.Tensor, begin: int, end: int, kv_len: int) -> list[tuple[int, int, int]]:
+    """The runs of rows begin..end - 1 that share their first seen key (``first_keys``: one mask row's, on the
+    host), as (first row, end row, first key); rows that see no key (first key ``kv_len``) in none."""
+    row = first_keys[begin:end]
+    if not len(row):
+        return []
+    starts = torch.cat([torch.tensor([0]), (row[1:] != row[:-1]).nonzero().flatten() + 1]).tolist()
+    return [(begin + s, begin + e, int(row[s])) for s, e in zip(starts, starts[1:] + [len(row)]) if row[s] < kv_len]
 
 
 def _layout_span(layout: CausalMaskLayout | None, q_len: int, kv_len: int) -> int:

@@ -331,11 +331,16 @@ def test_mask_reader_finds_right_padding():
     odd = right_padded_mask_4d([150, 140], 150)
     odd[1, 0, 145, 139] = False  # a padding query that misses a real key
     assert read(odd, 150, 150) is None
+    # read since session 60: the real queries' runs (segments) and the padding queries' (padding_runs) as they are
     odd = right_padded_mask_4d([150, 140], 150)
-    odd[1, 0, 145] = False  # a padding query that sees no key
-    assert read(odd, 150, 150) is None
+    odd[1, 0, 145] = False  # a padding query that sees no key: left out of the padding runs (zeros)
+    assert read(odd, 150, 150) == CausalMaskLayout(150, [0, 0], [[(0, 150, 0)], [(0, 140, 0)]], [150, 140], 0,
+                                                   [[], [(140, 145, 0), (146, 150, 0)]])
     odd = right_padded_mask_4d([150, 140], 150)
-    odd[1, 0, :, 0] = False  # left and right padding at once
+    odd[1, 0, 1:, 0] = False  # the second prompt's queries but its first no longer see key 0
+    assert read(odd, 150, 150) == CausalMaskLayout(150, [0, 0], [[(0, 150, 0)], [(0, 1, 0), (1, 140, 1)]],
+                                                   [150, 140], 0, [[], [(140, 150, 1)]])
+    odd[1, 0, 0, 0] = False  # left and right padding at once: a real query that sees no key
     assert read(odd, 150, 150) is None
     assert read(right_padded_mask_4d([150, 140], 150), 150, 150, sliding_window=64) is None  # no window read
     assert read(right_padded_mask_4d([150, 140], 150), 150, 150, sliding_window=150).ends == [150, 140]  # hides none
@@ -369,7 +374,8 @@ def test_mask_reader_finds_right_padding_against_a_static_cache():
     assert only_padding is not None and only_padding.ends == [150, 140] and only_padding.query_start >= 149
     windowed = static([150, 100], 150, 512, 0, window=64)
     assert read(windowed, 150, 512, sliding_window=64) == CausalMaskLayout(150, [0, 0], None, [150, 100], 0)
-    assert read(windowed, 150, 512) is None  # the window not given
+    # the window not given: one segment per query past the 64th (which the function refuses as too short)
+    assert read(windowed, 150, 512).segments[0][:2] == [(0, 64, 0), (64, 65, 1)]
     odd = static([150, 140], 150, 512, 0)
     odd[1, 0, 145, 300] = True  # a padding query that sees an empty slot
     assert read(odd, 150, 512) is None
@@ -435,6 +441,25 @@ def test_right_padded_chunk_with_a_prompt_that_sees_no_key_runs_sparse(slots, wi
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         torch.testing.assert_close(out[1], expected.transpose(1, 2)[1], rtol=1e-5, atol=1e-5)
     assert attention.sparse_calls == 1
+
+
+def test_right_padded_mask_of_one_row_runs_for_the_whole_batch():
+    """A right-padded (1, 1, Nq, Nkv) mask that a caller built for a batch of two (broadcast over it), plain and over
+    packed sequences: every prompt runs with that row's layout, and the rows are SDPA's under the mask."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 4, 150, 64), torch.randn(2, 2, 150, 64), torch.randn(2, 2, 150, 64)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    plain = right_padded_mask_4d([140], 150)
+    packed = plain & (torch.arange(150)[None, :] >= torch.where(torch.arange(150) >= 70, 70, 0)[:, None])
+    for mask in (plain, packed):
+        attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, min_padded_tokens=0,
+                                       min_segment_queries=0, strict=True)
+        out, _ = attention(module, q, k, v, mask, scaling=0.2)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2,
+                                                                    enable_gqa=True)
+        torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+        assert attention.sparse_calls == 1
 
 
 def test_right_padded_prompt_shorter_than_the_window_runs_as_alone():
@@ -949,6 +974,43 @@ def test_chunked_attention_layers_run_each_chunk_sparse(tmp_path, monkeypatch):
     assert relative_l1(sparse[:, :256], alone) < 1e-5
     assert relative_l1(sparse, logits(load(wide, "sdpa"), ids)) > 1e-3, "the settings must skip blocks"
     assert skipping.sparse_calls == 8  # one per layer and forward, however many chunks
+
+
+def test_right_padded_chunked_attention_runs_sparse_and_gives_sdpa_logits_everywhere(tmp_path, monkeypatch):
+    """Llama 4's chunked layers on a right-padded batch (prompts of 300, 230 and 100 tokens; chunks of 64):
+    transformers' mask restarts causal attention at each chunk and hides each prompt's keys from its end on, so a
+    padding query sees its chunk's real keys, or none in a chunk after the prompt's. Each prompt's real chunks run
+    sparse as their own calls and its padding queries by exact attention (before session 60 such layers went to
+    SDPA under the mask): keeping every block gives SDPA's logits at every position, padding included, and
+    ``generate`` SDPA's tokens; with TopCdf skipping, a padded prompt's real tokens get the logits of the same
+    tokens run alone."""
+    path = llama4_with_chunks(tmp_path)
+    attention = register("sparge_test_chunked_right", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True,
+                         min_segment_queries=0, min_padded_tokens=0)
+    seen = sizes_per_call(attention, monkeypatch)
+    ids = prompt(300, batch=3, seed=6)
+    mask = right_padded(ids, (300, 230, 100))
+    got = logits(load(path, "sparge_test_chunked_right"), ids, attention_mask=mask)
+    assert relative_l1(got, logits(load(path, "sdpa"), ids, attention_mask=mask)) < 1e-5
+    # per chunked layer: the full prompt's 4 chunks of 64 and its last of 44, then the 230-token prompt's 3 and its
+    # 38, the 100-token prompt's first and its 36; the global layer one call per prompt
+    layer = [(4, 64, 64), (1, 44, 44), (3, 64, 64), (1, 38, 38), (1, 64, 64), (1, 36, 36)]
+    assert seen == layer * 3 + [(1, 300, 300), (1, 230, 230), (1, 100, 100)]
+    options = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*right-padding was detected")  # transformers' own
+        generated = load(path, "sparge_test_chunked_right").generate(ids, **options)
+        assert torch.equal(generated, load(path, "sdpa").generate(ids, **options))
+    wide = llama4_with_chunks(tmp_path / "wide", chunk=256)  # chunks of several blocks, for TopCdf to skip some
+    register("sparge_test_chunked_right_skip", simthreshd1=-1.0, cdfthreshd=0.5, strict=True, min_segment_queries=0,
+             min_padded_tokens=0)
+    ids = prompt(600, batch=2, seed=7)
+    mask = right_padded(ids, (600, 500))
+    sparse = logits(load(wide, "sparge_test_chunked_right_skip"), ids, attention_mask=mask)
+    alone = logits(load(wide, "sparge_test_chunked_right_skip"), ids[1:2, :500])
+    assert relative_l1(sparse[1, :500], alone[0]) < 1e-5
+    assert relative_l1(sparse[1, :500], logits(load(wide, "sdpa"), ids, attention_mask=mask)[1, :500]) > 1e-3, \
+        "the settings must skip blocks"
 
 
 def test_short_segments_go_to_sdpa_unless_asked(tmp_path):

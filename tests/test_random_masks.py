@@ -3,7 +3,9 @@
 test_llm_random_prompts.py draws whole models and compares logits at the real positions only (padding rows feed no
 real token). Here each seed draws one attention call and every row counts: a boolean (B, 1, Nq, Nkv) mask of one of
 the families the function reads (causal after cached keys, with a static cache's empty slots; left padding; right
-padding; Llama 4's chunks; sequences packed in a row), under a sliding window or not, and on half the draws
+padding; Llama 4's chunks; sequences packed in a row; since session 60 chunks and packed sequences right-padded on
+some draws, and one mask row broadcast over a batch of two on some), under a sliding window or not, and on half the
+draws
 perturbed (bits flipped, a row emptied, a row shifted by a key) so that it may match no family; grouped-query heads;
 learned sinks and logit soft-capping on some draws; the method (SpargeAttn, S2O, FSA, SpargeAttn on PBS-Attn's
 permuted keys) with settings that keep every block; the call's ``sliding_window`` the mask's or another. Whatever
@@ -44,9 +46,13 @@ METHODS = {"sparge": {}, "s2o": dict(method="s2o", tau=None, s2o_segment=128),
            "fsa": dict(method="fsa", top_k=10_000), "pbs": dict(pbs_segment=64)}
 
 
-def family_mask(rng: random.Random, device: str) -> tuple[torch.Tensor, int | None, str]:
+def family_mask(rng: random.Random, device: str, right_rng: random.Random | None = None
+                ) -> tuple[torch.Tensor, int | None, str]:
     """A (B, 1, Nq, Nkv) boolean mask of one family transformers builds, its sliding window (None: none) and the
-    family's name. Queries sit at positions used - Nq.., used = Nkv minus a static cache's empty slots."""
+    family's name. Queries sit at positions used - Nq.., used = Nkv minus a static cache's empty slots. With
+    ``right_rng``, chunked and packed masks are also right-padded on some draws (each prompt's keys from a drawn
+    end on hidden, as transformers' padding mask adds), drawn from it so that ``rng``'s draws stay those of the
+    seeds run before session 60."""
     batch = rng.randint(1, 3)
     q_len = rng.choice([1, 2, 5, 40, 64, 65, 130, 200] + ([700, 1300] if device == "cuda" else []))
     cached, empty = rng.choice([0, 0, 0, 3, 64, 100]), rng.choice([0, 0, 0, 1, 20, 70])
@@ -56,6 +62,7 @@ def family_mask(rng: random.Random, device: str) -> tuple[torch.Tensor, int | No
     kind = rng.choice(["causal", "left", "right", "chunked", "packed"])
     keys, positions = torch.arange(kv_len)[None, :], torch.arange(q_len)[:, None] + cached
     mask = torch.zeros(batch, 1, q_len, kv_len, dtype=torch.bool)
+    shown = kind
     for b in range(batch):
         row = (keys <= positions) & (keys < used)
         if kind == "left":
@@ -72,10 +79,13 @@ def family_mask(rng: random.Random, device: str) -> tuple[torch.Tensor, int | No
             for cut in sorted(rng.sample(range(1, used), min(rng.randint(0, 3), used - 1))):
                 starts[cut:] = cut
             row &= keys >= starts[positions]
+        if kind in ("chunked", "packed") and right_rng is not None and right_rng.random() < 0.4:
+            row &= keys < right_rng.randint(1, used)
+            shown = kind + " + right padding"
         if window is not None:
             row &= keys > positions - window
         mask[b, 0] = row
-    return mask, window, kind
+    return mask, window, shown
 
 
 def perturbed(rng: random.Random, mask: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -99,7 +109,7 @@ def perturbed(rng: random.Random, mask: torch.Tensor) -> tuple[torch.Tensor, str
 
 def check_seed(seed: int, device: str) -> None:
     rng = random.Random(seed)
-    mask, window, kind = family_mask(rng, device)
+    mask, window, kind = family_mask(rng, device, random.Random(f"right padding {seed}"))
     mask, how = perturbed(rng, mask)
     batch, _, q_len, kv_len = mask.shape
     kv_heads, group, method = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice(["sparge"] * 4 + ["s2o", "fsa", "pbs"])
@@ -109,6 +119,8 @@ def check_seed(seed: int, device: str) -> None:
     if rng.random() < 0.25:
         kwargs["softcap"] = rng.choice([1.0, 5.0, 30.0])
     kwargs = {name: value for name, value in kwargs.items() if value is not None}
+    if batch == 1 and random.Random(f"broadcast {seed}").random() < 0.5:  # one mask row for a batch of two (from
+        batch = 2  # session 60; its own draw, so the seeds run before draw the same masks)
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, kv_heads * group, q_len, 64, generator=generator)
     k, v = (torch.randn(batch, kv_heads, kv_len, 64, generator=generator) for _ in range(2))
