@@ -315,8 +315,10 @@ def right_padded_mask_4d(ends, nq, nkv=None):
 def test_mask_reader_finds_right_padding():
     """read_causal_mask reads a right-padded batch (each prompt's keys from ends[b] on hidden from every query, so
     its padding queries see all of its keys): its ends, with or without an unpadded prompt, after cached keys (a
-    chunk whose queries may all be padding), in row chunks; any other mask whose padding queries see something
-    else is refused."""
+    chunk whose queries may all be padding), in row chunks. Rows that stray from it are read as they are where each
+    still sees one run of keys ending at its causal end or its prompt's last key, or none (a padding query seeing no
+    key, real queries restarting their run: ``padding_runs``, ``segments``), and refused otherwise (a padding query
+    seeing a padding key or missing a real key inside its run, a real query seeing no key)."""
     from sparge_diffusers.llm import read_causal_mask as read
 
     assert read(right_padded_mask_4d([150, 140], 150), 150, 150) == CausalMaskLayout(150, [0, 0], None, [150, 140], 0)
