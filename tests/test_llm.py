@@ -396,21 +396,30 @@ def test_right_padded_call_shorter_than_its_window_keeps_the_window_for_its_padd
     positions = torch.arange(nq)[:, None] + nkv - nq
     mask = right_padded_mask_4d(ends, nq, nkv) & (torch.arange(nkv)[None, :] > positions - window)
     assert read_causal_mask(mask, nq, nkv, sliding_window=window).ends == ends
-    torch.manual_seed(924)
-    q, k, v = torch.randn(2, 4, nq, 64), torch.randn(2, 2, nkv, 64), torch.randn(2, 2, nkv, 64)
+    assert not assert_rows_are_sdpas(mask, window, seed=924).all()
+
+
+def assert_rows_are_sdpas(mask, window=None, seed=0, batch=2):
+    """One sparse call of SpargeLLMAttention under the boolean ``mask`` (eager, and through the masked operator,
+    ``_masked_call``) on random q/k/v of ``batch`` prompts (4 query heads, 2 K/V heads, D = 64): SDPA's rows under
+    the mask where a row sees a key, zeros where none. Returns which rows see a key, (B | 1, Nq, 1, 1)."""
+    nq, nkv = mask.shape[2:]
+    torch.manual_seed(seed)
+    q, k, v = torch.randn(batch, 4, nq, 64), torch.randn(batch, 2, nkv, 64), torch.randn(batch, 2, nkv, 64)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2
-    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, min_padded_tokens=0, strict=True)
+    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, min_padded_tokens=0,
+                                   min_segment_queries=0, strict=True)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
-    seen = mask[:, 0].any(-1)[:, :, None, None]  # (B, Nq, 1, 1)
-    assert not seen.all()
+    seen = mask[:, 0].any(-1)[:, :, None, None]
     eager, _ = attention(module, q, k, v, mask, scaling=0.2, sliding_window=window)
     masked = attention._masked_call(q, k, v, mask, 0.2, window)
     for out in (eager, masked):
-        assert out.shape == (2, nq, 4, 64) and torch.isfinite(out).all()
+        assert out.shape == (batch, nq, 4, 64) and torch.isfinite(out).all()
         assert torch.equal(out * ~seen, torch.zeros_like(out))
         torch.testing.assert_close(out * seen, expected.transpose(1, 2) * seen, rtol=1e-5, atol=1e-5)
     assert attention.sparse_calls == 1
+    return seen
 
 
 @pytest.mark.parametrize("slots,window", [(None, 64), (512, 64), (512, None)])
@@ -428,40 +437,17 @@ def test_right_padded_chunk_with_a_prompt_that_sees_no_key_runs_sparse(slots, wi
     mask = (mask & (keys > positions - window) if window else mask)[:, None]
     layout = read_causal_mask(mask, nq, nkv, sliding_window=window)
     assert layout is not None and layout.ends == [0, 280] and layout.query_start == start
-    torch.manual_seed(60)
-    q, k, v = torch.randn(2, 4, nq, 64), torch.randn(2, 2, nkv, 64), torch.randn(2, 2, nkv, 64)
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 2
-    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, min_padded_tokens=0, strict=True)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
-    seen = mask[:, 0].any(-1)[:, :, None, None]  # (B, Nq, 1, 1)
+    seen = assert_rows_are_sdpas(mask, window, seed=60)
     assert not seen[0].any() and seen[1].all()
-    eager, _ = attention(module, q, k, v, mask, scaling=0.2, sliding_window=window)
-    masked = attention._masked_call(q, k, v, mask, 0.2, window)
-    for out in (eager, masked):
-        assert out.shape == (2, nq, 4, 64) and torch.isfinite(out).all()
-        assert torch.equal(out[0], torch.zeros_like(out[0]))
-        torch.testing.assert_close(out[1], expected.transpose(1, 2)[1], rtol=1e-5, atol=1e-5)
-    assert attention.sparse_calls == 1
 
 
 def test_right_padded_mask_of_one_row_runs_for_the_whole_batch():
     """A right-padded (1, 1, Nq, Nkv) mask that a caller built for a batch of two (broadcast over it), plain and over
     packed sequences: every prompt runs with that row's layout, and the rows are SDPA's under the mask."""
-    torch.manual_seed(3)
-    q, k, v = torch.randn(2, 4, 150, 64), torch.randn(2, 2, 150, 64), torch.randn(2, 2, 150, 64)
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 2
     plain = right_padded_mask_4d([140], 150)
     packed = plain & (torch.arange(150)[None, :] >= torch.where(torch.arange(150) >= 70, 70, 0)[:, None])
     for mask in (plain, packed):
-        attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, min_padded_tokens=0,
-                                       min_segment_queries=0, strict=True)
-        out, _ = attention(module, q, k, v, mask, scaling=0.2)
-        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2,
-                                                                    enable_gqa=True)
-        torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
-        assert attention.sparse_calls == 1
+        assert assert_rows_are_sdpas(mask, seed=3).all()
 
 
 def test_right_padded_prompt_shorter_than_the_window_runs_as_alone():
