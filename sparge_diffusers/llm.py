@@ -460,10 +460,10 @@ class SpargeLLMAttention:
     - the same mask with each prompt's keys from its length on hidden from every query: a right-padded batch
       (``padding_side="right"``, or ``padding="max_length"``), of at least ``min_padded_tokens`` keys, whole or
       chunked, against a static cache too (its empty slots never read). Each prompt's real queries run as one causal
-      call on its keys; its padding queries, which see
-      all of them under this mask (under a sliding window those still in their window), by exact attention (SDPA,
-      or :func:`eager_attention` with sinks or a cap), so that the output equals SDPA's at every position whose
-      query sees a key (those past a window's reach get zeros, as left padding's do).
+      call on its keys; its padding queries, which see all of them under this mask (under a sliding window those
+      still in their window), by exact attention (SDPA, or :func:`eager_attention` with sinks or a cap), so that the
+      output equals SDPA's at every position whose query sees a key (those past a window's reach get zeros, as left
+      padding's do).
     - a mask that restarts causal attention within a prompt, each query seeing one run of keys that ends at its
       causal end: Llama 4's chunked-attention layers (chunks of ``attention_chunk_size`` positions, counted from
       each prompt's first real token; whole, padded on either side or against a cache) and sequences packed in one
@@ -677,7 +677,10 @@ class SpargeLLMAttention:
                 return (f"a mask of causal segments (chunked attention or packed sequences) averaging fewer than "
                         f"min_segment_queries={self.min_segment_queries} queries per call ({calls} calls, which "
                         f"would cost more than SDPA under the mask)"), None, None
-        if (any(layout.padding) or layout.ends is not None) and layout.keys < self.min_padded_tokens:
+        # a left-padded mask of segments is held to min_segment_queries alone (as before session 60); a right-padded
+        # one, whose padding rows cost calls of their own, to min_padded_tokens as well
+        padded = layout.ends is not None or (any(layout.padding) and layout.segments is None)
+        if padded and layout.keys < self.min_padded_tokens:
             side = "left" if layout.ends is None else "right"
             return (f"a {side}-padded batch of fewer than min_padded_tokens={self.min_padded_tokens} keys (one call "
                     "per prompt would cost more than SDPA under the mask)"), None, None

@@ -1001,6 +1001,26 @@ def test_right_padded_chunked_attention_runs_sparse_and_gives_sdpa_logits_everyw
         "the settings must skip blocks"
 
 
+def test_padded_segments_are_held_to_the_setting_of_their_side():
+    """A left-padded mask of chunks (chunks of 64 counted from each prompt's first real token) runs per segment under
+    min_segment_queries alone, however few its keys; the same chunks right-padded also need min_padded_tokens (their
+    padding rows cost calls of their own)."""
+    n, chunk = 300, 64
+    keys, positions = torch.arange(n)[None, :], torch.arange(n)[:, None]
+    rows = []
+    for padding, end in ((0, n), (40, n)):
+        rows.append((keys <= positions) & ((keys - padding) // chunk == (positions - padding) // chunk)
+                    & (keys >= padding) & (keys < end))
+    left = torch.stack(rows)[:, None]
+    right = (keys <= positions) & (keys // chunk == positions // chunk) & (keys < torch.tensor([n, 230])[:, None, None])
+    attention = SpargeLLMAttention(min_segment_queries=0)  # min_padded_tokens at its default, 4096
+    reason, _, layout = attention._mask_route(left, n, n)
+    assert reason is None and layout.segments is not None and layout.padding == [0, 40]
+    reason, _, layout = attention._mask_route(right[:, None], n, n)
+    assert layout is None and "right-padded batch of fewer than min_padded_tokens=4096" in reason
+    assert SpargeLLMAttention(min_segment_queries=0, min_padded_tokens=0)._mask_route(right[:, None], n, n)[0] is None
+
+
 def test_short_segments_go_to_sdpa_unless_asked(tmp_path):
     """Chunks that average fewer queries than min_segment_queries (one call each would cost more than SDPA under
     the mask) go to SDPA with a warning naming the option; strict raises; the global layer still runs sparse."""
