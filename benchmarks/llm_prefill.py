@@ -277,7 +277,7 @@ def static_cache(model, slots: int, batch: int = 1):
     StaticCache's live write counter to ``flex_attention_mask``, whose ``mask_mod`` keeps it; each layer's cache
     update moves that counter on before attention, so FlexAttention evaluates its partial blocks as if the queries
     sat that many positions later, and every forward after the cache's first (the timed ones here, which rewind or
-    reset it) gets wrong rows: rel. L1 0.07-0.27 against SDPA on the H100 before this copy, 0.59-0.75 on tiny
+    reset it) gets wrong rows: rel. L1 0.07-0.27 against SDPA on the H100 before this copy, 0.45-0.75 on tiny
     models. The SDPA and eager masks are built at once and unaffected; so are ours."""
     import inspect
 
