@@ -270,8 +270,9 @@ def compare(model, functions, ids, after_each=None, flex: bool = True, **inputs)
     return row
 
 
-def static_cache(model, slots: int, batch: int = 1):
-    """An empty StaticCache of ``slots`` positions on the GPU and the name of the models' cache argument.
+def static_cache(model, slots: int, batch: int = 1, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """An empty StaticCache of ``slots`` positions and the name of the models' cache argument (``device`` and
+    ``dtype``: where transformers before 4.56 allocates it up front; later versions take the first keys').
 
     Its query offset is handed to the mask builders as a copy. transformers 5.x (5.17 and 5.24 both) passes a filled
     StaticCache's live write counter to ``flex_attention_mask``, whose ``mask_mod`` keeps it; each layer's cache
@@ -287,7 +288,7 @@ def static_cache(model, slots: int, batch: int = 1):
         cache = transformers.StaticCache(config=model.config, max_cache_len=slots)
     except TypeError:  # transformers before 4.56 sizes it up front
         cache = transformers.StaticCache(config=model.config, max_batch_size=batch, max_cache_len=slots,
-                                         device="cuda", dtype=torch.bfloat16)
+                                         device=device, dtype=dtype)
     for method in ("get_query_offset", "get_seq_length"):  # 5.x asks the first, which asks the second; 4.x the second
         if hasattr(cache, method):
             setattr(cache, method, _copying(getattr(cache, method)))

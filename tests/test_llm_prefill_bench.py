@@ -39,7 +39,7 @@ def test_flex_prefills_into_a_reused_static_cache_give_sdpas_rows(tiny_llama):
         dense = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[real]
     model.set_attn_implementation("flex_attention")
     try:
-        cache, name = llm_prefill.static_cache(model, slots, batch=2)
+        cache, name = llm_prefill.static_cache(model, slots, batch=2, device="cpu", dtype=torch.float32)
         rewind = llm_prefill.rewinder(cache, ids.shape[1])
         for _ in range(3):
             with torch.no_grad():
