@@ -274,7 +274,7 @@ def static_cache(model, slots: int, batch: int = 1, device: str = "cuda", dtype:
     """An empty StaticCache of ``slots`` positions and the name of the models' cache argument (``device`` and
     ``dtype``: where transformers before 4.56 allocates it up front; later versions take the first keys').
 
-    Its query offset is handed to the mask builders as a copy. transformers 5.x (5.17 and 5.24 both) passes a filled
+    Its query offset is handed to the mask builders as a copy. transformers 5.x (5.17, 5.18 and 5.24) passes a filled
     StaticCache's live write counter to ``flex_attention_mask``, whose ``mask_mod`` keeps it; each layer's cache
     update moves that counter on before attention, so FlexAttention evaluates its partial blocks as if the queries
     sat that many positions later, and every forward after the cache's first (the timed ones here, which rewind or
