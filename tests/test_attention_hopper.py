@@ -2,6 +2,7 @@
 compile), and on an sm90 GPU that it matches the float32 reference and the Triton kernel."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -74,6 +75,29 @@ def descriptor_type(dtype: str, rows: int) -> str:
     return f"tensordesc<{dtype}[1,1,{rows},{attention_hopper.PANEL}],{layout!r}>"
 
 
+MEMDESC_REINTERPRET = re.compile(r"ttg\.memdesc_reinterpret %\S+ : !ttg\.memdesc<([0-9x]+)x[a-z0-9]+, [^>]*?(?:, ([0-9x]+))?>")
+
+
+def reinterpreted_subviews(ttgir: str) -> list[str]:
+    """The reinterpret ops of ``ttgir`` whose source is a subview (a slice: its shape is not the trailing dims of
+    the allocation it views). Triton 3.8 refuses them ("source and result must not be subviews"), so a kernel
+    compiled by a Triton that takes them (3.6, 3.9) must not have any either."""
+    found = []
+    for match in MEMDESC_REINTERPRET.finditer(ttgir):
+        shape = match.group(1).split("x")
+        alloc = match.group(2).split("x") if match.group(2) else shape
+        if alloc[-len(shape):] != shape:
+            found.append(match.group(0))
+    return found
+
+
+def test_reinterpreted_subviews_are_found():
+    view = "ttg.memdesc_reinterpret %17 : !ttg.memdesc<64x64xbf16, #shared1, #smem, mutable, 64x128> -> !ttg.memdesc<1x"
+    whole = "ttg.memdesc_reinterpret %8 : !ttg.memdesc<64x128xbf16, #shared1, #smem, mutable, 3x64x128> -> !ttg.memdesc<"
+    assert reinterpreted_subviews(view) == [view[:-len(" -> !ttg.memdesc<1x")]]
+    assert reinterpreted_subviews(whole) == []
+
+
 def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
     """Compile a Gluon kernel of ours for sm90 without a GPU, as launched (``num_warps``, ``maxnreg``); run in a
     process without TRITON_INTERPRET (under the interpreter, gluon.jit makes functions that cannot be compiled)."""
@@ -87,6 +111,7 @@ def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": attention_hopper.NUM_WARPS, "maxnreg": attention_hopper.MAXNREG})
     assert "warp_specialize" in kernel.asm["ttgir"]
+    assert not reinterpreted_subviews(kernel.asm["ttgir"]), reinterpreted_subviews(kernel.asm["ttgir"])[:2]
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # an H100's shared memory per block
     print("compiled", kernel.metadata.shared)
 

@@ -172,22 +172,32 @@ if GLUON_IMPORT_ERROR is None:
 
     if _REINTERPRET_IS_PUBLIC:
         @gluon.jit
-        def _as_box(buf, desc):
-            return buf.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+        def _as_boxes(buf, desc, BOXES: gl.constexpr):
+            return buf.reinterpret(desc.dtype, [BOXES] + desc.block_type.shape, desc.layout)
     else:
         @gluon.jit
-        def _as_box(buf, desc):
-            return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+        def _as_boxes(buf, desc, BOXES: gl.constexpr):
+            return buf._reinterpret(desc.dtype, [BOXES] + desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _box(buf, desc, row0: gl.constexpr, c: gl.constexpr):
+        """Rows row0.. of column panel c of ``buf`` (rows, D), as ``desc``'s [1, 1, ROWS, COLS] box. The 128-byte
+        swizzle stores the tile as its D / COLS panels one after another, each a run of swizzled ROWS-row boxes
+        (ROWS a multiple of the swizzle's 8 rows), so the whole buffer is read as a row of such boxes and indexed.
+        Reinterpreting the sliced buffer instead, as before, Triton 3.8 refuses (no reinterpreted subviews)."""
+        ROWS: gl.constexpr = desc.block_type.shape[2]
+        COLS: gl.constexpr = desc.block_type.shape[3]
+        GROUPS: gl.constexpr = buf.type.shape[0] // ROWS
+        PANELS: gl.constexpr = buf.type.shape[1] // COLS
+        return _as_boxes(buf, desc, PANELS * GROUPS).index(c * GROUPS + row0 // ROWS)
 
     @gluon.jit
     def _load_rows(desc, b, h, first_row, bar, buf, row0: gl.constexpr):
         """TMA-load rows first_row.. of head (b, h) into rows row0.. of ``buf`` (rows, D), one panel per copy."""
-        ROWS: gl.constexpr = desc.block_type.shape[2]
         COLS: gl.constexpr = desc.block_type.shape[3]
         D: gl.constexpr = buf.type.shape[1]
         for c in gl.static_range(D // COLS):
-            _tma_load(desc, [b, h, first_row, c * COLS], bar,
-                      _as_box(buf.slice(row0, ROWS, dim=0).slice(c * COLS, COLS, dim=1), desc))
+            _tma_load(desc, [b, h, first_row, c * COLS], bar, _box(buf, desc, row0, c))
 
     @gluon.jit
     def _publish_tile(tile_ids, qb, t):
@@ -340,8 +350,7 @@ if GLUON_IMPORT_ERROR is None:
         o_smem.store(out.to(o_desc.dtype))
         fence_async_shared()
         for c in gl.static_range(D // O_COLS):
-            _tma_store(o_desc, [b, h, first_row, c * O_COLS],
-                       _as_box(o_smem.slice(c * O_COLS, O_COLS, dim=1), o_desc))
+            _tma_store(o_desc, [b, h, first_row, c * O_COLS], _box(o_smem, o_desc, 0, c))
 
     @gluon.jit
     def _consumer(o_desc, q_bufs, k_bufs, v_bufs, o_smem, tile_ids, q_ready, q_empty, kv_ready, kv_empty,
