@@ -109,7 +109,8 @@ def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
     sig = {name: sig[name] for name in fn.arg_names}
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": attention_hopper.NUM_WARPS, "maxnreg": attention_hopper.MAXNREG})
+                            options={"num_warps": attention_hopper.NUM_WARPS, "maxnreg": attention_hopper.MAXNREG,
+                                     "enable_fp_fusion": True})
     assert "warp_specialize" in kernel.asm["ttgir"]
     assert not reinterpreted_subviews(kernel.asm["ttgir"]), reinterpreted_subviews(kernel.asm["ttgir"])[:2]
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # an H100's shared memory per block
