@@ -189,6 +189,7 @@ if GLUON_IMPORT_ERROR is None:
         COLS: gl.constexpr = desc.block_type.shape[3]
         GROUPS: gl.constexpr = buf.type.shape[0] // ROWS
         PANELS: gl.constexpr = buf.type.shape[1] // COLS
+        gl.static_assert(row0 % ROWS == 0 and buf.type.shape[0] % ROWS == 0 and buf.type.shape[1] % COLS == 0)
         return _as_boxes(buf, desc, PANELS * GROUPS).index(c * GROUPS + row0 // ROWS)
 
     @gluon.jit
