@@ -9,7 +9,7 @@ calls the compiled kernel's launcher; on an H100 host that is 15-45 us per launc
 :func:`launch` keeps, per kernel, the compiled kernel that each *launch key* ran and calls its launcher
 directly, through ``CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
 launch_metadata, enter_hook, exit_hook, *args)`` (the entry point PyTorch's inductor calls too). Every launch
-carries ``LAUNCH_OPTIONS`` (FP fusion on) unless it sets them.
+asks for FP fusion (``FP_FUSION``) unless it sets ``enable_fp_fusion``.
 
 Correctness rests on the key being at least as fine as Triton's specialisation, so that one key never stands
 for two kernels Triton would compile apart. Triton specialises tensors on dtype and 16-byte alignment, Python
@@ -53,10 +53,10 @@ MAX_KEYS = 256
 ADDRESS_BITS = 127
 # Triton's pipeline depth on CUDA where a launch does not set num_stages.
 DEFAULT_STAGES = 3
-# Options every launch passes unless it sets them. FP fusion (FMA contraction): every kernel here was tuned and
+# FP fusion (FMA contraction), asked for by every launch that does not set it: every kernel here was tuned and
 # checked with it, Triton's default through 3.9, whose first compile of each kernel warns that 3.10 turns it off.
 # TRITON_FORCE_DISABLE_FP_FUSION still turns it off.
-LAUNCH_OPTIONS = {"enable_fp_fusion": True}
+FP_FUSION = True
 
 
 class _Kernel:
@@ -141,8 +141,7 @@ def launch(fn, grid: tuple[int, ...], *args, **kwargs) -> None:
     The kernel runs on its tensors' device, on that device's current stream, whichever device is current: Triton
     launches on the current device, so tensors on cuda:1 while cuda:0 is current would otherwise be read by a
     kernel on cuda:0's stream, unordered with the work that wrote them (PyTorch's own ops guard the device)."""
-    for option, value in LAUNCH_OPTIONS.items():
-        kwargs.setdefault(option, value)
+    kwargs.setdefault("enable_fp_fusion", FP_FUSION)
     target, device = _device_index(args), None
     if target is not None and _driver is not None:
         device = _driver.active.get_current_device()  # read once: the direct path below launches on it

@@ -75,7 +75,9 @@ def descriptor_type(dtype: str, rows: int) -> str:
     return f"tensordesc<{dtype}[1,1,{rows},{attention_hopper.PANEL}],{layout!r}>"
 
 
-MEMDESC_REINTERPRET = re.compile(r"ttg\.memdesc_reinterpret %\S+ : !ttg\.memdesc<([0-9x]+)x[a-z0-9]+, [^>]*?(?:, ([0-9x]+))?>")
+# a reinterpret op's source type: its shape, and the allocation's shape where that differs
+MEMDESC_REINTERPRET = re.compile(r"ttg\.memdesc_reinterpret %\S+ : "
+                                 r"!ttg\.memdesc<([0-9x]+)x[a-z0-9]+, [^>]*?(?:, ([0-9x]+))?>")
 
 
 def reinterpreted_subviews(ttgir: str) -> list[str]:
@@ -92,10 +94,12 @@ def reinterpreted_subviews(ttgir: str) -> list[str]:
 
 
 def test_reinterpreted_subviews_are_found():
-    view = "ttg.memdesc_reinterpret %17 : !ttg.memdesc<64x64xbf16, #shared1, #smem, mutable, 64x128> -> !ttg.memdesc<1x"
-    whole = "ttg.memdesc_reinterpret %8 : !ttg.memdesc<64x128xbf16, #shared1, #smem, mutable, 3x64x128> -> !ttg.memdesc<"
-    assert reinterpreted_subviews(view) == [view[:-len(" -> !ttg.memdesc<1x")]]
-    assert reinterpreted_subviews(whole) == []
+    view = "ttg.memdesc_reinterpret %17 : !ttg.memdesc<64x64xbf16, #shared1, #smem, mutable, 64x128>"
+    whole = "ttg.memdesc_reinterpret %8 : !ttg.memdesc<64x128xbf16, #shared1, #smem, mutable, 3x64x128>"
+    plain = "ttg.memdesc_reinterpret %8 : !ttg.memdesc<64x128xbf16, #shared1, #smem, mutable>"
+    assert reinterpreted_subviews(view + " -> !ttg.memdesc<1x1x64x64xbf16, #shared, #smem, mutable>") == [view]
+    assert reinterpreted_subviews(whole + " -> !ttg.memdesc<2x1x1x64x64xbf16, #shared, #smem, mutable>") == []
+    assert reinterpreted_subviews(plain + " -> !ttg.memdesc<2x1x1x64x64xbf16, #shared, #smem, mutable>") == []
 
 
 def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:

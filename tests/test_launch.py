@@ -74,7 +74,7 @@ def test_second_launch_is_direct_with_every_argument_in_order(stub):
     assert args[9:] == (x, y, 5, 0.5, True, 16)  # the default of BLOCK filled in, in signature order
 
 
-def test_launches_ask_for_fp_fusion_unless_they_set_it(stub):
+def test_launches_ask_for_fp_fusion_unless_they_set_it(stub, monkeypatch):
     """Every kernel here was tuned and checked with FP fusion, Triton's default through 3.9 (3.9 warns that 3.10
     turns it off): each launch asks for it, on both paths, and a launch that sets it keeps its own value."""
     fn, calls = stub
@@ -83,7 +83,7 @@ def test_launches_ask_for_fp_fusion_unless_they_set_it(stub):
     _launch.launch(fn, (1,), x, y, 5, 0.5, FLAG=True, enable_fp_fusion=False)
     assert _paths(calls) == ["normal", "normal"]  # the option is part of the key
     assert calls[0][2]["enable_fp_fusion"] is True and calls[1][2]["enable_fp_fusion"] is False
-    _launch.ENABLED = False
+    monkeypatch.setattr(_launch, "ENABLED", False)
     _launch.launch(fn, (1,), x, y, 5, 0.5, FLAG=True)
     assert calls[2][2]["enable_fp_fusion"] is True
 
