@@ -253,7 +253,6 @@ def test_readme_attention_rerun_ranges_are_the_committed_reruns():
                      round(run[key]["structured_default"]["relative_l1"], 4)) for run in reruns.values()}) == 1
 
 
-
 def test_readme_h200_attention_figures_are_the_committed_results():
     """The paragraph on the H200 run gives attention-H200.json's dense ratios, Flex range and density-0.1 shares."""
     results = json.loads((ROOT / "benchmarks" / "results" / "attention-H200.json").read_text())
@@ -266,9 +265,10 @@ def test_readme_h200_attention_figures_are_the_committed_results():
     flex = re.search(r"FlexAttention/ours (\d\.\d\d-\d\.\d\d)", text)[1]
     assert_range_shown(flex, [r["ours_vs_flex"] for s in shapes for r in s["sparse"]], "H200 FlexAttention/ours")
     at_01 = [next(r for r in s["sparse"] if r["density"] == 0.1) for s in shapes]
-    shares = re.search(r"per call / prebuilt, ([\d. /,and]+)\.", text)[1]
+    shares = re.search(r"per call / prebuilt, (.+?)\. ", text)[1]
     assert_cell_shows(shares, [x for r in at_01 for x in (r["speedup_over_ideal"], r["prebuilt_speedup_over_ideal"])],
                       "H200 share of ideal at 0.1")
+
 
 # Which run each row of the README's pipeline table shows (Flux and SD3 re-run in session 45).
 PIPELINE_ROWS = {"Flux": ("flux", "pipelines-H100-session45-1.json"),
