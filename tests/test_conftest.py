@@ -1,0 +1,66 @@
+"""The test setup's choice between Triton's interpreter and compiled kernels (see conftest.py)."""
+
+import pytest
+import torch
+
+from conftest import interpreter_wanted, runs_in_interpreter
+
+
+@pytest.mark.parametrize(
+    ("cuda", "markexpr", "interpret"),
+    [
+        (False, "", True),  # CI: no GPU, every kernel test in the interpreter
+        (False, "gpu", True),  # nothing to compile for; the GPU tests skip
+        (True, "", True),  # a GPU machine running everything: the CPU tests need the interpreter
+        (True, "not gpu", True),
+        (True, "gpu and slow", True),  # not the GPU tests alone: kept to the interpreter, the GPU tests skip
+        (True, "gpu", False),  # `pytest -m gpu` on a GPU: compiled kernels
+        (True, " gpu ", False),
+    ],
+)
+def test_interpreter_is_chosen_unless_the_gpu_tests_alone_run_on_a_gpu(cuda, markexpr, interpret):
+    assert interpreter_wanted(cuda, markexpr) is interpret
+
+
+def test_this_run_without_a_gpu_uses_the_interpreter():
+    if torch.cuda.is_available():
+        pytest.skip("checks a run on a machine without CUDA")
+    assert runs_in_interpreter()
+
+
+class _Item:
+    """What ``pytest_collection_modifyitems`` reads of a test item."""
+
+    def __init__(self, *marks: str):
+        self.keywords = {name: True for name in marks}
+        self.added: list = []
+
+    def add_marker(self, marker) -> None:
+        self.added.append(marker)
+
+
+@pytest.mark.parametrize(
+    ("cuda", "interpret", "reason"),
+    [(False, "1", "needs a CUDA GPU"), (True, "1", "pytest -m gpu"), (True, "0", None)],
+)
+def test_gpu_tests_skip_with_a_reason_where_they_cannot_run(monkeypatch, cuda, interpret, reason):
+    import conftest
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gpu_test, cpu_test = _Item("gpu"), _Item()
+    conftest.pytest_collection_modifyitems(None, [gpu_test, cpu_test])
+    assert cpu_test.added == []
+    if reason is None:
+        assert gpu_test.added == []
+    else:
+        (marker,) = gpu_test.added
+        assert marker.name == "skip" and reason in marker.kwargs["reason"]
+
+
+def test_the_interpreter_setting_is_read_as_the_package_reads_it(monkeypatch):
+    from sparge_diffusers import _launch
+
+    for value in ("", "0", "1", "true"):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert runs_in_interpreter() is _launch.interpreting()
