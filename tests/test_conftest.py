@@ -1,9 +1,12 @@
-"""The test setup's choice between Triton's interpreter and compiled kernels (see conftest.py)."""
+"""The test setup's choice between Triton's interpreter and compiled kernels, and its threads (see conftest.py)."""
+
+import os
 
 import pytest
 import torch
 
-from conftest import interpreter_wanted, runs_in_interpreter
+from conftest import (available_cpus, interpreter_wanted, runs_in_interpreter, share_threads_among_workers,
+                      threads_per_worker)
 
 
 @pytest.mark.parametrize(
@@ -64,3 +67,30 @@ def test_the_interpreter_setting_is_read_as_the_package_reads_it(monkeypatch):
     for value in ("", "0", "1", "true"):
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert runs_in_interpreter() is _launch.interpreting()
+
+
+
+@pytest.mark.parametrize(("cpus", "workers", "threads"), [(2, 2, 1), (16, 6, 2), (64, 8, 8), (1, 2, 1), (3, 1, 3)])
+def test_xdist_workers_share_the_cpus(cpus, workers, threads):
+    assert threads_per_worker(cpus, workers) == threads
+
+
+@pytest.mark.parametrize(
+    ("workers", "environ", "threads"),
+    [
+        (2, {}, str(threads_per_worker(available_cpus(), 2))),  # the controller, before it starts two workers
+        (None, {}, None),  # no xdist: torch and BLAS keep their defaults
+        (0, {}, None),  # -n 0
+        (2, {"OMP_NUM_THREADS": "3"}, "3"),  # an explicit count is kept
+        (2, {"PYTEST_XDIST_WORKER": "gw0"}, None),  # a worker leaves it to the controller
+    ],
+)
+def test_the_controller_sets_each_workers_threads(workers, environ, threads):
+    share_threads_among_workers(workers, environ)
+    assert environ.get("OMP_NUM_THREADS") == threads
+
+
+def test_this_run_gives_each_xdist_worker_its_share_of_threads():
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.skip("checks a pytest-xdist worker")
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
