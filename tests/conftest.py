@@ -10,6 +10,7 @@ Under pytest-xdist (the test command's ``-n 2``) each worker gets an equal share
 """
 
 import os
+from collections.abc import MutableMapping
 
 import numpy as np
 import pytest
@@ -25,8 +26,8 @@ def interpreter_wanted(cuda_available: bool, markexpr: str) -> bool:
 
 
 def threads_per_worker(cpus: int, workers: int) -> int:
-    """Torch's intra-op threads for each of ``workers`` pytest-xdist workers sharing ``cpus`` CPUs: an equal share,
-    at least one. Torch's default, every CPU in every worker, oversubscribes the machine and the OpenMP threads then
+    """The threads (torch's and BLAS's) for each of ``workers`` pytest-xdist workers sharing ``cpus`` CPUs: an equal
+    share, at least one. Their default, every CPU in every worker, oversubscribes the machine and the threads then
     spin against each other (eight GPU-test workers of 16 threads each ran 33 tests in 570 s)."""
     return max(1, cpus // workers)
 
@@ -39,11 +40,11 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def share_threads_among_workers(workers: int | None, environ) -> None:
+def share_threads_among_workers(workers: int | None, environ: MutableMapping[str, str]) -> None:
     """Before pytest-xdist starts its ``workers`` (``-n``, already resolved to a count), set OMP_NUM_THREADS in
     ``environ`` to their share of the CPUs, unless it is set. The workers inherit it, so torch and numpy's BLAS start
     with that many threads: left to their defaults, each worker's BLAS threads spin against the other's, and two
-    workers on two CPUs ran ``test_softcap.py`` in 78 s against 61 s for one process (39 s with this)."""
+    workers on two CPUs ran ``test_softcap.py`` in 78 s against 61 s for one process (39-58 s with this)."""
     if workers and "PYTEST_XDIST_WORKER" not in environ and "OMP_NUM_THREADS" not in environ:
         environ["OMP_NUM_THREADS"] = str(threads_per_worker(available_cpus(), workers))
 

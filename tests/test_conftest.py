@@ -69,7 +69,6 @@ def test_the_interpreter_setting_is_read_as_the_package_reads_it(monkeypatch):
         assert runs_in_interpreter() is _launch.interpreting()
 
 
-
 @pytest.mark.parametrize(("cpus", "workers", "threads"), [(2, 2, 1), (16, 6, 2), (64, 8, 8), (1, 2, 1), (3, 1, 3)])
 def test_xdist_workers_share_the_cpus(cpus, workers, threads):
     assert threads_per_worker(cpus, workers) == threads
