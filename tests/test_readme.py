@@ -145,6 +145,22 @@ def test_readme_links_point_at_headings_and_files_that_exist():
             assert (ROOT / target.split("#")[0]).exists(), f"the README links to {target}, no such file"
 
 
+def test_readme_prose_lines_fit_120_columns():
+    prose = re.sub(r"```.*?```", "", README, flags=re.S).splitlines()
+    long = [line[:60] for line in prose if len(line) > 120 and not line.startswith("|")]  # table rows cannot wrap
+    assert not long, f"README lines over 120 columns (rewrap their paragraphs): {long}"
+
+
+def test_readme_contents_lists_every_section_in_order():
+    outside_code = re.sub(r"```.*?```", "", README, flags=re.S)
+    headings = re.findall(r"^(##+) (.+)$", outside_code, re.M)
+    sections = [(len(level) - 2, heading_anchor(text)) for level, text in headings]  # (nesting depth, anchor)
+    contents = README[README.index("**Contents**"):README.index("\n## ")]
+    entries = re.findall(r"^( *)- \[[^]]+\]\(#([^)]+)\)$", contents, re.M)
+    listed = [(len(indent) // 2, target) for indent, target in entries]
+    assert listed == sections  # a section added, renamed, moved or nested differently must be listed again
+
+
 SHAPE_KEYS = {"CogVideoX": "cogvideox", "Mochi": "mochi", "Flux": "flux", "Llama": "llama32k"}
 SHAPES = list(SHAPE_KEYS.values())  # the order of the README's columns and lists
 
