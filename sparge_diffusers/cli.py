@@ -342,10 +342,12 @@ def _add_generation_args(p: argparse.ArgumentParser, prompt_text: bool = False, 
         p.add_argument("--prompts", required=True, help="text file with one prompt per line")
     p.add_argument("--steps", type=_int_at_least(1), default=steps, help="denoising steps per prompt (default "
                    + (f"{steps})" if steps else "the pipeline's)"))
-    p.add_argument("--height", type=_int_at_least(1))
-    p.add_argument("--width", type=_int_at_least(1))
-    p.add_argument("--num-frames", type=_int_at_least(1), dest="num_frames")
-    p.add_argument("--guidance-scale", type=float, dest="guidance_scale")
+    p.add_argument("--height", type=_int_at_least(1), help="output height in pixels (default: the pipeline's)")
+    p.add_argument("--width", type=_int_at_least(1), help="output width in pixels (default: the pipeline's)")
+    p.add_argument("--num-frames", type=_int_at_least(1), dest="num_frames",
+                   help="frames per video, for video pipelines (default: the pipeline's)")
+    p.add_argument("--guidance-scale", type=float, dest="guidance_scale",
+                   help="classifier-free guidance scale (default: the pipeline's)")
     p.add_argument("--pipe-arg", type=_pipe_arg, action="append", metavar="KEY=VALUE",
                    help="any other pipeline call argument (value parsed as JSON when it can be)")
     p.add_argument("--device", help="default: cuda if present, else cpu")
@@ -354,21 +356,28 @@ def _add_generation_args(p: argparse.ArgumentParser, prompt_text: bool = False, 
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _add_subcommand(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                    summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose one-line summary is listed by ``sparge-diffusers --help`` and heads its own ``--help``."""
+    return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser: each subcommand with its options and the function that runs it."""
     parser = argparse.ArgumentParser(prog="sparge-diffusers", description="Sparse attention for diffusion "
                                      "transformers and long-context prefill (SpargeAttn in Triton).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="run the whole method on built-in structured workloads")
+    b = _add_subcommand(sub, "bench", "run the whole method on built-in structured workloads: per workload, "
+                        "sparsity, relative L1 against exact attention and, on a GPU, time against cuDNN SDPA")
     b.add_argument("--workloads", default=",".join(FULL),
                    help="comma-separated, from: " + ", ".join({**FULL, **EXTRA}) + " (default: the first four)")
     b.add_argument("--json", help="also write the results to this JSON file")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the workloads' random inputs (default 0)")
     b.add_argument("--cpu", action="store_true", help="use the CPU reference even when a GPU is present")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=bench)
-    t = sub.add_parser("tune", help="choose thresholds per attention layer on calibration prompts (section 3.6)")
+    t = _add_subcommand(sub, "tune", "choose thresholds per attention layer on calibration prompts (section 3.6)")
     _add_generation_args(t)
     t.add_argument("--out", required=True, help="settings file to write (JSON)")
     t.add_argument("--l1", type=_positive_float, default=0.05, help="relative L1 budget of (simthreshd1, cdfthreshd)")
@@ -381,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--permutation", choices=["hilbert", "rowmajor", "colmajor", "timemajor", "random"],
                    help="token order used while tuning and stored with the settings")
     t.set_defaults(func=tune_command)
-    g = sub.add_parser("generate", help="generate images or videos with SpargeAttn (or dense) attention and save them")
+    g = _add_subcommand(sub, "generate", "generate images or videos with SpargeAttn (or dense) attention and save them")
     _add_generation_args(g, prompt_text=True, steps=None)
     g.add_argument("--out", required=True, help="output folder (prompt_<i>.png or .gif/.mp4, prompt_<i>_<j> for "
                    "several outputs of one prompt, generate.json)")
@@ -400,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(and model) compilation")
     g.add_argument("--fps", type=_int_at_least(1), default=8, help="frame rate of saved videos (default 8)")
     g.set_defaults(func=generate_command)
-    e = sub.add_parser("eval", help="generate with each attention mode for the same seeds and score the outputs")
+    e = _add_subcommand(sub, "eval", "generate with each attention mode for the same seeds and score the outputs")
     _add_generation_args(e)
     e.add_argument("--attention", default="dense,sparge",
                    help="comma-separated modes: dense, sparge, sparge:SETTINGS.json (default dense,sparge)")
