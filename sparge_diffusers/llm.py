@@ -60,6 +60,7 @@ class ScoreTerms(NamedTuple):
     softcap: float | None = None
 
     def any(self) -> bool:
+        """Whether the layer adds anything, i.e. whether a call must pass sinks or a cap to the kernels."""
         return self.sinks is not None or self.softcap is not None
 
 

@@ -73,7 +73,8 @@ SMALL_EXTRA = {
 }
 
 
-def cudnn_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+def cudnn_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       causal: bool) -> Callable[[], torch.Tensor]:
     """A no-argument callable running SDPA with the cuDNN backend on HND inputs (k/v heads repeated for GQA),
     the baseline every timing is compared with."""
     import torch.nn.functional as F

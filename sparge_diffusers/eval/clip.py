@@ -52,12 +52,14 @@ class ClipModel:
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor, batch: int = 32) -> torch.Tensor:
+        """(N, 3, H, W) images in [0, 1] -> (N, E) unit-norm float32 embeddings on the CPU, ``batch`` at a time."""
         parts = [self.encode_image_fn(self.preprocess(images[i:i + batch])).float().cpu()
                  for i in range(0, len(images), batch)]
         return F.normalize(torch.cat(parts), dim=-1)
 
     @torch.no_grad()
     def encode_texts(self, texts: list[str]) -> torch.Tensor:
+        """Texts -> (N, E) unit-norm float32 embeddings on the CPU."""
         return F.normalize(self.encode_text_fn(list(texts)).float().cpu(), dim=-1)
 
 

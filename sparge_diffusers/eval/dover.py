@@ -188,6 +188,7 @@ class DoverScorer:
         self.seed = seed
 
     def to(self, device: str | torch.device) -> "DoverScorer":
+        """Move the network to ``device``, where the views are then built and scored; returns self."""
         self.model.to(device)
         self.device = torch.device(device)
         return self

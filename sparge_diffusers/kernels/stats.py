@@ -75,6 +75,7 @@ class SparsityStats:
         return float((self.qk_skipped.mean() + self.pv_skipped.mean()) / 2)
 
     def as_dict(self) -> dict:
+        """Plain floats and lists for JSON: the overall and mean fractions, and the per-head ones (one sync)."""
         return {
             "sparsity": self.sparsity,
             "qk_skipped": float(self.qk_skipped.mean()),

@@ -30,7 +30,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -638,8 +638,9 @@ class SpargeProcessor:
     def _warn(self, message: str) -> None:
         warn_once(message, self._warned, stacklevel=5)
 
-    def fallback_reason(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
-                        dropout_p: float = 0.0, is_causal: bool = False) -> str | None:
+    def fallback_reason(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        is_causal: bool = False) -> str | None:
         """Why this SDPA call cannot run sparse (None when it can)."""
         if attn_mask is not None:
             return "an attention mask other than a boolean key-padding mask (the kernels take block masks only)"
@@ -648,7 +649,7 @@ class SpargeProcessor:
         return unsupported_reason(query, key, value, is_causal=is_causal)
 
     def sparse_attention_fn(self, settings: SpargeSettings, query: torch.Tensor, compiled: bool = False,
-                            key: torch.Tensor | None = None):
+                            key: torch.Tensor | None = None) -> Callable[..., Any]:
         """sparge_attention (its custom operator when ``compiled``), wrapped in the layer's token permutation
         when it has one and the grid is known. Calls whose keys are other tokens than the queries (an IP-Adapter's
         image-prompt attention) run unpermuted: the permutation orders the layer's own tokens."""
@@ -797,6 +798,7 @@ class SpargeProcessor:
         return len(self._records)
 
     def reset_stats(self) -> None:
+        """Forget the recorded calls' statistics, e.g. between two generations measured separately."""
         self._records.clear()
 
     def sparsity_by_layer(self) -> dict[str, float]:

@@ -43,6 +43,8 @@ class LayerSettingsFile:
     calibration: dict = field(default_factory=dict)
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write the file as strict JSON (an off ``pvthreshd`` as null), with this package's version and the tuned
+        model's diffusers version."""
         from .. import __version__
 
         layers = {}

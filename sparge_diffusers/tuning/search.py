@@ -72,6 +72,7 @@ class LayerChoice:
     within_budget: bool  # False when not even the densest grid point met the budget
 
     def as_dict(self) -> dict:
+        """What calibration measured, for the settings file (the thresholds are stored with the layer's settings)."""
         return {"sparsity": self.sparsity, "l1": self.l1, "sparsity_per_head": self.sparsity_per_head,
                 "l1_per_head": self.l1_per_head, "calls": self.calls, "within_budget": self.within_budget}
 
