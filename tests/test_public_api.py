@@ -23,8 +23,8 @@ def public_objects(module_name: str) -> dict[str, object]:
     if names is None:
         names = [n for n, obj in vars(module).items() if not n.startswith("_")
                  and getattr(obj, "__module__", None) == module_name]
-    return {n: getattr(module, n) for n in names if inspect.isfunction(getattr(module, n))
-            or inspect.isclass(getattr(module, n))}
+    objects = {n: getattr(module, n) for n in names}
+    return {n: obj for n, obj in objects.items() if inspect.isfunction(obj) or inspect.isclass(obj)}
 
 
 def public_methods(cls: type) -> dict[str, tuple[object, bool]]:
@@ -48,7 +48,7 @@ def missing_hints(func) -> list[str]:
     signature = inspect.signature(func)
     missing = [name for name, p in signature.parameters.items()
                if p.annotation is inspect.Parameter.empty and name not in ("self", "cls")]
-    if signature.return_annotation is inspect.Signature.empty and func.__name__ != "__init__":
+    if signature.return_annotation is inspect.Signature.empty:
         missing.append("return")
     return missing
 

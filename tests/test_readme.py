@@ -24,6 +24,7 @@ from sparge_diffusers.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+OUTSIDE_CODE_BLOCKS = re.sub(r"```.*?```", "", README, flags=re.S)  # headings, links and prose
 
 
 def fenced_blocks(language: str) -> list[str]:
@@ -132,7 +133,7 @@ def heading_anchor(heading: str) -> str:
 
 
 def test_readme_links_point_at_headings_and_files_that_exist():
-    outside_code = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", README, flags=re.S))
+    outside_code = re.sub(r"`[^`\n]*`", "", OUTSIDE_CODE_BLOCKS)
     anchors = {heading_anchor(h) for h in re.findall(r"^#+ (.+)$", outside_code, re.M)}
     targets = re.findall(r"\]\(([^)\s]+)\)", outside_code)
     assert targets
@@ -146,14 +147,13 @@ def test_readme_links_point_at_headings_and_files_that_exist():
 
 
 def test_readme_prose_lines_fit_120_columns():
-    prose = re.sub(r"```.*?```", "", README, flags=re.S).splitlines()
-    long = [line[:60] for line in prose if len(line) > 120 and not line.startswith("|")]  # table rows cannot wrap
+    lines = OUTSIDE_CODE_BLOCKS.splitlines()
+    long = [line[:60] for line in lines if len(line) > 120 and not line.startswith("|")]  # table rows cannot wrap
     assert not long, f"README lines over 120 columns (rewrap their paragraphs): {long}"
 
 
 def test_readme_contents_lists_every_section_in_order():
-    outside_code = re.sub(r"```.*?```", "", README, flags=re.S)
-    headings = re.findall(r"^(##+) (.+)$", outside_code, re.M)
+    headings = re.findall(r"^(##+) (.+)$", OUTSIDE_CODE_BLOCKS, re.M)
     sections = [(len(level) - 2, heading_anchor(text)) for level, text in headings]  # (nesting depth, anchor)
     contents = README[README.index("**Contents**"):README.index("\n## ")]
     entries = re.findall(r"^( *)- \[[^]]+\]\(#([^)]+)\)$", contents, re.M)
