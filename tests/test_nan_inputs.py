@@ -8,6 +8,10 @@ a NaN self-similarity, which is not above the threshold, so its row or column is
 A product that the method skips (a block outside the mask, a P.V dropped by stage 2) never uses its values, so a
 NaN there cannot show (the same holds for FlexAttention and any block-sparse kernel). The cases below therefore
 place each NaN where the method must use it.
+
+The rows that SDPA leaves finite must stay right as well: a row whose scores hold NaN or inf must not make stage 2
+take a tile's P.V for negligible on behalf of the other rows of its query block (the float32 reference did until
+session 76).
 """
 
 import pytest
@@ -15,6 +19,7 @@ import torch
 
 from sparge_diffusers.kernels import (block_sparse_attention, s2o_attention, selected_block_attention,
                                       sparge_attention)
+from sparge_diffusers.llm import pbs_sparge_attention
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_kernels import dense_reference
 
@@ -86,6 +91,39 @@ def _check_causal_entries(backend, dtype, device):
                                                f"SDPA {int(expected.sum())}"
 
 
+def _check_stage_2_spares_the_other_rows(backend, dtype, device):
+    """Stage 2 skips a tile's P.V when the largest row-max gap over the tile's rows is below -pvthreshd. A row whose
+    scores hold NaN (NaN in its query, or in a key it sees) or inf has no meaningful gap: it must not make the tile
+    look negligible to the other rows of its query block. The float32 reference once let it (a NaN gap compares
+    False, so the tile's P.V was dropped): with a NaN in one query row, the other 127 rows of its block came out
+    finite and wrong. Every block is kept here and pvthreshd=50 drops only weights below 2^-50, so each finite row
+    must match SDPA."""
+    q, k, v = llm_like_qkv(300, heads=4, kv_heads=2, head_dim=64, dtype=dtype, device=device, seed=1)
+    every_block = torch.ones(1, 1, 3, 5, dtype=torch.bool, device=device)
+    entries = {
+        "block_sparse": lambda a, b, c, causal: block_sparse_attention(a, b, c, every_block, is_causal=causal,
+                                                                       pvthreshd=50, backend=backend),
+        "s2o": lambda a, b, c, causal: s2o_attention(a, b, c, is_causal=causal, tau=None, pvthreshd=50,
+                                                     backend=backend),
+        "pbs": lambda a, b, c, causal: pbs_sparge_attention(a, b, c, segment=128, cdfthreshd=1.0, pvthreshd=50,
+                                                            backend=backend),
+    }
+    inf_q = q.clone()
+    inf_q[0, 3, 150, 9] = float("inf")
+    cases = [("NaN in q", _with_nan(q, (0, 3, 150, 9)), k, False), ("NaN in q", _with_nan(q, (0, 3, 150, 9)), k, True),
+             ("inf in q", inf_q, k, False), ("NaN in k", q, _with_nan(k, (0, 1, 170, 2)), True)]
+    for entry, attend in entries.items():
+        for name, a, b, causal in cases:
+            if entry == "pbs" and not causal:
+                continue  # PBS-Attn is causal only
+            out = attend(a, b, v, causal).float()
+            expected = dense_reference(a, b, v, causal, "HND")
+            finite = torch.isfinite(expected).all(-1)
+            assert torch.equal(_non_finite_rows(out), ~finite), f"{entry}, {name}, causal={causal}"
+            err = (out - expected)[finite].abs().max().item()
+            assert err < 2e-2, f"{entry}, {name}, causal={causal}: finite rows off by up to {err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_nan_in_q_or_k_reaches_the_output_through_stage_1(backend, dtype):
@@ -97,6 +135,11 @@ def test_nan_reaches_the_output_of_every_causal_entry_point(backend):
     _check_causal_entries(backend, torch.float16, "cpu")
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_nan_or_inf_row_does_not_make_stage_2_skip_the_other_rows(backend):
+    _check_stage_2_spares_the_other_rows(backend, torch.float16, "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])  # 128 runs the Hopper kernel on an H100
@@ -104,3 +147,4 @@ def test_nan_reaches_the_output_on_gpu(dtype, head_dim):
     _check_video_sparge("auto", dtype, "cuda", head_dim)
     if head_dim == 64:
         _check_causal_entries("auto", dtype, "cuda")
+        _check_stage_2_spares_the_other_rows("auto", dtype, "cuda")

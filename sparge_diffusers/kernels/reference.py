@@ -42,6 +42,17 @@ def _with_sink(acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor, sink: torch.
     return acc * alpha[..., None], l * alpha + torch.exp2(sink - top)
 
 
+def _tile_gap(m_local: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
+    """Each row's m_local - m_new for stage 2's test, -inf for rows that must not count: rows with no visible key
+    in the tile (m_local = -inf) and rows whose scores hold NaN or inf (their output is NaN whatever happens).
+    torch's max propagates NaN, so without this one such row makes the tile's gap NaN, the test
+    ``gap > -pvthreshd`` False, and the other rows of the query block lose the tile's P.V (finite, wrong
+    outputs). The Triton kernel leaves out the same rows: its gap drops rows whose m_local is -inf or NaN, and its
+    tl.max ignores the NaN that a row of inf scores gives."""
+    ok = torch.isfinite(m_local) & torch.isfinite(m_new)
+    return torch.where(ok, m_local - m_new, -math.inf)
+
+
 def reference_block_statistics(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block mean token and mean pairwise cosine similarity (the paper's CosSim, upstream's "meansim").
 
@@ -182,11 +193,12 @@ def reference_block_sparse_attention(
     Key blocks of each query block are visited in ascending order, as the kernel does. For each tile the
     running max, normaliser and output rescale are updated as in Eq. 1; the P.V product is skipped when
     max over the tile's rows of (m_local - m_new) * scale * log2(e) <= -pvthreshd (upstream's units; the
-    paper's lambda = -pvthreshd * ln 2). Departure: the granularity is the whole 128-row tile rather than a
-    warp's 16 rows. Following Algorithm 1 line 13, the row sums still enter the normaliser when P.V is
-    skipped. Query rows that see no key get a zero output. ``sink_logits`` (H,): each row's softmax also takes
-    exp(sink_logits[h]) with no value vector (gpt-oss's learned sinks), added to the normaliser at the end.
-    ``softcap`` c: the scores are c * tanh(s / c) before masking (Gemma 2's logit soft-capping).
+    paper's lambda = -pvthreshd * ln 2; rows with no visible key or with NaN or inf scores left out).
+    Departure: the granularity is the whole 128-row tile rather than a warp's 16 rows. Following Algorithm 1
+    line 13, the row sums still enter the normaliser when P.V is skipped. Query rows that see no key get a zero
+    output. ``sink_logits`` (H,): each row's softmax also takes exp(sink_logits[h]) with no value vector
+    (gpt-oss's learned sinks), added to the normaliser at the end. ``softcap`` c: the scores are
+    c * tanh(s / c) before masking (Gemma 2's logit soft-capping).
     """
     qh, kh, vh = (to_hnd(t, tensor_layout).float() for t in (q, k, v))
     B, H, Nq, D = qh.shape
@@ -237,8 +249,7 @@ def reference_block_sparse_attention(
             p = torch.exp2(s - m_use[..., None])
             do_pv = active
             if thr is not None:
-                # (B, H): the tile's largest row-max gap; rows with no visible key in the tile do not count
-                gap = torch.where(torch.isinf(m_local), -math.inf, m_local - m_new).amax(-1)
+                gap = _tile_gap(m_local, m_new).amax(-1)  # (B, H): the tile's largest row-max gap
                 do_pv = active & (gap > -thr)
             a = active[..., None]
             l = torch.where(a, l * alpha + p.sum(-1), l)
@@ -307,7 +318,7 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                     before = l * alpha
                     l = before + p.sum(-1)
                     acc = acc * alpha[:, None]
-                    gap = torch.where(torch.isinf(m_local), -math.inf, m_local - m_new).max()
+                    gap = _tile_gap(m_local, m_new).max()
                     if pvthreshd is None or gap > -float(pvthreshd[h]):
                         acc = acc + p @ vh[b, h, cols]
                         pv_count[b, h, i] += 1
