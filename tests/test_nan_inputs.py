@@ -17,8 +17,8 @@ session 76).
 import pytest
 import torch
 
-from sparge_diffusers.kernels import (block_sparse_attention, s2o_attention, selected_block_attention,
-                                      sparge_attention)
+from sparge_diffusers.kernels import (block_sparse_attention, s2o_attention, select_key_blocks,
+                                      selected_block_attention, sparge_attention)
 from sparge_diffusers.llm import pbs_sparge_attention
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_kernels import dense_reference
@@ -124,6 +124,23 @@ def _check_stage_2_spares_the_other_rows(backend, dtype, device):
             assert err < 2e-2, f"{entry}, {name}, causal={causal}: finite rows off by up to {err:.3g}"
 
 
+def _check_selection_keeps_nan_blocks(backend, dtype, device):
+    """FSA's per-query selection (``select_key_blocks``) with ``top_k`` as large as the visible blocks selects them
+    all, NaN or not, so every row matches SDPA: NaN where SDPA's is, exact elsewhere. A NaN importance (NaN in one
+    query head, or in a key the token sees) must count as kept; the reference once turned it into -1 (no block):
+    with NaN in key 170, 216 of SDPA's 260 NaN rows came out finite, and the group's other query head lost a block
+    for the token whose query held the NaN."""
+    q, k, v = llm_like_qkv(300, heads=4, kv_heads=2, head_dim=64, dtype=dtype, device=device, seed=1)
+    for name, a, b in [("q", _with_nan(q, (0, 0, 150, 9)), k), ("k", q, _with_nan(k, (0, 0, 170, 2)))]:
+        chosen = select_key_blocks(a, b, top_k=5, backend=backend)  # 300 keys: 5 blocks of 64
+        out = selected_block_attention(a, b, v, chosen, backend=backend).float()
+        expected = dense_reference(a, b, v, True, "HND")
+        finite = torch.isfinite(expected).all(-1)
+        assert torch.equal(_non_finite_rows(out), ~finite), f"NaN in {name}: rows differ from SDPA's"
+        err = (out - expected)[finite].abs().max().item()
+        assert err < 2e-2, f"NaN in {name}: finite rows off by up to {err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_nan_in_q_or_k_reaches_the_output_through_stage_1(backend, dtype):
@@ -140,6 +157,11 @@ def test_a_nan_or_inf_row_does_not_make_stage_2_skip_the_other_rows(backend):
     _check_stage_2_spares_the_other_rows(backend, torch.float16, "cpu")
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_fsa_selection_keeps_the_blocks_whose_importance_is_nan(backend):
+    _check_selection_keeps_nan_blocks(backend, torch.float16, "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])  # 128 runs the Hopper kernel on an H100
@@ -148,3 +170,4 @@ def test_nan_reaches_the_output_on_gpu(dtype, head_dim):
     if head_dim == 64:
         _check_causal_entries("auto", dtype, "cuda")
         _check_stage_2_spares_the_other_rows("auto", dtype, "cuda")
+        _check_selection_keeps_nan_blocks("auto", dtype, "cuda")

@@ -420,5 +420,9 @@ def reference_select_key_blocks(q, k, *, top_k: int, block_size: int, is_causal:
                                                 local_blocks=local_blocks, q_start=start + causal_offset)
         values, chosen = importance.sort(dim=-1, descending=True, stable=True)
         values, chosen = values[..., :picks], chosen[..., :picks]
-        result[:, :, start:stop, :picks] = torch.where(values >= 0, chosen, -1).to(torch.int32)
+        # A NaN importance (NaN in q, or in a key block the token sees) sorts first and is kept, as in the kernel,
+        # whose NaN keys are the largest: a block that may hold the NaN stays selected, so the NaN shows as it
+        # does in SDPA (a test of values >= 0 alone once dropped such blocks and their rows came out finite)
+        kept = (values >= 0) | values.isnan()
+        result[:, :, start:stop, :picks] = torch.where(kept, chosen, -1).to(torch.int32)
     return result
