@@ -17,6 +17,7 @@ session 76).
 import pytest
 import torch
 
+from sparge_diffusers import relative_l1
 from sparge_diffusers.kernels import (block_sparse_attention, s2o_attention, select_key_blocks,
                                       selected_block_attention, sparge_attention)
 from sparge_diffusers.llm import pbs_sparge_attention
@@ -124,6 +125,26 @@ def _check_stage_2_spares_the_other_rows(backend, dtype, device):
             assert err < 2e-2, f"{entry}, {name}, causal={causal}: finite rows off by up to {err:.3g}"
 
 
+def _check_stage_2_decides_as_the_reference(dtype, device):
+    """With NaN in q or k and a threshold at which stage 2 skips tiles, the Triton kernel and the float32 reference
+    skip the same P.V products and give the same rows: both take a row's max over its non-NaN scores (the kernel's
+    tl.max ignores NaN) and leave rows without a finite max out of the tile's test. On a GPU a decision on the
+    threshold may flip with the order of the float32 sums, so there the rows are compared by relative L1 alone."""
+    q, k, v = _video(dtype, device)
+    _, clean = block_sparse_attention(q, k, v, None, pvthreshd=1, return_sparsity=True, backend="reference")
+    assert clean.pv_skipped.min() > 0.05, "stage 2 must skip tiles here, or the test proves nothing about it"
+    for name, a, b in [("q", _with_nan(q, (0, 1, 200, 5)), k), ("k", q, _with_nan(k, (0, 0, 300, 7)))]:
+        runs = {backend: block_sparse_attention(a, b, v, None, pvthreshd=1, return_sparsity=True, backend=backend)
+                for backend in ("reference", "triton" if device == "cpu" else "auto")}
+        (expected, expected_stats), (out, stats) = runs.values()
+        if device == "cpu":
+            assert torch.equal(stats.pv_skipped, expected_stats.pv_skipped), f"NaN in {name}: P.V products skipped"
+        finite = torch.isfinite(expected.float()).all(-1)
+        assert torch.equal(_non_finite_rows(out), ~finite), f"NaN in {name}: rows differ from the reference's"
+        l1 = relative_l1(out.float()[finite], expected.float()[finite])
+        assert l1 < 1e-2, f"NaN in {name}: relative L1 {l1:.3g} on the finite rows"
+
+
 def _check_selection_keeps_nan_blocks(backend, dtype, device):
     """FSA's per-query selection (``select_key_blocks``) with ``top_k`` as large as the visible blocks selects them
     all, NaN or not, so every row matches SDPA: NaN where SDPA's is, exact elsewhere. A NaN importance (NaN in one
@@ -157,6 +178,10 @@ def test_a_nan_or_inf_row_does_not_make_stage_2_skip_the_other_rows(backend):
     _check_stage_2_spares_the_other_rows(backend, torch.float16, "cpu")
 
 
+def test_stage_2_skips_the_same_tiles_as_the_reference_with_nan_inputs():
+    _check_stage_2_decides_as_the_reference(torch.float16, "cpu")
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_fsa_selection_keeps_the_blocks_whose_importance_is_nan(backend):
     _check_selection_keeps_nan_blocks(backend, torch.float16, "cpu")
@@ -168,6 +193,7 @@ def test_fsa_selection_keeps_the_blocks_whose_importance_is_nan(backend):
 def test_nan_reaches_the_output_on_gpu(dtype, head_dim):
     _check_video_sparge("auto", dtype, "cuda", head_dim)
     if head_dim == 64:
+        _check_stage_2_decides_as_the_reference(dtype, "cuda")
         _check_causal_entries("auto", dtype, "cuda")
         _check_stage_2_spares_the_other_rows("auto", dtype, "cuda")
         _check_selection_keeps_nan_blocks("auto", dtype, "cuda")

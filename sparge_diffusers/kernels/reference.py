@@ -42,13 +42,20 @@ def _with_sink(acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor, sink: torch.
     return acc * alpha[..., None], l * alpha + torch.exp2(sink - top)
 
 
+def _row_max(s: torch.Tensor) -> torch.Tensor:
+    """Each row's largest score (last dim), ignoring NaN, -inf for a row of NaN only: the kernels' tl.max does the
+    same (maxnum on the GPU, numpy's nanmax in Triton's interpreter). A row holding a NaN score (NaN in a key it
+    sees) thus keeps a finite running max and counts in stage 2's test as in the kernel; its output is NaN
+    all the same, through its P."""
+    return torch.where(s.isnan(), -math.inf, s).amax(-1)
+
+
 def _tile_gap(m_local: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
-    """Each row's m_local - m_new for stage 2's test, -inf for rows that must not count: rows with no visible key
-    in the tile (m_local = -inf) and rows whose scores hold NaN or inf (their output is NaN whatever happens).
-    torch's max propagates NaN, so without this one such row makes the tile's gap NaN, the test
+    """Each row's m_local - m_new for stage 2's test, -inf for rows that must not count, as in the kernel: rows
+    with no visible key in the tile or only NaN scores (m_local = -inf) and rows with an inf score (their output
+    is NaN). torch's max propagates NaN, so without this one such row makes the tile's gap NaN, the test
     ``gap > -pvthreshd`` False, and the other rows of the query block lose the tile's P.V (finite, wrong
-    outputs). The Triton kernel leaves out the same rows: its gap drops rows whose m_local is -inf or NaN, and its
-    tl.max ignores the NaN that a row of inf scores gives."""
+    outputs: the reference did this until session 76; the kernel never did)."""
     ok = torch.isfinite(m_local) & torch.isfinite(m_new)
     return torch.where(ok, m_local - m_new, -math.inf)
 
@@ -242,7 +249,7 @@ def reference_block_sparse_attention(
                 if shape.sliding_window is not None:  # the query at position p sees keys p - W + 1 .. p
                     hidden |= k_pos[:, :, None, :] <= q_pos[:, None] - shape.sliding_window
                 s = s.masked_fill(hidden, -math.inf)
-            m_local = s.amax(-1)
+            m_local = _row_max(s)
             m_new = torch.maximum(m, m_local)
             m_use = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that have seen no key yet
             alpha = torch.exp2(m - m_use)
@@ -310,7 +317,7 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                     s = (qi @ kh[b, h, cols].T) * c
                     if is_causal:
                         s = s.masked_fill(cols[None, :] > positions[:, None], -math.inf)
-                    m_local = s.amax(-1)
+                    m_local = _row_max(s)
                     m_new = torch.maximum(m, m_local)
                     m_use = torch.where(torch.isinf(m_new), 0.0, m_new)
                     alpha = torch.exp2(m - m_use)
