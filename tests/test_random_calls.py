@@ -12,9 +12,10 @@ the call untouched, and relative L1 against the reference under the dtype's tole
 tests/test_gpu_random_calls.py draws larger calls on a GPU; its seed 2005 found a window bug that no grid here held
 (an upper-left call with more queries than keys), which is why the draws combine the axes. The same for S2O: its
 order walked by the kernel and by the reference, or built by the kernels and visited in full against exact attention;
-and for PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and the walk on permuted keys).
+and for PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and the walk on permuted keys). And
+with one NaN or inf in q or k: the same rows non-finite as the reference's, the others close to it.
 
-``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O and PBS half as many),
+``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O, PBS and NaN half as many),
 ``SPARGE_RANDOM_FIRST`` the first; the seeds in ``FOUND_BUGS`` run every time.
 """
 
@@ -144,6 +145,72 @@ def test_random_call_matches_reference(seed):
     ref = block_sparse_attention(q, k, v, mask, pvthreshd=call["pvthreshd"], backend="reference", sink_logits=sinks,
                                  **capped)
     _check(result, out, big, ref, seq, call)
+
+
+def draw_non_finite(seed: int, call: dict) -> dict:
+    """Where a seed's NaN or inf goes: q or k, a (batch, head, row, dim) inside it, and which value. Drawn apart
+    from :func:`draw_call`, so the call is the one that seed draws in ``test_random_call_matches_reference``."""
+    rng = random.Random(seed + 10**9)
+    tensor = rng.choice(["q", "k"])
+    rows, heads = (call["q_len"], call["heads"]) if tensor == "q" else (call["kv_len"], call["kv_heads"])
+    return dict(tensor=tensor, value=rng.choice([math.nan, math.nan, math.inf, -math.inf]),
+                index=(rng.randrange(call["batch"]), rng.randrange(heads), rng.randrange(rows),
+                       rng.randrange(call["head_dim"])))
+
+
+def _with_non_finite(q, k, v, where: dict, layout: str):
+    """q, k, v with one element set to ``where["value"]``; ``index`` is (batch, head, row, dim) in either layout."""
+    b, h, n, d = where["index"]
+    t = (q if where["tensor"] == "q" else k).clone()
+    t[(b, h, n, d) if layout == "HND" else (b, n, h, d)] = where["value"]
+    return (t, k, v) if where["tensor"] == "q" else (q, t, v)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@pytest.mark.parametrize("seed", seeds("non_finite", share=2))
+def test_random_call_with_a_nan_or_inf_matches_reference(seed):
+    """The call of ``test_random_call_matches_reference``'s seed with one NaN, inf or -inf in q or k: the kernels
+    make the same rows non-finite as the float32 reference, given the same mask, and the other rows match it. Stage 1
+    sees the same inputs in both, so "whole" calls take the kernel's mask (tests/test_nan_inputs.py checks stage 1's
+    NaN handling). Every element is written: the output buffer is poisoned with a finite sentinel, since NaN is now
+    a valid output."""
+    call = draw_call(seed)
+    where = draw_non_finite(seed, call)
+    layout = call["layout"]
+    q, k, v = _with_non_finite(*_inputs(call), where, layout)
+    seq = 2 if layout == "HND" else 1
+    q_len, kv_len = q.shape[seq], k.shape[seq]
+    sentinel = 12345.0
+    big_shape = list(q.shape)
+    big_shape[seq] += 5
+    big = torch.full(big_shape, sentinel, dtype=q.dtype)
+    out = big.narrow(seq, 0, q_len)
+    common = dict(is_causal=call["causal"], tensor_layout=layout, causal_variant=call["causal_variant"],
+                  sliding_window=call["sliding_window"])
+    capped = dict(common, softcap=call["softcap"])
+    sinks = torch.randn(call["heads"], generator=torch.Generator().manual_seed(seed)) * 3 if call["sinks"] else None
+    if call["entry"] == "whole":
+        mask = predict_block_mask(q, k, backend="triton", **capped)
+    elif call["entry"] == "dense":
+        mask = None
+    else:
+        mask = torch.rand(call["batch"], call["heads"], math.ceil(q_len / BLOCK_Q), math.ceil(kv_len / BLOCK_K),
+                          generator=torch.Generator().manual_seed(seed + 1)) < call["density"]
+    given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
+    result = block_sparse_attention(q, k, v, given, pvthreshd=call["pvthreshd"], out=out, backend="triton",
+                                    sink_logits=sinks, **capped)
+    ref = block_sparse_attention(q, k, v, mask, pvthreshd=call["pvthreshd"], backend="reference", sink_logits=sinks,
+                                 **capped)
+    assert result.data_ptr() == out.data_ptr(), call
+    assert not (result == sentinel).any(), ("an element was not written", call, where)
+    assert (big.narrow(seq, q_len, 5) == sentinel).all(), ("rows past the call were written", call, where)
+    rows = -1  # the head dim
+    finite = torch.isfinite(ref.float()).all(rows)
+    assert torch.equal(torch.isfinite(result.float()).all(rows), finite), ("non-finite rows differ", call, where)
+    if finite.any():
+        _assert_close_to(result[finite], ref[finite], call)
 
 
 def draw_s2o_call(seed: int) -> dict:
