@@ -111,8 +111,16 @@ def _check_stage_2_spares_the_other_rows(backend, dtype, device):
     }
     inf_q = q.clone()
     inf_q[0, 3, 150, 9] = float("inf")
+    # every query of KV head 1 scores +inf on key 290, in the last tile, which then has only rows without a finite
+    # max: stage 2 skips its P.V, and the rows must still come out NaN (the reference once gave zeros: it rescaled a
+    # +inf running max to 0, as it does a row that has seen no key, so the normaliser was inf, not NaN)
+    positive_q = q.clone()
+    positive_q[:, 2:, :, 9] = positive_q[:, 2:, :, 9].abs() + 0.1
+    inf_k = k.clone()
+    inf_k[0, 1, 290, 9] = float("inf")
     cases = [("NaN in q", _with_nan(q, (0, 3, 150, 9)), k, False), ("NaN in q", _with_nan(q, (0, 3, 150, 9)), k, True),
-             ("inf in q", inf_q, k, False), ("NaN in k", q, _with_nan(k, (0, 1, 170, 2)), True)]
+             ("inf in q", inf_q, k, False), ("NaN in k", q, _with_nan(k, (0, 1, 170, 2)), True),
+             ("+inf scores", positive_q, inf_k, False)]
     for entry, attend in entries.items():
         for name, a, b, causal in cases:
             if entry == "pbs" and not causal:

@@ -251,7 +251,9 @@ def reference_block_sparse_attention(
                 s = s.masked_fill(hidden, -math.inf)
             m_local = _row_max(s)
             m_new = torch.maximum(m, m_local)
-            m_use = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that have seen no key yet
+            # rows that have seen no key yet; a row with a +inf score keeps it, as in the kernel, so that its P
+            # (inf - inf) and output are NaN as in SDPA, even where stage 2 skips its P.V
+            m_use = torch.where(m_new == -math.inf, 0.0, m_new)
             alpha = torch.exp2(m - m_use)
             p = torch.exp2(s - m_use[..., None])
             do_pv = active
@@ -319,7 +321,7 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                         s = s.masked_fill(cols[None, :] > positions[:, None], -math.inf)
                     m_local = _row_max(s)
                     m_new = torch.maximum(m, m_local)
-                    m_use = torch.where(torch.isinf(m_new), 0.0, m_new)
+                    m_use = torch.where(m_new == -math.inf, 0.0, m_new)  # as in reference_block_sparse_attention
                     alpha = torch.exp2(m - m_use)
                     p = torch.exp2(s - m_use[:, None])
                     before = l * alpha
@@ -334,7 +336,10 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                     ranked = n - int(n_forced[b, h, i])
                     if tau is not None and ranked > 0 and ranked % check_every == 0:
                         gain = torch.where(before > 0, (l - before) / before.clamp(min=1e-30), math.inf)
-                        if float(gain.mean()) < float(tau[h]):
+                        # "not >=" as in the kernel, which walks on only while the mean gain is >= tau: a row whose
+                        # normaliser is NaN (NaN or inf in its q, or in a key it saw) makes the mean NaN and stops
+                        # the walk at this test
+                        if not float(gain.mean()) >= float(tau[h]):
                             break
                 visited[b, h, i] = n
                 if sinks is not None:
