@@ -132,6 +132,32 @@ def _check_non_finite(result, out, big, ref, seq: int, call: dict, where: dict) 
         _assert_close_to(result[finite], ref[finite], call)
 
 
+def _call_arguments(call: dict) -> tuple[dict, dict, torch.Tensor | None]:
+    """A drawn call's keyword arguments: those of every entry point (``common``), the same with its soft cap
+    (``capped``), and its sink logits (or None)."""
+    common = dict(is_causal=call["causal"], tensor_layout=call["layout"], causal_variant=call["causal_variant"],
+                  sliding_window=call["sliding_window"])
+    seed = call["seed"]
+    sinks = torch.randn(call["heads"], generator=torch.Generator().manual_seed(seed)) * 3 if call["sinks"] else None
+    return common, dict(common, softcap=call["softcap"]), sinks
+
+
+def _random_mask(call: dict, q_len: int, kv_len: int) -> torch.Tensor:
+    """A drawn call's bool block mask, each block kept with probability ``call["density"]``."""
+    return torch.rand(call["batch"], call["heads"], math.ceil(q_len / BLOCK_Q), math.ceil(kv_len / BLOCK_K),
+                      generator=torch.Generator().manual_seed(call["seed"] + 1)) < call["density"]
+
+
+def _block_sparse_outputs(call: dict, q, k, v, mask, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_sparse_attention`` of a drawn call with the Triton kernels, written into ``out`` (given the mask
+    compacted when the call's entry is "compact"), and with the float32 reference."""
+    common, capped, sinks = _call_arguments(call)
+    given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
+    kw = dict(pvthreshd=call["pvthreshd"], sink_logits=sinks, **capped)
+    result = block_sparse_attention(q, k, v, given, out=out, backend="triton", **kw)
+    return result, block_sparse_attention(q, k, v, mask, backend="reference", **kw)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 @pytest.mark.parametrize("seed", seeds("call"))
@@ -142,25 +168,17 @@ def test_random_call_matches_reference(seed):
     seq = 2 if layout == "HND" else 1
     q_len, kv_len = q.shape[seq], k.shape[seq]
     big, out = _poisoned_output(q, seq)
-    common = dict(is_causal=call["causal"], tensor_layout=layout, causal_variant=call["causal_variant"],
-                  sliding_window=call["sliding_window"])
-    capped = dict(common, softcap=call["softcap"])
-    sinks = torch.randn(call["heads"], generator=torch.Generator().manual_seed(seed)) * 3 if call["sinks"] else None
     if call["entry"] == "whole":
+        _, capped, sinks = _call_arguments(call)
         result = sparge_attention(q, k, v, pvthreshd=call["pvthreshd"], out=out, backend="triton",
                                   sink_logits=sinks, **capped)
         mask = predict_block_mask(q, k, backend="triton", **capped)
         assert_stage1_agrees(mask, q, k, **stage1_defaults(call))  # the reference's mask off every threshold
+        ref = block_sparse_attention(q, k, v, mask, pvthreshd=call["pvthreshd"], backend="reference",
+                                     sink_logits=sinks, **capped)
     else:
-        mask = None
-        if call["entry"] != "dense":
-            mask = torch.rand(call["batch"], call["heads"], math.ceil(q_len / BLOCK_Q), math.ceil(kv_len / BLOCK_K),
-                              generator=torch.Generator().manual_seed(seed + 1)) < call["density"]
-        given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
-        result = block_sparse_attention(q, k, v, given, pvthreshd=call["pvthreshd"], out=out, backend="triton",
-                                        sink_logits=sinks, **capped)
-    ref = block_sparse_attention(q, k, v, mask, pvthreshd=call["pvthreshd"], backend="reference", sink_logits=sinks,
-                                 **capped)
+        mask = None if call["entry"] == "dense" else _random_mask(call, q_len, kv_len)
+        result, ref = _block_sparse_outputs(call, q, k, v, mask, out)
     _check(result, out, big, ref, seq, call)
 
 
@@ -212,22 +230,11 @@ def test_random_call_with_a_nan_or_inf_matches_reference(seed):
     seq = 2 if layout == "HND" else 1
     q_len, kv_len = q.shape[seq], k.shape[seq]
     big, out = _poisoned_output(q, seq, SENTINEL)
-    common = dict(is_causal=call["causal"], tensor_layout=layout, causal_variant=call["causal_variant"],
-                  sliding_window=call["sliding_window"])
-    capped = dict(common, softcap=call["softcap"])
-    sinks = torch.randn(call["heads"], generator=torch.Generator().manual_seed(seed)) * 3 if call["sinks"] else None
     if call["entry"] == "whole":
-        mask = predict_block_mask(q, k, backend="triton", **capped)
-    elif call["entry"] == "dense":
-        mask = None
+        mask = predict_block_mask(q, k, backend="triton", **_call_arguments(call)[1])
     else:
-        mask = torch.rand(call["batch"], call["heads"], math.ceil(q_len / BLOCK_Q), math.ceil(kv_len / BLOCK_K),
-                          generator=torch.Generator().manual_seed(seed + 1)) < call["density"]
-    given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
-    result = block_sparse_attention(q, k, v, given, pvthreshd=call["pvthreshd"], out=out, backend="triton",
-                                    sink_logits=sinks, **capped)
-    ref = block_sparse_attention(q, k, v, mask, pvthreshd=call["pvthreshd"], backend="reference", sink_logits=sinks,
-                                 **capped)
+        mask = None if call["entry"] == "dense" else _random_mask(call, q_len, kv_len)
+    result, ref = _block_sparse_outputs(call, q, k, v, mask, out)
     _check_non_finite(result, out, big, ref, seq, call, where)
 
 
