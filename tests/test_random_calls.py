@@ -15,8 +15,8 @@ order walked by the kernel and by the reference, or built by the kernels and vis
 and for PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and the walk on permuted keys). And
 with one NaN in q or k, or inf in k: the same rows non-finite as the reference's, the others close to it.
 
-``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O, PBS and NaN half as many),
-``SPARGE_RANDOM_FIRST`` the first; the seeds in ``FOUND_BUGS`` run every time.
+``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O, PBS and NaN calls half as
+many, S2O's NaN calls a quarter), ``SPARGE_RANDOM_FIRST`` the first; the seeds in ``FOUND_BUGS`` run every time.
 """
 
 import math

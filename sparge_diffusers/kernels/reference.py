@@ -52,10 +52,10 @@ def _row_max(s: torch.Tensor) -> torch.Tensor:
 
 def _tile_gap(m_local: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
     """Each row's m_local - m_new for stage 2's test, -inf for rows that must not count, as in the kernel: rows
-    with no visible key in the tile or only NaN scores (m_local = -inf) and rows with an inf score (their output
-    is NaN). torch's max propagates NaN, so without this one such row makes the tile's gap NaN, the test
-    ``gap > -pvthreshd`` False, and the other rows of the query block lose the tile's P.V (finite, wrong
-    outputs: the reference did this until session 76; the kernel never did)."""
+    with no visible key in the tile or only NaN scores (m_local = -inf) and rows with a +inf score, now or in an
+    earlier tile (m_local or m_new = +inf; their output is NaN). torch's max propagates NaN, so without this one
+    such row makes the tile's gap NaN, the test ``gap > -pvthreshd`` False, and the other rows of the query block
+    lose the tile's P.V (finite, wrong outputs: the reference did this until session 76; the kernel never did)."""
     ok = torch.isfinite(m_local) & torch.isfinite(m_new)
     return torch.where(ok, m_local - m_new, -math.inf)
 
