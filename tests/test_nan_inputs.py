@@ -11,15 +11,16 @@ place each NaN where the method must use it.
 
 The rows that SDPA leaves finite must stay right as well: a row whose scores hold NaN or inf must not make stage 2
 take a tile's P.V for negligible on behalf of the other rows of its query block (the float32 reference did until
-session 76).
+session 76). A row whose every score is -inf gets zeros, as in SDPA, and a tile of -inf scores adds nothing (the
+Triton and FSA kernels got these wrong until session 77), and in S2O a NaN row counts no gain in the stop test.
 """
 
 import pytest
 import torch
 
 from sparge_diffusers import relative_l1
-from sparge_diffusers.kernels import (block_sparse_attention, s2o_attention, select_key_blocks,
-                                      selected_block_attention, sparge_attention)
+from sparge_diffusers.kernels import (attention_hopper, block_sparse_attention, s2o_attention, s2o_hopper,
+                                      select_key_blocks, selected_block_attention, sparge_attention)
 from sparge_diffusers.llm import pbs_sparge_attention
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_kernels import L1_TOL, dense_reference
@@ -170,6 +171,80 @@ def _check_selection_keeps_nan_blocks(backend, dtype, device):
         assert l1 < L1_TOL[dtype], f"NaN in {name}: relative L1 {l1:.3g} on the finite rows"
 
 
+def _all_negative_inf_cases(q, k):
+    """Inputs under which some rows score -inf on every key of a tile. "inf in q": rows 5 and 150 of head 3 hold
+    +inf in dim 9 and every key of their KV head a negative dim 9, so the rows score -inf on every key. Row 5 sees
+    only its diagonal tile under causal masking, a tile that needs element masking. "-inf keys": keys 0-63 of KV
+    head 1 hold -inf in dim 9 and its queries a positive dim 9, so those rows score -inf on the first key block
+    and finite scores elsewhere (under causal masking rows 0-63 see nothing else). A negative offset in dim 10 (q
+    1, k -60 on every token: a constant per row, which the softmax does not see) makes every finite score small,
+    so a block that wrongly adds weight to the normaliser shows."""
+    q, k = q.clone(), k.clone()
+    q[..., 10], k[..., 10] = 1.0, -60.0
+    inf_q, negative_k = q.clone(), k.clone()
+    inf_q[0, 3, [5, 150], 9] = float("inf")
+    negative_k[0, 1, :, 9] = -(negative_k[0, 1, :, 9].abs() + 0.1)
+    positive_q, inf_k = q.clone(), k.clone()
+    positive_q[0, 2:, :, 9] = positive_q[0, 2:, :, 9].abs() + 0.1
+    inf_k[0, 1, :64, 9] = float("-inf")
+    return [("inf in q", inf_q, negative_k), ("-inf keys", positive_q, inf_k)]
+
+
+def _check_rows_without_a_finite_score(backend, dtype, device):
+    """A row whose every visible score is -inf gets zeros, as in SDPA (torch's safe softmax; FlashAttention's
+    kernels do the same), like a row that sees no key; a tile of -inf scores adds nothing to a row. Until
+    session 77: the Triton kernel gave NaN where such a tile needed no element masking, even when later tiles
+    brought finite scores (here 600 of 1200 rows NaN with the -inf keys); FSA's KV-outer kernel gave such a block
+    the weight of one finite score, which the small scores here make show (relative L1 0.13-0.17); FSA's reference
+    gave NaN (a plain softmax)."""
+    q, k, v = llm_like_qkv(300, heads=4, kv_heads=2, head_dim=64, dtype=dtype, device=device, seed=1)
+    every_block = torch.ones(1, 1, 3, 5, dtype=torch.bool, device=device)
+    every_key_block = torch.arange(5, device=device).expand(1, 2, 300, 5)
+    entries = {
+        "block_sparse": lambda a, b, c, causal: block_sparse_attention(a, b, c, every_block, is_causal=causal,
+                                                                       pvthreshd=None, backend=backend),
+        "stage_2": lambda a, b, c, causal: block_sparse_attention(a, b, c, every_block, is_causal=causal,
+                                                                  pvthreshd=50, backend=backend),
+        "s2o": lambda a, b, c, causal: s2o_attention(a, b, c, is_causal=causal, tau=None, backend=backend),
+        "pbs": lambda a, b, c, causal: pbs_sparge_attention(a, b, c, segment=128, cdfthreshd=1.0, backend=backend),
+        "selected": lambda a, b, c, causal: selected_block_attention(a, b, c, every_key_block, is_causal=causal,
+                                                                     backend=backend),
+    }
+    for name, a, b in _all_negative_inf_cases(q, k):
+        for causal in (False, True):
+            # torch's SDPA on the CPU: its safe softmax gives zeros for a row of -inf scores
+            expected = dense_reference(a.cpu(), b.cpu(), v.cpu(), causal, "HND")
+            assert torch.isfinite(expected).all(), (name, causal)
+            zero = (expected == 0).all(-1)
+            if name == "inf in q" or causal:
+                assert zero.any(), (name, causal)
+            for entry, attend in entries.items():
+                if entry == "pbs" and not causal:
+                    continue  # PBS-Attn is causal only
+                out = attend(a, b, v, causal).float().cpu()
+                where = f"{entry}, {name}, causal={causal}"
+                assert not _non_finite_rows(out).any(), f"{where}: {int(_non_finite_rows(out).sum())} rows not finite"
+                assert (out[zero] == 0).all(), f"{where}: rows without a finite score are not zero"
+                l1 = relative_l1(out, expected)
+                assert l1 < L1_TOL[dtype], f"{where}: relative L1 {l1:.3g}"
+
+
+def _check_s2o_stop_test_ignores_nan_rows(backend, dtype, device):
+    """S2O stops a query block's walk once the mean over its rows of the last tile's relative gain in the
+    normaliser falls below tau. A row whose normaliser is NaN has no gain to offer: it counts zero, so a NaN in one
+    query row leaves the walk as it is without it (here: the same share of blocks skipped in each head, 0.22 and
+    0.26 on the CPU). Until session 77 such a row counted infinite (its block never stopped); one whose NaN came
+    with the tested tile made the mean NaN and stopped its block at that test."""
+    q, k, v = _video(dtype, device)
+    walk = dict(tau=0.05, check_every=2, return_sparsity=True, backend=backend)
+    _, clean = s2o_attention(q, k, v, **walk)
+    assert clean.qk_skipped.max() > 0.1, "the walk must stop early here, or the test proves nothing about it"
+    out, stats = s2o_attention(_with_nan(q, (0, 1, 200, 5)), k, v, **walk)
+    assert torch.equal(stats.qk_skipped, clean.qk_skipped), \
+        f"{stats.qk_skipped.tolist()} of the blocks skipped, {clean.qk_skipped.tolist()} without the NaN"
+    assert torch.equal(_non_finite_rows(out), _sdpa_non_finite_rows(_with_nan(q, (0, 1, 200, 5)), k, v, False))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_nan_in_q_or_k_reaches_the_output_through_stage_1(backend, dtype):
@@ -193,6 +268,27 @@ def test_stage_2_skips_the_same_tiles_as_the_reference_with_nan_inputs():
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_fsa_selection_keeps_the_blocks_whose_importance_is_nan(backend):
     _check_selection_keeps_nan_blocks(backend, torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_row_whose_every_score_is_negative_inf_is_nan_and_a_negative_inf_tile_adds_nothing(backend):
+    _check_rows_without_a_finite_score(backend, torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_s2o_stop_test_counts_a_nan_row_as_no_gain(backend):
+    _check_s2o_stop_test_ignores_nan_rows(backend, torch.float16, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hopper", [False, None], ids=["triton", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rows_without_a_finite_score_and_s2o_nan_rows_on_gpu(dtype, hopper, monkeypatch):
+    """On an H100 "auto" runs the Hopper kernels where they can (block_sparse, s2o, pbs), "triton" never."""
+    monkeypatch.setattr(attention_hopper, "OVERRIDE", hopper)
+    monkeypatch.setattr(s2o_hopper, "OVERRIDE", hopper)
+    _check_rows_without_a_finite_score("auto", dtype, "cuda")
+    _check_s2o_stop_test_ignores_nan_rows("auto", dtype, "cuda")
 
 
 @pytest.mark.gpu

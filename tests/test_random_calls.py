@@ -41,8 +41,9 @@ FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
 # of session 56's kernel fix; PBS seed 335 a one-token prompt, which the structured generator could not make; seed
 # 100594 a soft cap of 1.5 that saturates every compressed score, so TopCdf's cut fell among exact ties (3 of 90
 # blocks differed: over the 2% of blocks this test allowed, inside what stage1_borderline now allows); S2O's NaN seed
-# 25 a +inf score in every row of a call's one tile, which stage 2 skipped: the reference gave zeros, SDPA NaN
-FOUND_BUGS = {"call": [67, 100594], "pbs": [335], "non_finite_s2o": [25]}
+# 25 a +inf score in every row of a call's one tile, which stage 2 skipped: the reference gave zeros, SDPA NaN; its
+# seed 86 an inf in q whose row scores -inf on every key (the Triton kernel gave NaN, the reference and SDPA zeros)
+FOUND_BUGS = {"call": [67, 100594], "pbs": [335], "non_finite_s2o": [25, 86]}
 
 
 def seeds(test: str, share: int = 1) -> list[int]:
@@ -187,16 +188,16 @@ def draw_non_finite(seed: int, q: torch.Tensor, k: torch.Tensor, layout: str) ->
     inputs' shapes (the "whole" calls' generators choose their own lengths) with a stream apart from
     :func:`draw_call`'s, so the call is the one that seed draws in ``test_random_call_matches_reference``.
 
-    q gets NaN only. An inf in q makes every score of its row +-inf, and where all of them are -inf (every key
-    with the other sign in that dim) the three disagree: SDPA gives NaN, the reference zeros (it takes a row
-    without a finite score for a row that sees no key), and the Triton kernel NaN, or zeros where each of the
-    row's tiles needed masking. S2O's seed 86 drew such a row; it is open. An inf in k touches one column."""
+    An inf in q makes every score of its row +-inf; where all of them are -inf (every key with the other sign in
+    that dim) the row gets zeros, as in SDPA. Until session 77 q got NaN only: on such a row the Triton kernel gave
+    NaN where one of its tiles needed no element masking, the reference zeros (S2O's seed 86). An inf in k touches
+    one column."""
     rng = random.Random(seed + 10**9)
     tensor = rng.choice(["q", "k"])
     t = q if tensor == "q" else k
     batch, heads, rows, dims = t.shape if layout == "HND" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
     value = rng.choice([math.nan, math.nan, math.inf, -math.inf])
-    return dict(tensor=tensor, value=math.nan if tensor == "q" else value,
+    return dict(tensor=tensor, value=value,
                 index=(rng.randrange(batch), rng.randrange(heads), rng.randrange(rows), rng.randrange(dims)))
 
 

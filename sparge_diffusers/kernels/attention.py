@@ -210,10 +210,11 @@ def _attend_tile(
     # Scores stay unscaled; the scale (with log2 e) enters the row max and, fused as one FMA, the exponent.
     m_local = tl.max(qk, axis=1) * qk_scale
     m_new = tl.maximum(m_i, m_local)
-    if MASKED:
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-    else:
-        m_use = m_new
+    # Rows without a finite score yet: no visible key, or -inf on every one (an inf in q or k). Unmasked tiles need
+    # the guard too: without it a tile of -inf scores made the row NaN even when later tiles brought finite
+    # scores (until session 77); with it such a tile adds nothing and a row with no finite score at all gets
+    # zeros, as SDPA (torch's safe softmax, FlashAttention) gives.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(qk * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -319,8 +320,9 @@ def _store_output(O, b, h, acc, l_i, offs_m, offs_d, d_mask, row_valid,
                   TMA_IO: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None, WIDE: tl.constexpr = False):
     """Normalise and store one query tile; with ``TMA_IO``, ``O`` is a (B, H, N, D) tensor descriptor of
     element type ``OUT_DTYPE`` (rows past N are not written). ``WIDE``: row offsets in int64."""
-    # A query row that saw no key (l == 0) gets a zero output; a NaN normaliser (NaN or inf in q or k) stays
-    # NaN in the output, as in SDPA, rather than turning into zeros.
+    # A query row without a finite score (l == 0: it saw no key, or -inf on every key) gets a zero output, as in
+    # SDPA; a NaN normaliser (NaN or inf in q or k) stays NaN in the output, as in SDPA, rather than turning into
+    # zeros.
     unseen = l_i == 0.0
     out = tl.where(unseen[:, None], 0.0, acc / tl.where(unseen, 1.0, l_i)[:, None])
     if TMA_IO:

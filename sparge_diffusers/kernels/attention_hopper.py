@@ -135,7 +135,7 @@ if GLUON_IMPORT_ERROR is None:
         returns the probabilities, the new row max and sum, and the accumulator rescaled to the new max."""
         # the scale (with log2 e) enters the row max and the exponent's FMA
         m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows without a finite score yet (attention.py)
         alpha = gl.exp2(m_i - m_use)
         probs = gl.exp2(qk * qk_scale - gl.expand_dims(m_use, 1))
         l_i = l_i * alpha + gl.sum(probs, axis=1)
@@ -342,7 +342,7 @@ if GLUON_IMPORT_ERROR is None:
         O_COLS: gl.constexpr = o_desc.block_type.shape[3]
         D: gl.constexpr = o_smem.type.shape[1]
         l_o = gl.convert_layout(l_i, rows_o)
-        # a query row that saw no key (l == 0) gets a zero output; a NaN normaliser (NaN or inf in q or k)
+        # a query row without a finite score (l == 0) gets a zero output; a NaN normaliser (NaN or inf in q or k)
         # stays NaN, as in SDPA. One reciprocal per row, not one division per element: 3-5% faster at
         # every density on an H100 (kernel-variants (t)), outputs bitwise equal on the GPU check cases
         inv_l = gl.where(l_o == 0.0, 0.0, 1.0 / l_o)

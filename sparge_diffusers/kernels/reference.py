@@ -26,8 +26,9 @@ LOG2E = 1.4426950408889634
 
 
 def _normalised(acc: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
-    """acc / l per row; rows that saw no key (l == 0) give zeros, and a NaN normaliser (NaN or inf in q or k)
-    stays NaN as in SDPA instead of turning into zeros."""
+    """acc / l per row; rows without a finite score (l == 0: no visible key, or -inf on every one) give zeros, as
+    SDPA does (torch's safe softmax), and a NaN normaliser (NaN or inf in q or k) stays NaN as in SDPA instead of
+    turning into zeros."""
     return torch.where(l[..., None] == 0, 0.0, acc / torch.where(l == 0, 1.0, l)[..., None])
 
 
@@ -251,7 +252,8 @@ def reference_block_sparse_attention(
                 s = s.masked_fill(hidden, -math.inf)
             m_local = _row_max(s)
             m_new = torch.maximum(m, m_local)
-            # rows that have seen no key yet; a row with a +inf score keeps it, as in the kernel, so that its P
+            # rows without a finite score yet (no visible key, or -inf on every one: the tile adds nothing to
+            # them, as in the kernel); a row with a +inf score keeps it, as in the kernel, so that its P
             # (inf - inf) and output are NaN as in SDPA, even where stage 2 skips its P.V
             m_use = torch.where(m_new == -math.inf, 0.0, m_new)
             alpha = torch.exp2(m - m_use)
@@ -335,10 +337,11 @@ def reference_ordered_attention(q, k, v, order: tuple[torch.Tensor, ...], *, sha
                     n += 1
                     ranked = n - int(n_forced[b, h, i])
                     if tau is not None and ranked > 0 and ranked % check_every == 0:
-                        gain = torch.where(before > 0, (l - before) / before.clamp(min=1e-30), math.inf)
-                        # "not >=" as in the kernel, which walks on only while the mean gain is >= tau: a row whose
-                        # normaliser is NaN (NaN or inf in its q, or in a key it saw) makes the mean NaN and stops
-                        # the walk at this test
+                        gain = torch.where(before > 0, (l - before) / before.clamp(min=1e-30),
+                                           torch.where(l > 0, math.inf, 0.0))
+                        # a row without a finite score or with a NaN normaliser (NaN or inf in its q, or in a key it
+                        # saw) counts zero, as in the kernel (s2o.py's notes)
+                        gain = torch.where(l.isnan(), 0.0, gain)
                         if not float(gain.mean()) >= float(tau[h]):
                             break
                 visited[b, h, i] = n
@@ -356,8 +359,8 @@ def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, 
 
     The selection becomes a dense (Nq, Nkv) key mask per KV head (indices < 0 or past the last block select
     nothing; repeats are harmless), intersected with the causal mask (query row i at key position i +
-    ``causal_offset``); a query that sees no key gets a zero row. ``sink_logits`` (H,): one more logit per row,
-    its weight dropped (learned attention sinks).
+    ``causal_offset``); a query that sees no key, or scores -inf on every key, gets a zero row. ``sink_logits``
+    (H,): one more logit per row, its weight dropped (learned attention sinks).
     """
     qh, kh, vh = (to_hnd(t, tensor_layout).float() for t in (q, k, v))
     B, H, Nq, D = qh.shape
@@ -375,8 +378,9 @@ def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, 
     s = s.masked_fill(~keys, -math.inf)
     if sink_logits is not None:
         s = torch.cat([s, sink_logits.to(q.device).float().view(1, H, 1, 1).expand(B, H, Nq, 1)], dim=-1)
-    # rows with no visible key (all -inf) get zeros; NaN from NaN or inf inputs stays, as in SDPA
-    p = torch.softmax(s, dim=-1)[..., :Nkv].masked_fill(~keys.any(-1, keepdim=True), 0.0)
+    # rows with no finite score (no visible key, or -inf on every one) get zeros, as SDPA's safe softmax gives
+    # (plain softmax gives NaN: until session 77 this reference did); NaN from NaN or inf inputs stays, as in SDPA
+    p = torch.softmax(s, dim=-1)[..., :Nkv].masked_fill((s == -math.inf).all(-1, keepdim=True), 0.0)
     out = (p @ vh.repeat_interleave(group, dim=1)).to(q.dtype)
     return out if tensor_layout == "HND" else out.transpose(1, 2)
 

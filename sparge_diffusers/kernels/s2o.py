@@ -18,8 +18,13 @@ second selection policy beside TopCdf, for one query block (128 rows) at a time:
    stops at the same tiles): forced blocks unconditionally, then the ranked blocks while the
    last tile's relative gain, mean over the tile's valid rows of (l_new - l_old) / l_old (both at the new
    running max), is at least ``tau`` (the paper's deferred check, Algorithm 4 lines 14-20), tested every
-   ``check_every`` ranked tiles. The PV skip of stage 2 applies to every tile. Rows that see no key (a
-   lower-right chunk with more queries than keys) are zeros.
+   ``check_every`` ranked tiles. A row's gain is infinite where the tile brought its first finite score, and
+   zero where it has none yet (no visible key, or -inf on every one) or a NaN normaliser (NaN or inf in q or a
+   key it saw): such a row has no gain to offer, and the block's walk is judged by its other rows. (Until
+   session 77 a row without a finite score, or whose normaliser was NaN before the tile, counted infinite and
+   kept its block walking to the end; one whose tile brought the NaN made the mean NaN and stopped the block.)
+   The PV skip of stage 2 applies to every tile. Rows that see no key (a lower-right chunk with more queries
+   than keys) are zeros.
 
 Departures from the paper, each for a reason:
 * Granularity is the 64-key block, not the token: S2O ranks individual keys (KV_perm) and gathers them; our
@@ -124,8 +129,9 @@ def _ordered_attention_kernel(
         visited = tl.where(go, end, visited)
         if EARLY_STOP:
             before = l_old * tl.exp2(m_old - m_i)  # the normaliser before the last tile, at the new max
-            gain = tl.where(before > 0.0, (l_i - before) / tl.where(before > 0.0, before, 1.0), float("inf"))
-            gain = tl.where(row_valid, gain, 0.0)
+            gain = tl.where(before > 0.0, (l_i - before) / tl.where(before > 0.0, before, 1.0),
+                            tl.where(l_i > 0.0, float("inf"), 0.0))
+            gain = tl.where(row_valid & (l_i == l_i), gain, 0.0)  # a NaN normaliser counts zero (module notes)
             go = go & (visited < count) & (tl.sum(gain, axis=0) / n_valid >= tau)
 
     if HAS_SINKS:  # after the stop test, which weighs the keys' normaliser only

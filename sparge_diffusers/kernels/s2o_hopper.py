@@ -201,8 +201,10 @@ if GLUON_IMPORT_ERROR is None:
                         # the chunk's last tile is the stage's second block: its gain at the new max
                         last = gl.sum(gl.where(gl.expand_dims(first_half, 0), 0.0, probs), axis=1)
                         before = l_i - last
-                        gain = gl.where(before > 0.0, last / gl.where(before > 0.0, before, 1.0), float("inf"))
-                        gain = gl.where(first_row + offs_r < q_len, gain, 0.0)
+                        gain = gl.where(before > 0.0, last / gl.where(before > 0.0, before, 1.0),
+                                        gl.where(l_i > 0.0, float("inf"), 0.0))
+                        # as s2o.py's walk: a NaN normaliser counts zero
+                        gain = gl.where((first_row + offs_r < q_len) & (l_i == l_i), gain, 0.0)
                         gains.index(2 * (n_checks % 2) + HALF).store(
                             gl.full([1], gl.sum(gain, axis=0), gl.float32, gain_layout))
                         _partition_barrier()  # every thread's store lands before the partition's one arrival

@@ -232,15 +232,20 @@ def _kv_outer_kernel(
             s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
             s = tl.where(visible, s, float("-inf"))
             m = tl.max(s, 1)
-            # every listed query sees a key of its block (hidden blocks were dropped); padding rows see none
+            # every listed query sees a key of its block (hidden blocks were dropped), but its scores may all be
+            # -inf (an inf in q or k); padding rows see none
             m = tl.where(m == float("-inf"), 0.0, m)
             p = tl.math.exp2(s - m[:, None])
             l = tl.sum(p, 1)
-            l_safe = tl.where(l == 0.0, 1.0, l)  # padding rows; a NaN sum (NaN in q or k) stays NaN
+            l_safe = tl.where(l == 0.0, 1.0, l)  # a NaN sum (NaN in q or k) stays NaN
             o = tl.dot(p.to(v.dtype), v) / l_safe[:, None]
+            # A block without a finite score for the row adds nothing: its lse is -inf, not log2(1) = 0, which gave
+            # it the weight of one finite score in the merge (until session 77: with small scores in the row's
+            # other blocks the output came out near zero)
+            lse = tl.where(l == 0.0, float("-inf"), m + tl.math.log2(l_safe))
             tl.store(O_PART + (part_row + g)[:, None] * HEAD_DIM + offs_d[None, :], o.to(O_PART.dtype.element_ty),
                      mask=row_valid[:, None] & d_mask[None, :])
-            tl.store(LSE_PART + part_row + g, m + tl.math.log2(l_safe), mask=row_valid)
+            tl.store(LSE_PART + part_row + g, lse, mask=row_valid)
 
 
 @triton.jit
@@ -280,7 +285,7 @@ def _merge_kernel(
         m = m_new
     if HAS_SINKS:  # the learned sink joins the merged normaliser (m and the partials' lse are in log2 units)
         acc, den = _add_sink(acc, den, m, SINKS, h)
-    # a row with no partial (den == 0) gets zeros; a NaN denominator stays NaN in the output, as in SDPA
+    # a row with no partial or no finite score (den == 0) gets zeros, as in SDPA; a NaN denominator stays NaN
     out = tl.where(den[:, None] == 0.0, 0.0, acc / tl.where(den == 0.0, 1.0, den)[:, None])
     out_rows = OUT + b * stride_ob + h * stride_oh + (q_start + rows[:, None]).to(tl.int64) * stride_on
     tl.store(out_rows + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
