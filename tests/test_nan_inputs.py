@@ -251,33 +251,24 @@ def test_nan_in_q_or_k_reaches_the_output_through_stage_1(backend, dtype):
     _check_video_sparge(backend, dtype, "cpu")
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_nan_reaches_the_output_of_every_causal_entry_point(backend):
-    _check_causal_entries(backend, torch.float16, "cpu")
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_a_nan_or_inf_row_does_not_make_stage_2_skip_the_other_rows(backend):
-    _check_stage_2_spares_the_other_rows(backend, torch.float16, "cpu")
-
-
 def test_stage_2_skips_the_same_tiles_as_the_reference_with_nan_inputs():
     _check_stage_2_decides_as_the_reference(torch.float16, "cpu")
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_fsa_selection_keeps_the_blocks_whose_importance_is_nan(backend):
-    _check_selection_keeps_nan_blocks(backend, torch.float16, "cpu")
+# The checks that take a backend, on the CPU: the Triton kernels in the interpreter, and the float32 reference.
+CPU_CHECKS = {
+    "nan_reaches_every_causal_entry_point": _check_causal_entries,
+    "a_nan_or_inf_row_does_not_make_stage_2_skip_the_other_rows": _check_stage_2_spares_the_other_rows,
+    "fsa_selection_keeps_the_blocks_whose_importance_is_nan": _check_selection_keeps_nan_blocks,
+    "a_row_of_negative_inf_scores_gets_zeros_and_a_negative_inf_tile_adds_nothing": _check_rows_without_a_finite_score,
+    "s2o_stop_test_counts_a_nan_row_as_no_gain": _check_s2o_stop_test_ignores_nan_rows,
+}
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_a_row_whose_every_score_is_negative_inf_is_nan_and_a_negative_inf_tile_adds_nothing(backend):
-    _check_rows_without_a_finite_score(backend, torch.float16, "cpu")
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_s2o_stop_test_counts_a_nan_row_as_no_gain(backend):
-    _check_s2o_stop_test_ignores_nan_rows(backend, torch.float16, "cpu")
+@pytest.mark.parametrize("check", list(CPU_CHECKS))
+def test_non_finite_inputs(check, backend):
+    CPU_CHECKS[check](backend, torch.float16, "cpu")
 
 
 @pytest.mark.gpu
