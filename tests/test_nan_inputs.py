@@ -194,8 +194,8 @@ def _check_rows_without_a_finite_score(backend, dtype, device):
     """A row whose every visible score is -inf gets zeros, as in SDPA (torch's safe softmax; FlashAttention's
     kernels do the same), like a row that sees no key; a tile of -inf scores adds nothing to a row. Until
     session 77: the Triton kernel gave NaN where such a tile needed no element masking, even when later tiles
-    brought finite scores (here 600 of 1200 rows NaN with the -inf keys); FSA's KV-outer kernel gave such a block
-    the weight of one finite score, which the small scores here make show (relative L1 0.13-0.17); FSA's reference
+    brought finite scores (here 600 of 1200 rows NaN with the -inf keys); FSA's KV-outer kernel weighed such a
+    block as one key scoring 0, which the small scores here make show (relative L1 0.13-0.17); FSA's reference
     gave NaN (a plain softmax)."""
     q, k, v = llm_like_qkv(300, heads=4, kv_heads=2, head_dim=64, dtype=dtype, device=device, seed=1)
     every_block = torch.ones(1, 1, 3, 5, dtype=torch.bool, device=device)

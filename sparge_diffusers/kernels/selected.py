@@ -239,9 +239,9 @@ def _kv_outer_kernel(
             l = tl.sum(p, 1)
             l_safe = tl.where(l == 0.0, 1.0, l)  # a NaN sum (NaN in q or k) stays NaN
             o = tl.dot(p.to(v.dtype), v) / l_safe[:, None]
-            # A block without a finite score for the row adds nothing: its lse is -inf, not log2(1) = 0, which gave
-            # it the weight of one finite score in the merge (until session 77: with small scores in the row's
-            # other blocks the output came out near zero)
+            # A block without a finite score for the row adds nothing: its lse is -inf, not log2(1) = 0, which
+            # weighed it in the merge as one key scoring 0 (until session 77: where the row's other scores are far
+            # below 0 its output came out near zero)
             lse = tl.where(l == 0.0, float("-inf"), m + tl.math.log2(l_safe))
             tl.store(O_PART + (part_row + g)[:, None] * HEAD_DIM + offs_d[None, :], o.to(O_PART.dtype.element_ty),
                      mask=row_valid[:, None] & d_mask[None, :])
