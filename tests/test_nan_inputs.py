@@ -98,16 +98,17 @@ def _check_stage_2_spares_the_other_rows(backend, dtype, device):
     scores hold NaN (NaN in its query, or in a key it sees) or inf has no meaningful gap: it must not make the tile
     look negligible to the other rows of its query block. The float32 reference once let it (a NaN gap compares
     False, so the tile's P.V was dropped): with a NaN in one query row, the other 127 rows of its block came out
-    finite and wrong. Every block is kept here and pvthreshd=50 drops only weights below 2^-50, so each finite row
-    must match SDPA."""
+    finite and wrong. Every block is kept here and pvthreshd=20 drops only weights below 2^-20, so each finite row
+    must match SDPA. (At 24 or more the Triton kernel leaves the test out, ``api.PV_TEST_LIMIT``: until session 77
+    this check used 50, which tested the reference's stage 2 alone.)"""
     q, k, v = llm_like_qkv(300, heads=4, kv_heads=2, head_dim=64, dtype=dtype, device=device, seed=1)
     every_block = torch.ones(1, 1, 3, 5, dtype=torch.bool, device=device)
     entries = {
         "block_sparse": lambda a, b, c, causal: block_sparse_attention(a, b, c, every_block, is_causal=causal,
-                                                                       pvthreshd=50, backend=backend),
-        "s2o": lambda a, b, c, causal: s2o_attention(a, b, c, is_causal=causal, tau=None, pvthreshd=50,
+                                                                       pvthreshd=20, backend=backend),
+        "s2o": lambda a, b, c, causal: s2o_attention(a, b, c, is_causal=causal, tau=None, pvthreshd=20,
                                                      backend=backend),
-        "pbs": lambda a, b, c, causal: pbs_sparge_attention(a, b, c, segment=128, cdfthreshd=1.0, pvthreshd=50,
+        "pbs": lambda a, b, c, causal: pbs_sparge_attention(a, b, c, segment=128, cdfthreshd=1.0, pvthreshd=20,
                                                             backend=backend),
     }
     inf_q = q.clone()
@@ -204,7 +205,7 @@ def _check_rows_without_a_finite_score(backend, dtype, device):
         "block_sparse": lambda a, b, c, causal: block_sparse_attention(a, b, c, every_block, is_causal=causal,
                                                                        pvthreshd=None, backend=backend),
         "stage_2": lambda a, b, c, causal: block_sparse_attention(a, b, c, every_block, is_causal=causal,
-                                                                  pvthreshd=50, backend=backend),
+                                                                  pvthreshd=20, backend=backend),
         "s2o": lambda a, b, c, causal: s2o_attention(a, b, c, is_causal=causal, tau=None, backend=backend),
         "pbs": lambda a, b, c, causal: pbs_sparge_attention(a, b, c, segment=128, cdfthreshd=1.0, backend=backend),
         "selected": lambda a, b, c, causal: selected_block_attention(a, b, c, every_key_block, is_causal=causal,
