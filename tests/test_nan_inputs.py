@@ -240,10 +240,11 @@ def _check_s2o_stop_test_ignores_nan_rows(backend, dtype, device):
     walk = dict(tau=0.05, check_every=2, return_sparsity=True, backend=backend)
     _, clean = s2o_attention(q, k, v, **walk)
     assert clean.qk_skipped.max() > 0.1, "the walk must stop early here, or the test proves nothing about it"
-    out, stats = s2o_attention(_with_nan(q, (0, 1, 200, 5)), k, v, **walk)
+    nan_q = _with_nan(q, (0, 1, 200, 5))
+    out, stats = s2o_attention(nan_q, k, v, **walk)
     assert torch.equal(stats.qk_skipped, clean.qk_skipped), \
         f"{stats.qk_skipped.tolist()} of the blocks skipped, {clean.qk_skipped.tolist()} without the NaN"
-    assert torch.equal(_non_finite_rows(out), _sdpa_non_finite_rows(_with_nan(q, (0, 1, 200, 5)), k, v, False))
+    assert torch.equal(_non_finite_rows(out), _sdpa_non_finite_rows(nan_q, k, v, False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
