@@ -13,7 +13,7 @@ tests/test_gpu_random_calls.py draws larger calls on a GPU; its seed 2005 found 
 (an upper-left call with more queries than keys), which is why the draws combine the axes. The same for S2O: its
 order walked by the kernel and by the reference, or built by the kernels and visited in full against exact attention;
 and for PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and the walk on permuted keys). And
-with one NaN in q or k, or inf in k: the same rows non-finite as the reference's, the others close to it.
+with one NaN, inf or -inf in q or k: the same rows non-finite as the reference's, the others close to it.
 
 ``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O, PBS and NaN calls half as
 many, S2O's NaN calls a quarter), ``SPARGE_RANDOM_FIRST`` the first; the seeds in ``FOUND_BUGS`` run every time.

@@ -5,21 +5,20 @@ real token). Here each seed draws one attention call and every row counts: a boo
 the families the function reads (causal after cached keys, with a static cache's empty slots; left padding; right
 padding; Llama 4's chunks; sequences packed in a row; since session 60 chunks and packed sequences right-padded on
 some draws, and one mask row broadcast over a batch of two on some), under a sliding window or not, and on half the
-draws
-perturbed (bits flipped, a row emptied, a row shifted by a key) so that it may match no family; grouped-query heads;
-learned sinks and logit soft-capping on some draws; the method (SpargeAttn, S2O, FSA, SpargeAttn on PBS-Attn's
-permuted keys) with settings that keep every block; the call's ``sliding_window`` the mask's or another. Whatever
-the function does with the call (sparse, per prompt or per segment, or SDPA or eager attention as a fallback), each
-row that sees a key must be exact attention under the mask (float64 here), and no output may be NaN or inf (rows
-that see no key are zeros on the sparse path; the fallbacks give what SDPA or eager attention give).
+draws perturbed (bits flipped, a row emptied, a row shifted by a key) so that it may match no family; grouped-query
+heads; learned sinks and logit soft-capping on some draws; the method (SpargeAttn, S2O, FSA, SpargeAttn on
+PBS-Attn's permuted keys) with settings that keep every block; the call's ``sliding_window`` the mask's or another.
+Whatever the function does with the call (sparse, per prompt or per segment, or SDPA or eager attention as a
+fallback), each row that sees a key must be exact attention under the mask (float64 here), and no output may be NaN
+or inf (rows that see no key are zeros on the sparse path; the fallbacks give what SDPA or eager attention give).
 
 On the CPU the function runs the float32 reference path (tolerance 1e-4). On a GPU (``gpu`` marker) the kernels
 run in bf16 (tolerance 1.2e-2, the kernels' bf16 bound), longer prompts are drawn, and the mask's layout read on
 the GPU (one Triton pass, :func:`mask_row_extents`) must equal the one read on the CPU.
 
 ``SPARGE_RANDOM_MASKS`` sets the number of seeds (default 200; a seed takes ~25 ms on the CPU),
-``SPARGE_RANDOM_MASKS_FIRST`` the first (default 0). Seeds 0-5048713 pass on the CPU and 0-82461 on H100/H200s with the
-draws of session 60 (README, "Layout of the code"); :data:`FOUND_BUGS` run always.
+``SPARGE_RANDOM_MASKS_FIRST`` the first (default 0). Seeds 0-5048713 pass on the CPU and 0-89415 on H100/H200s with
+the draws of session 60 (``docs/testing.md``); :data:`FOUND_BUGS` run always.
 """
 
 import os

@@ -1,4 +1,5 @@
-"""The README against the code and the results: its two commands, examples, command lines, links and tables.
+"""The README against the code and the results: its two commands, examples, command lines, links and tables (and
+the pages under docs/: their links, line widths, and the commands and variables docs/testing.md gives).
 
 Users copy these; a renamed function, a dropped keyword or CLI option must fail here, not on their machine. The
 examples need a GPU and weights to run, so they are checked statically: each block compiles, every name it imports
@@ -132,24 +133,59 @@ def heading_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_readme_links_point_at_headings_and_files_that_exist():
-    outside_code = re.sub(r"`[^`\n]*`", "", OUTSIDE_CODE_BLOCKS)
-    anchors = {heading_anchor(h) for h in re.findall(r"^#+ (.+)$", outside_code, re.M)}
+DOCS = sorted((ROOT / "docs").glob("*.md"))  # the pages the README links to for detail
+
+
+def headings_anchors(markdown: str) -> set[str]:
+    outside_code = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", markdown, flags=re.S))
+    return {heading_anchor(h) for h in re.findall(r"^#+ (.+)$", outside_code, re.M)}
+
+
+def assert_links_resolve(markdown: str, path: Path) -> None:
+    """Every relative link of a Markdown file names a file that exists, and a heading there (or here) after ``#``."""
+    outside_code = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", markdown, flags=re.S))
     targets = re.findall(r"\]\(([^)\s]+)\)", outside_code)
     assert targets
     for target in targets:
         if target.startswith(("http://", "https://")):
             continue
-        if target.startswith("#"):
-            assert target[1:] in anchors, f"the README links to {target}, no such heading"
-        else:
-            assert (ROOT / target.split("#")[0]).exists(), f"the README links to {target}, no such file"
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{path.name} links to {target}, no such file"
+        if anchor:
+            assert anchor in headings_anchors(linked.read_text()), f"{path.name} links to {target}, no such heading"
+
+
+def test_readme_links_point_at_headings_and_files_that_exist():
+    assert_links_resolve(README, ROOT / "README.md")
 
 
 def test_readme_prose_lines_fit_120_columns():
     lines = OUTSIDE_CODE_BLOCKS.splitlines()
     long = [line[:60] for line in lines if len(line) > 120 and not line.startswith("|")]  # table rows cannot wrap
     assert not long, f"README lines over 120 columns (rewrap their paragraphs): {long}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_links_resolve_and_prose_lines_fit_120_columns(doc: Path):
+    text = doc.read_text()
+    assert_links_resolve(text, doc)
+    long = [line[:60] for line in re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
+            if len(line) > 120 and not line.startswith("|")]
+    assert not long, f"{doc.name}: lines over 120 columns: {long}"
+    assert f"[`docs/{doc.name}`](docs/{doc.name})" in README, f"the README does not link to docs/{doc.name}"
+
+
+def test_testing_doc_gives_the_readme_test_command_and_the_tests_own_variables():
+    """docs/testing.md: its CPU command is the README's (and so CI's), and every seed variable it names is read by
+    a test, so a renamed variable fails here rather than silently running the default seeds."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    assert fenced_blocks("bash")[1] in re.findall(r"```bash\n(.*?)```", text, re.S)
+    named = set(re.findall(r"SPARGE_[A-Z_]+", text))
+    assert len(named) >= 8
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    read = set(re.findall(r"environ.get\(\s*\"(SPARGE_[A-Z_]+)\"", tests))
+    assert named <= read, f"docs/testing.md names {sorted(named - read)}, which no test reads"
 
 
 def test_readme_contents_lists_every_section_in_order():
