@@ -37,6 +37,15 @@ def _sdpa_non_finite_rows(q, k, v, is_causal: bool) -> torch.Tensor:
     return _non_finite_rows(dense_reference(q, k, v, is_causal, "HND"))
 
 
+def _assert_matches_on_finite_rows(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """out is non-finite on exactly the rows where expected is, and within the dtype's relative L1 elsewhere."""
+    out, expected = out.float(), expected.float()
+    finite = torch.isfinite(expected).all(-1)
+    assert torch.equal(_non_finite_rows(out), ~finite), f"{what}: non-finite rows differ from the expected ones"
+    l1 = relative_l1(out[finite], expected[finite])
+    assert l1 < L1_TOL[dtype], f"{what}: relative L1 {l1:.3g} on the finite rows"
+
+
 def _with_nan(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
     t = t.clone()
     t[index] = float("nan")
@@ -127,12 +136,8 @@ def _check_stage_2_spares_the_other_rows(backend, dtype, device):
         for name, a, b, causal in cases:
             if entry == "pbs" and not causal:
                 continue  # PBS-Attn is causal only
-            out = attend(a, b, v, causal).float()
-            expected = dense_reference(a, b, v, causal, "HND")
-            finite = torch.isfinite(expected).all(-1)
-            assert torch.equal(_non_finite_rows(out), ~finite), f"{entry}, {name}, causal={causal}"
-            l1 = relative_l1(out[finite], expected[finite])
-            assert l1 < L1_TOL[dtype], f"{entry}, {name}, causal={causal}: relative L1 {l1:.3g} on the finite rows"
+            _assert_matches_on_finite_rows(attend(a, b, v, causal), dense_reference(a, b, v, causal, "HND"), dtype,
+                                           f"{entry}, {name}, causal={causal}")
 
 
 def _check_stage_2_decides_as_the_reference(dtype, device):
@@ -149,10 +154,7 @@ def _check_stage_2_decides_as_the_reference(dtype, device):
         (expected, expected_stats), (out, stats) = runs.values()
         if device == "cpu":
             assert torch.equal(stats.pv_skipped, expected_stats.pv_skipped), f"NaN in {name}: P.V products skipped"
-        finite = torch.isfinite(expected.float()).all(-1)
-        assert torch.equal(_non_finite_rows(out), ~finite), f"NaN in {name}: rows differ from the reference's"
-        l1 = relative_l1(out.float()[finite], expected.float()[finite])
-        assert l1 < L1_TOL[dtype], f"NaN in {name}: relative L1 {l1:.3g} on the finite rows"
+        _assert_matches_on_finite_rows(out, expected, dtype, f"NaN in {name} (against the reference)")
 
 
 def _check_selection_keeps_nan_blocks(backend, dtype, device):
@@ -164,12 +166,8 @@ def _check_selection_keeps_nan_blocks(backend, dtype, device):
     q, k, v = llm_like_qkv(300, heads=4, kv_heads=2, head_dim=64, dtype=dtype, device=device, seed=1)
     for name, a, b in [("q", _with_nan(q, (0, 0, 150, 9)), k), ("k", q, _with_nan(k, (0, 0, 170, 2)))]:
         chosen = select_key_blocks(a, b, top_k=5, backend=backend)  # 300 keys: 5 blocks of 64
-        out = selected_block_attention(a, b, v, chosen, backend=backend).float()
-        expected = dense_reference(a, b, v, True, "HND")
-        finite = torch.isfinite(expected).all(-1)
-        assert torch.equal(_non_finite_rows(out), ~finite), f"NaN in {name}: rows differ from SDPA's"
-        l1 = relative_l1(out[finite], expected[finite])
-        assert l1 < L1_TOL[dtype], f"NaN in {name}: relative L1 {l1:.3g} on the finite rows"
+        _assert_matches_on_finite_rows(selected_block_attention(a, b, v, chosen, backend=backend),
+                                       dense_reference(a, b, v, True, "HND"), dtype, f"NaN in {name} (against SDPA)")
 
 
 def _all_negative_inf_cases(q, k):
