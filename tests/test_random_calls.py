@@ -15,8 +15,12 @@ order walked by the kernel and by the reference, or built by the kernels and vis
 and for PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and the walk on permuted keys). And
 with one NaN, inf or -inf in q or k: the same rows non-finite as the reference's, the others close to it.
 
+And with ``return_sparsity=True``, a drawn scale and per-head stage-2 thresholds: the statistics against the blocks
+the element-wise definition makes the call compute.
+
 ``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O, PBS and NaN calls half as
-many, S2O's NaN calls a quarter), ``SPARGE_RANDOM_FIRST`` the first; the seeds in ``FOUND_BUGS`` run every time.
+many, S2O's NaN calls and the statistics calls a quarter), ``SPARGE_RANDOM_FIRST`` the first; the seeds in
+``FOUND_BUGS`` run every time.
 """
 
 import math
@@ -34,6 +38,7 @@ from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_gpu_random_calls import _assert_close_to, stage1_defaults
 from test_kernels import assert_stage1_agrees
 from test_s2o import order_for
+from test_sliding_window import window_mask
 
 CALLS = int(os.environ.get("SPARGE_RANDOM_CALLS", "24"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
@@ -42,8 +47,9 @@ FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
 # 100594 a soft cap of 1.5 that saturates every compressed score, so TopCdf's cut fell among exact ties (3 of 90
 # blocks differed: over the 2% of blocks this test allowed, inside what stage1_borderline now allows); S2O's NaN seed
 # 25 a +inf score in every row of a call's one tile, which stage 2 skipped: the reference gave zeros, SDPA NaN; its
-# seed 86 an inf in q whose row scores -inf on every key (the Triton kernel gave NaN, the reference and SDPA zeros)
-FOUND_BUGS = {"call": [67, 100594], "pbs": [335], "non_finite_s2o": [25, 86]}
+# seed 86 an inf in q whose row scores -inf on every key (the Triton kernel gave NaN, the reference and SDPA zeros);
+# statistics seed 166 an upper-left window starting past the last key of a ragged block, counted as seeing it
+FOUND_BUGS = {"call": [67, 100594], "pbs": [335], "non_finite_s2o": [25, 86], "statistics": [166]}
 
 
 def seeds(test: str, share: int = 1) -> list[int]:
@@ -181,6 +187,67 @@ def test_random_call_matches_reference(seed):
         mask = None if call["entry"] == "dense" else _random_mask(call, q_len, kv_len)
         result, ref = _block_sparse_outputs(call, q, k, v, mask, out)
     _check(result, out, big, ref, seq, call)
+
+
+def draw_statistics_extras(seed: int, heads: int, pvthreshd: float | None) -> dict:
+    """A seed's scale and stage-2 thresholds for :func:`test_random_call_statistics_count_the_blocks_computed`: a
+    stream apart from :func:`draw_call`'s, so the call is otherwise the one that seed draws elsewhere. Where the call
+    has the stage-2 test, half the draws give each head its own threshold (inf: off for that head)."""
+    rng = random.Random(seed + 2 * 10**9)
+    scale = rng.choice([None, 0.05, 0.3])
+    if pvthreshd is not None and rng.random() < 0.5:
+        pvthreshd = [rng.choice([5.0, 20.0, math.inf]) for _ in range(heads)]
+    return dict(scale=scale, pvthreshd=pvthreshd)
+
+
+def _blocks_seen(call: dict, q_len: int, kv_len: int) -> torch.Tensor:
+    """(q blocks, k blocks) bool: blocks holding a (query, key) pair that the call's causal variant and window let
+    the query see, from the element-wise definition (not from the package's block rule)."""
+    if call["causal"]:
+        allowed = window_mask(q_len, kv_len, call["causal_variant"], call["sliding_window"] or q_len + kv_len)
+    else:
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+    q_blocks, k_blocks = math.ceil(q_len / BLOCK_Q), math.ceil(kv_len / BLOCK_K)
+    padded = torch.zeros(q_blocks * BLOCK_Q, k_blocks * BLOCK_K, dtype=torch.bool)
+    padded[:q_len, :kv_len] = allowed
+    return padded.view(q_blocks, BLOCK_Q, k_blocks, BLOCK_K).any(3).any(1)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.parametrize("seed", seeds("statistics", share=4))
+def test_random_call_statistics_count_the_blocks_computed(seed):
+    """A drawn call with ``return_sparsity=True``, a drawn ``scale`` and per-head stage-2 thresholds: the Triton
+    kernels' and the reference's statistics count the dense blocks and the skipped Q.K^T products that the
+    element-wise definition gives (a kept block counts where some query of it sees some key of it), the two skip the
+    same P.V products, and the outputs agree. Seed 166 found a window that starts past the last key of a ragged last
+    block counted as seeing it."""
+    call = draw_call(seed)
+    extras = draw_statistics_extras(seed, call["heads"], call["pvthreshd"])
+    q, k, v = _inputs(call)
+    seq = 2 if call["layout"] == "HND" else 1
+    q_len, kv_len = q.shape[seq], k.shape[seq]
+    common, capped, sinks = _call_arguments(call)
+    if call["entry"] == "whole":
+        mask = predict_block_mask(q, k, scale=extras["scale"], backend="triton", **capped)
+    else:
+        mask = None if call["entry"] == "dense" else _random_mask(call, q_len, kv_len)
+    given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
+    kw = dict(sink_logits=sinks, return_sparsity=True, **extras, **capped)
+    result, stats = block_sparse_attention(q, k, v, given, backend="triton", **kw)
+    ref, ref_stats = block_sparse_attention(q, k, v, mask, backend="reference", **kw)
+    seen = _blocks_seen(call, q_len, kv_len)
+    kept = seen.expand(call["batch"], call["heads"], *seen.shape) if mask is None else mask.bool() & seen
+    dense = int(seen.sum())
+    want_qk = (1 - kept.sum((-1, -2)).double() / max(dense, 1)).mean(0)
+    for name, s in (("triton", stats), ("reference", ref_stats)):
+        assert s.dense_blocks == dense, (name, s.dense_blocks, dense, call, extras)
+        torch.testing.assert_close(s.qk_skipped.double(), want_qk, msg=lambda m: f"{name} {call} {extras}: {m}")
+    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped, msg=lambda m: f"{call} {extras}: {m}")
+    if extras["pvthreshd"] is None:
+        torch.testing.assert_close(stats.pv_skipped, stats.qk_skipped)
+    assert not torch.isnan(result).any(), (call, extras)
+    _assert_close_to(result, ref, call)
 
 
 def draw_non_finite(seed: int, q: torch.Tensor, k: torch.Tensor, layout: str) -> dict:

@@ -481,8 +481,8 @@ def causal_block_visible(q_blocks: int, k_blocks: int, kv_len: int, device: torc
     first_q = torch.arange(q_blocks, device=device) * BLOCK_Q + causal_offset
     last_q = torch.clamp(first_q + BLOCK_Q - 1, max=last_position)
     visible = _key_segment_start(k_blocks, key_segment, device)[None, :] <= last_q[:, None]
-    if sliding_window is not None:
-        last_k = torch.arange(k_blocks, device=device) * BLOCK_K + BLOCK_K - 1
+    if sliding_window is not None:  # a ragged last block ends at the last key, not at its padded end
+        last_k = torch.clamp(torch.arange(k_blocks, device=device) * BLOCK_K + BLOCK_K - 1, max=kv_len - 1)
         visible &= last_k[None, :] > first_q[:, None] - sliding_window
     return visible
 

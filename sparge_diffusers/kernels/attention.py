@@ -54,8 +54,11 @@ def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_ROW, WINDOW, I
         diagonal = (first_k + KEY_SEGMENT - 1) > first_position
         # the query at position p sees keys p - WINDOW + 1 .. p (no-ops at NO_WINDOW). The last row's own position
         # decides the masking: an upper-left call with more queries than keys has rows past the last key, whose
-        # windows start later than the last key's (a position capped there left such blocks unmasked)
-        visible = visible & (first_k + KEY_SEGMENT - 1 > first_position - WINDOW)
+        # windows start later than the last key's (a position capped there left such blocks unmasked). A block's
+        # last key is the last that exists: the padded end of a ragged last block let such rows' windows "see" it
+        # (a tile walked fully masked, and counted in the statistics' dense blocks)
+        last_k = tl.minimum(first_k + KEY_SEGMENT - 1, KV_LEN - 1)
+        visible = visible & (last_k > first_position - WINDOW)
         needs_masking = needs_masking | diagonal | (first_k <= last_position - WINDOW)
     return visible, needs_masking, diagonal
 
