@@ -25,7 +25,19 @@ from sparge_diffusers.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-OUTSIDE_CODE_BLOCKS = re.sub(r"```.*?```", "", README, flags=re.S)  # headings, links and prose
+
+
+def outside_code_blocks(markdown: str) -> str:
+    """Headings, links and prose: the text without its fenced code blocks."""
+    return re.sub(r"```.*?```", "", markdown, flags=re.S)
+
+
+def outside_code(markdown: str) -> str:
+    """The text without fenced code blocks and inline code, where link syntax and headings mean nothing."""
+    return re.sub(r"`[^`\n]*`", "", outside_code_blocks(markdown))
+
+
+OUTSIDE_CODE_BLOCKS = outside_code_blocks(README)
 
 
 def fenced_blocks(language: str) -> list[str]:
@@ -137,14 +149,12 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))  # the pages the README links to for
 
 
 def headings_anchors(markdown: str) -> set[str]:
-    outside_code = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", markdown, flags=re.S))
-    return {heading_anchor(h) for h in re.findall(r"^#+ (.+)$", outside_code, re.M)}
+    return {heading_anchor(h) for h in re.findall(r"^#+ (.+)$", outside_code(markdown), re.M)}
 
 
 def assert_links_resolve(markdown: str, path: Path) -> None:
     """Every relative link of a Markdown file names a file that exists, and a heading there (or here) after ``#``."""
-    outside_code = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", markdown, flags=re.S))
-    targets = re.findall(r"\]\(([^)\s]+)\)", outside_code)
+    targets = re.findall(r"\]\(([^)\s]+)\)", outside_code(markdown))
     assert targets
     for target in targets:
         if target.startswith(("http://", "https://")):
@@ -170,8 +180,8 @@ def test_readme_prose_lines_fit_120_columns():
 def test_docs_links_resolve_and_prose_lines_fit_120_columns(doc: Path):
     text = doc.read_text()
     assert_links_resolve(text, doc)
-    long = [line[:60] for line in re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
-            if len(line) > 120 and not line.startswith("|")]
+    lines = outside_code_blocks(text).splitlines()
+    long = [line[:60] for line in lines if len(line) > 120 and not line.startswith("|")]  # table rows cannot wrap
     assert not long, f"{doc.name}: lines over 120 columns: {long}"
     assert f"[`docs/{doc.name}`](docs/{doc.name})" in README, f"the README does not link to docs/{doc.name}"
 
