@@ -35,6 +35,7 @@ from sparge_diffusers import (
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
 from test_kernels import L1_TOL, assert_stage1_agrees
+from test_sliding_window import blocks_seen, window_mask
 
 CALLS = int(os.environ.get("SPARGE_GPU_RANDOM_CALLS", "40"))
 FIRST = int(os.environ.get("SPARGE_GPU_RANDOM_FIRST", "0"))
@@ -151,6 +152,15 @@ def _mask(call: dict, q_len: int, kv_len: int) -> torch.Tensor:
     return mask
 
 
+def _call_arguments(call: dict) -> tuple[dict, dict, torch.Tensor | None]:
+    """A drawn call's keyword arguments: those of every entry point (``common``), the same with its soft cap
+    (``capped``), and its sink logits on the GPU (or None)."""
+    common = dict(is_causal=call["causal"], tensor_layout=call["layout"], causal_variant=call["causal_variant"],
+                  sliding_window=call["sliding_window"])
+    sinks = None if call["sinks"] is None else torch.tensor(call["sinks"][:call["heads"]], device="cuda")
+    return common, dict(common, softcap=call["softcap"]), sinks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS))
 def test_gpu_random_call_matches_reference(seed):
@@ -158,19 +168,14 @@ def test_gpu_random_call_matches_reference(seed):
         pytest.skip("needs a CUDA GPU")
     call = draw_call(seed)
     q, k, v = _inputs(call)
-    layout, causal, pv = call["layout"], call["causal"], call["pvthreshd"]
+    layout, pv = call["layout"], call["pvthreshd"]
     seq_dim = 2 if layout == "HND" else 1
     q_len, kv_len = q.shape[seq_dim], k.shape[seq_dim]
     big_shape = list(q.shape)
     big_shape[seq_dim] += 7
     big = torch.full(big_shape, float("nan"), dtype=q.dtype, device="cuda")
     out = big.narrow(seq_dim, 0, q_len)
-    common = dict(is_causal=causal, tensor_layout=layout, causal_variant=call["causal_variant"],
-                  sliding_window=call["sliding_window"])
-    sinks = None
-    if call["sinks"] is not None:
-        sinks = torch.tensor(call["sinks"][:call["heads"]], device="cuda")
-    capped = dict(common, softcap=call["softcap"])
+    common, capped, sinks = _call_arguments(call)
     common_attention = dict(capped, sink_logits=sinks)
 
     if call["entry"] == "whole":
@@ -191,6 +196,71 @@ def test_gpu_random_call_matches_reference(seed):
     assert torch.isnan(big.narrow(seq_dim, q_len, 7)).all(), ("rows past the call were written", call)
     if call["causal_variant"] == "lower_right" and q_len > kv_len:  # rows before the first key see none
         assert (result.narrow(seq_dim, 0, q_len - kv_len) == 0).all(), call
+    _assert_close_to(result, ref, call)
+
+
+def draw_statistics_extras(seed: int, heads: int, pvthreshd: float | None) -> dict:
+    """A seed's scale and stage-2 thresholds for the statistics tests (here and in test_random_calls.py): a stream
+    apart from ``draw_call``'s, so the call is otherwise the one that seed draws elsewhere. Where the call has the
+    stage-2 test, half the draws give each head its own threshold (inf: off for that head)."""
+    rng = random.Random(seed + 2 * 10**9)
+    scale = rng.choice([None, 0.05, 0.3])
+    if pvthreshd is not None and rng.random() < 0.5:
+        pvthreshd = [rng.choice([5.0, 20.0, math.inf]) for _ in range(heads)]
+    return dict(scale=scale, pvthreshd=pvthreshd)
+
+
+def assert_statistics_count_the_blocks_computed(stats, ref_stats, mask: torch.Tensor | None, call: dict,
+                                                extras: dict, q_len: int, kv_len: int, pv_atol: float = 0.0) -> None:
+    """The kernels' and the reference's statistics of one call count the dense blocks and the skipped Q.K^T
+    products that the element-wise definition gives (a kept block counts where some query of it sees some key of
+    it: the call's causal variant and window, not the package's block rule), and the two skip the same P.V products
+    per head, up to ``pv_atol`` or one block of a (batch, head) row, whichever is more, where ``pv_atol`` > 0."""
+    if call["causal"]:
+        allowed = window_mask(q_len, kv_len, call["causal_variant"], call["sliding_window"] or q_len + kv_len)
+    else:
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+    seen = blocks_seen(allowed).to(stats.qk_skipped.device)
+    kept = seen if mask is None else mask.bool() & seen
+    kept = kept.expand(call["batch"], call["heads"], *seen.shape)
+    dense = int(seen.sum())
+    want_qk = (1 - kept.sum((-1, -2)).double() / max(dense, 1)).mean(0)
+    for name, s in (("kernels", stats), ("reference", ref_stats)):
+        assert s.dense_blocks == dense, (name, s.dense_blocks, dense, call, extras)
+        torch.testing.assert_close(s.qk_skipped.double(), want_qk, msg=lambda m: f"{name} {call} {extras}: {m}")
+    atol = max(pv_atol, 1 / max(dense, 1)) if pv_atol else 0.0
+    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped, atol=atol, rtol=0,
+                               msg=lambda m: f"{call} {extras}: {m}")
+    if extras["pvthreshd"] is None:
+        torch.testing.assert_close(stats.pv_skipped, stats.qk_skipped)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS))
+def test_gpu_random_call_statistics_count_the_blocks_computed(seed):
+    """test_random_calls.py's statistics test on a GPU's larger calls: a drawn call with ``return_sparsity=True``, a
+    drawn ``scale`` and per-head stage-2 thresholds; the statistics of the kernels and of the float32 reference
+    against the element-wise definition's blocks, and the outputs against each other. Stage 2's decision on a tile
+    whose row maxima lie on its threshold may fall either way under the kernel's rounding, so P.V skips may differ
+    by 2% (or one block of a row)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    call = draw_call(seed)
+    extras = draw_statistics_extras(seed, call["heads"], call["pvthreshd"])
+    q, k, v = _inputs(call)
+    seq_dim = 2 if call["layout"] == "HND" else 1
+    q_len, kv_len = q.shape[seq_dim], k.shape[seq_dim]
+    common, capped, sinks = _call_arguments(call)
+    if call["entry"] == "whole":
+        mask = predict_block_mask(q, k, scale=extras["scale"], **capped)
+    else:
+        mask = None if call["entry"] == "dense" else _mask(call, q_len, kv_len)
+    given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
+    kw = dict(sink_logits=sinks, return_sparsity=True, **extras, **capped)
+    result, stats = block_sparse_attention(q, k, v, given, **kw)
+    ref, ref_stats = block_sparse_attention(q, k, v, mask, backend="reference", **kw)
+    assert_statistics_count_the_blocks_computed(stats, ref_stats, mask, call, extras, q_len, kv_len, pv_atol=0.02)
+    assert not torch.isnan(result).any(), (call, extras)
     _assert_close_to(result, ref, call)
 
 

@@ -35,10 +35,10 @@ from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_atten
 from sparge_diffusers.llm import pbs_sparge_attention
 from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
-from test_gpu_random_calls import _assert_close_to, stage1_defaults
+from test_gpu_random_calls import (_assert_close_to, assert_statistics_count_the_blocks_computed,
+                                   draw_statistics_extras, stage1_defaults)
 from test_kernels import assert_stage1_agrees
 from test_s2o import order_for
-from test_sliding_window import window_mask
 
 CALLS = int(os.environ.get("SPARGE_RANDOM_CALLS", "24"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
@@ -189,30 +189,6 @@ def test_random_call_matches_reference(seed):
     _check(result, out, big, ref, seq, call)
 
 
-def draw_statistics_extras(seed: int, heads: int, pvthreshd: float | None) -> dict:
-    """A seed's scale and stage-2 thresholds for :func:`test_random_call_statistics_count_the_blocks_computed`: a
-    stream apart from :func:`draw_call`'s, so the call is otherwise the one that seed draws elsewhere. Where the call
-    has the stage-2 test, half the draws give each head its own threshold (inf: off for that head)."""
-    rng = random.Random(seed + 2 * 10**9)
-    scale = rng.choice([None, 0.05, 0.3])
-    if pvthreshd is not None and rng.random() < 0.5:
-        pvthreshd = [rng.choice([5.0, 20.0, math.inf]) for _ in range(heads)]
-    return dict(scale=scale, pvthreshd=pvthreshd)
-
-
-def _blocks_seen(call: dict, q_len: int, kv_len: int) -> torch.Tensor:
-    """(q blocks, k blocks) bool: blocks holding a (query, key) pair that the call's causal variant and window let
-    the query see, from the element-wise definition (not from the package's block rule)."""
-    if call["causal"]:
-        allowed = window_mask(q_len, kv_len, call["causal_variant"], call["sliding_window"] or q_len + kv_len)
-    else:
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
-    q_blocks, k_blocks = math.ceil(q_len / BLOCK_Q), math.ceil(kv_len / BLOCK_K)
-    padded = torch.zeros(q_blocks * BLOCK_Q, k_blocks * BLOCK_K, dtype=torch.bool)
-    padded[:q_len, :kv_len] = allowed
-    return padded.view(q_blocks, BLOCK_Q, k_blocks, BLOCK_K).any(3).any(1)
-
-
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 @pytest.mark.parametrize("seed", seeds("statistics", share=4))
@@ -236,16 +212,7 @@ def test_random_call_statistics_count_the_blocks_computed(seed):
     kw = dict(sink_logits=sinks, return_sparsity=True, **extras, **capped)
     result, stats = block_sparse_attention(q, k, v, given, backend="triton", **kw)
     ref, ref_stats = block_sparse_attention(q, k, v, mask, backend="reference", **kw)
-    seen = _blocks_seen(call, q_len, kv_len)
-    kept = seen.expand(call["batch"], call["heads"], *seen.shape) if mask is None else mask.bool() & seen
-    dense = int(seen.sum())
-    want_qk = (1 - kept.sum((-1, -2)).double() / max(dense, 1)).mean(0)
-    for name, s in (("triton", stats), ("reference", ref_stats)):
-        assert s.dense_blocks == dense, (name, s.dense_blocks, dense, call, extras)
-        torch.testing.assert_close(s.qk_skipped.double(), want_qk, msg=lambda m: f"{name} {call} {extras}: {m}")
-    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped, msg=lambda m: f"{call} {extras}: {m}")
-    if extras["pvthreshd"] is None:
-        torch.testing.assert_close(stats.pv_skipped, stats.qk_skipped)
+    assert_statistics_count_the_blocks_computed(stats, ref_stats, mask, call, extras, q_len, kv_len)
     assert not torch.isnan(result).any(), (call, extras)
     _assert_close_to(result, ref, call)
 
