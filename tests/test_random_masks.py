@@ -13,8 +13,9 @@ fallback), each row that sees a key must be exact attention under the mask (floa
 or inf (rows that see no key are zeros on the sparse path; the fallbacks give what SDPA or eager attention give).
 
 On the CPU the function runs the float32 reference path (tolerance 1e-4). On a GPU (``gpu`` marker) the kernels
-run in bf16 (tolerance 1.2e-2, the kernels' bf16 bound), longer prompts are drawn, and the mask's layout read on
-the GPU (one Triton pass, :func:`mask_row_extents`) must equal the one read on the CPU.
+run in bf16 (tolerance 1.2e-2, the kernels' bf16 bound) and exact attention takes the same bf16-rounded inputs,
+longer prompts are drawn, and the mask's layout read on the GPU (one Triton pass, :func:`mask_row_extents`) must
+equal the one read on the CPU.
 
 ``SPARGE_RANDOM_MASKS`` sets the number of seeds (default 200; a seed takes ~25 ms on the CPU),
 ``SPARGE_RANDOM_MASKS_FIRST`` the first (default 0). Seeds 0-5230362 pass on the CPU and 0-89415 on H100/H200s with
@@ -37,8 +38,11 @@ from test_kernels import exact_attention  # noqa: E402
 SEEDS = int(os.environ.get("SPARGE_RANDOM_MASKS", "200"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_MASKS_FIRST", "0"))
 # 924: every prompt right-padded and shorter than the window; its padding queries lost the window. 3395: a mask read
-# as lower right over fewer keys than queries raised in PBS's key ranking (both session 57)
-FOUND_BUGS = [924, 3395]
+# as lower right over fewer keys than queries raised in PBS's key ranking (both session 57). 90028 (session 79, on
+# an H200): a query that sees one key and a sink taking 68% of its weight, against exact attention on the float32
+# inputs: rounding them to bf16 alone moved its output by 1.0e-2 of L1 (the kernels' 1.3e-2, the float32 reference
+# path's on the bf16 inputs too); against the rounded inputs, the reference path is 2.7e-3 off
+FOUND_BUGS = [924, 3395, 90028]
 TOLERANCE = {"cpu": 1e-4, "cuda": 1.2e-2}
 KEEP_EVERY_BLOCK = dict(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
 METHODS = {"sparge": {}, "s2o": dict(method="s2o", tau=None, s2o_segment=128),
@@ -123,6 +127,8 @@ def check_seed(seed: int, device: str) -> None:
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, kv_heads * group, q_len, 64, generator=generator)
     k, v = (torch.randn(batch, kv_heads, kv_len, 64, generator=generator) for _ in range(2))
+    if device == "cuda":  # the kernels get bf16 inputs: the oracle takes the same values (seed 90028)
+        q, k, v = (t.bfloat16().float() for t in (q, k, v))
     expected = exact_attention(q, k, v, mask, 0.2, kwargs.get("s_aux"), kwargs.get("softcap"), torch.float64)
     expected = expected.transpose(1, 2)
     what = f"seed {seed}: {kind} mask, {how}, {tuple(mask.shape)}, window {window}, {method}, {sorted(kwargs)}"
