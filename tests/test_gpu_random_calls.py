@@ -10,7 +10,9 @@ whole method on structured inputs, the stage-2 test on or off, a non-contiguous 
 with NaN that is longer than the call's rows. Every check is the same: no NaN, the rows past the call untouched,
 relative L1 against the reference under the dtype's tolerance. The same for S2O (its order walked by the kernel and
 by the reference, or built by the kernels and visited in full against exact attention) and for PBS-Attn's whole path
-(importance, segment sort, key gather, stage 1 and the walk on permuted keys).
+(importance, segment sort, key gather, stage 1 and the walk on permuted keys). And, as in test_random_calls.py, with
+``return_sparsity=True``, a drawn scale and per-head stage-2 thresholds: the statistics against the blocks the
+element-wise definition makes the call compute.
 
 ``SPARGE_GPU_RANDOM_CALLS`` sets the number of seeds per test (default 40), ``SPARGE_GPU_RANDOM_FIRST`` the first
 (default 0).
@@ -210,22 +212,30 @@ def draw_statistics_extras(seed: int, heads: int, pvthreshd: float | None) -> di
     return dict(scale=scale, pvthreshd=pvthreshd)
 
 
-def assert_statistics_count_the_blocks_computed(stats, ref_stats, mask: torch.Tensor | None, call: dict,
-                                                extras: dict, q_len: int, kv_len: int, pv_atol: float = 0.0) -> None:
-    """The kernels' and the reference's statistics of one call count the dense blocks and the skipped Q.K^T
+def check_call_statistics(call: dict, extras: dict, q, k, v, mask: torch.Tensor | None, arguments: tuple,
+                          backend: str = "auto", pv_atol: float = 0.0) -> None:
+    """Run a drawn call with ``return_sparsity=True`` on ``backend`` (given ``mask`` compacted when the call's entry
+    is "compact") and on the float32 reference. Both statistics must count the dense blocks and the skipped Q.K^T
     products that the element-wise definition gives (a kept block counts where some query of it sees some key of
-    it: the call's causal variant and window, not the package's block rule), and the two skip the same P.V products
-    per head, up to ``pv_atol`` or one block of a (batch, head) row, whichever is more, where ``pv_atol`` > 0."""
+    it: the call's causal variant and window, not the package's block rule); the two must skip the same P.V products
+    per head, up to ``pv_atol`` or one block of a (batch, head) row, whichever is more, where ``pv_atol`` > 0; and
+    the outputs must agree. ``arguments``: the call's ``_call_arguments``."""
+    common, capped, sinks = arguments
+    given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
+    kw = dict(sink_logits=sinks, return_sparsity=True, **extras, **capped)
+    result, stats = block_sparse_attention(q, k, v, given, backend=backend, **kw)
+    ref, ref_stats = block_sparse_attention(q, k, v, mask, backend="reference", **kw)
+    seq_dim = 2 if call["layout"] == "HND" else 1
+    q_len, kv_len = q.shape[seq_dim], k.shape[seq_dim]
     if call["causal"]:
         allowed = window_mask(q_len, kv_len, call["causal_variant"], call["sliding_window"] or q_len + kv_len)
     else:
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
-    seen = blocks_seen(allowed).to(stats.qk_skipped.device)
-    kept = seen if mask is None else mask.bool() & seen
-    kept = kept.expand(call["batch"], call["heads"], *seen.shape)
+    seen = blocks_seen(allowed).to(q.device)
+    kept = (seen if mask is None else mask.bool() & seen).expand(call["batch"], call["heads"], *seen.shape)
     dense = int(seen.sum())
     want_qk = (1 - kept.sum((-1, -2)).double() / max(dense, 1)).mean(0)
-    for name, s in (("kernels", stats), ("reference", ref_stats)):
+    for name, s in ((backend, stats), ("reference", ref_stats)):
         assert s.dense_blocks == dense, (name, s.dense_blocks, dense, call, extras)
         torch.testing.assert_close(s.qk_skipped.double(), want_qk, msg=lambda m: f"{name} {call} {extras}: {m}")
     atol = max(pv_atol, 1 / max(dense, 1)) if pv_atol else 0.0
@@ -233,6 +243,8 @@ def assert_statistics_count_the_blocks_computed(stats, ref_stats, mask: torch.Te
                                msg=lambda m: f"{call} {extras}: {m}")
     if extras["pvthreshd"] is None:
         torch.testing.assert_close(stats.pv_skipped, stats.qk_skipped)
+    assert not torch.isnan(result).any(), (call, extras)
+    _assert_close_to(result, ref, call)
 
 
 @pytest.mark.gpu
@@ -248,20 +260,13 @@ def test_gpu_random_call_statistics_count_the_blocks_computed(seed):
     call = draw_call(seed)
     extras = draw_statistics_extras(seed, call["heads"], call["pvthreshd"])
     q, k, v = _inputs(call)
-    seq_dim = 2 if call["layout"] == "HND" else 1
-    q_len, kv_len = q.shape[seq_dim], k.shape[seq_dim]
-    common, capped, sinks = _call_arguments(call)
+    arguments = _call_arguments(call)
     if call["entry"] == "whole":
-        mask = predict_block_mask(q, k, scale=extras["scale"], **capped)
+        mask = predict_block_mask(q, k, scale=extras["scale"], **arguments[1])
     else:
-        mask = None if call["entry"] == "dense" else _mask(call, q_len, kv_len)
-    given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
-    kw = dict(sink_logits=sinks, return_sparsity=True, **extras, **capped)
-    result, stats = block_sparse_attention(q, k, v, given, **kw)
-    ref, ref_stats = block_sparse_attention(q, k, v, mask, backend="reference", **kw)
-    assert_statistics_count_the_blocks_computed(stats, ref_stats, mask, call, extras, q_len, kv_len, pv_atol=0.02)
-    assert not torch.isnan(result).any(), (call, extras)
-    _assert_close_to(result, ref, call)
+        seq_dim = 2 if call["layout"] == "HND" else 1
+        mask = None if call["entry"] == "dense" else _mask(call, q.shape[seq_dim], k.shape[seq_dim])
+    check_call_statistics(call, extras, q, k, v, mask, arguments, pv_atol=0.02)
 
 
 def _assert_close_to(result: torch.Tensor, ref: torch.Tensor, call: dict) -> None:

@@ -35,8 +35,7 @@ from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_atten
 from sparge_diffusers.llm import pbs_sparge_attention
 from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
-from test_gpu_random_calls import (_assert_close_to, assert_statistics_count_the_blocks_computed,
-                                   draw_statistics_extras, stage1_defaults)
+from test_gpu_random_calls import _assert_close_to, check_call_statistics, draw_statistics_extras, stage1_defaults
 from test_kernels import assert_stage1_agrees
 from test_s2o import order_for
 
@@ -201,20 +200,13 @@ def test_random_call_statistics_count_the_blocks_computed(seed):
     call = draw_call(seed)
     extras = draw_statistics_extras(seed, call["heads"], call["pvthreshd"])
     q, k, v = _inputs(call)
-    seq = 2 if call["layout"] == "HND" else 1
-    q_len, kv_len = q.shape[seq], k.shape[seq]
-    common, capped, sinks = _call_arguments(call)
+    arguments = _call_arguments(call)
     if call["entry"] == "whole":
-        mask = predict_block_mask(q, k, scale=extras["scale"], backend="triton", **capped)
+        mask = predict_block_mask(q, k, scale=extras["scale"], backend="triton", **arguments[1])
     else:
-        mask = None if call["entry"] == "dense" else _random_mask(call, q_len, kv_len)
-    given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
-    kw = dict(sink_logits=sinks, return_sparsity=True, **extras, **capped)
-    result, stats = block_sparse_attention(q, k, v, given, backend="triton", **kw)
-    ref, ref_stats = block_sparse_attention(q, k, v, mask, backend="reference", **kw)
-    assert_statistics_count_the_blocks_computed(stats, ref_stats, mask, call, extras, q_len, kv_len)
-    assert not torch.isnan(result).any(), (call, extras)
-    _assert_close_to(result, ref, call)
+        seq = 2 if call["layout"] == "HND" else 1
+        mask = None if call["entry"] == "dense" else _random_mask(call, q.shape[seq], k.shape[seq])
+    check_call_statistics(call, extras, q, k, v, mask, arguments, backend="triton")
 
 
 def draw_non_finite(seed: int, q: torch.Tensor, k: torch.Tensor, layout: str) -> dict:
