@@ -330,6 +330,11 @@ def test_readme_h200_attention_figures_are_the_committed_results():
     shares = re.search(r"per call / prebuilt, (.+?)\. ", text)[1]
     assert_cell_shows(shares, [x for r in at_01 for x in (r["speedup_over_ideal"], r["prebuilt_speedup_over_ideal"])],
                       "H200 share of ideal at 0.1")
+    runs = [json.loads(path.read_text()) for path in (ROOT / "benchmarks" / "results").glob("attention-H200*.json")]
+    assert f"all {NUMBER_WORDS[len(runs)]} with the same sparsity and relative L1" in text
+    for key in SHAPES:
+        assert len({(round(run["shapes"][key]["structured_default"]["sparsity"], 4),
+                     round(run["shapes"][key]["structured_default"]["relative_l1"], 4)) for run in runs}) == 1
 
 
 # Which run each row of the README's pipeline table shows (Flux and SD3 re-run in session 45).
