@@ -16,10 +16,12 @@ and for PBS-Attn's whole path (importance, segment sort, key gather, stage 1 and
 with one NaN, inf or -inf in q or k: the same rows non-finite as the reference's, the others close to it.
 
 And with ``return_sparsity=True``, a drawn scale and per-head stage-2 thresholds: the statistics against the blocks
-the element-wise definition makes the call compute.
+the element-wise definition makes the call compute; the same for PBS-Attn's calls (since session 79), whose
+denominators are plain causal attention's and whose permuted blocks count by their key segment; and S2O's dense
+blocks, and nothing skipped where no stop test runs.
 
 ``SPARGE_RANDOM_CALLS`` sets the number of seeds (default 24, about 0.5 s each; S2O, PBS and NaN calls half as
-many, S2O's NaN calls and the statistics calls a quarter), ``SPARGE_RANDOM_FIRST`` the first; the seeds in
+many, S2O's NaN calls and the statistics calls, PBS's too, a quarter), ``SPARGE_RANDOM_FIRST`` the first; the seeds in
 ``FOUND_BUGS`` run every time.
 """
 
@@ -38,6 +40,7 @@ from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 from test_gpu_random_calls import _assert_close_to, check_call_statistics, draw_statistics_extras, stage1_defaults
 from test_kernels import assert_stage1_agrees
 from test_s2o import order_for
+from test_sliding_window import blocks_seen, window_mask
 
 CALLS = int(os.environ.get("SPARGE_RANDOM_CALLS", "24"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
@@ -334,12 +337,25 @@ def _s2o_result_and_reference(call: dict, q, k, v, out) -> tuple[torch.Tensor, t
                                        return_sparsity=True, **knobs, **common)
         # a stop test lying on its threshold may fall either way under the kernel's rounding
         assert (stats.qk_skipped - ref_stats.qk_skipped).abs().max() <= 0.02, call
+        assert ref_stats.dense_blocks == _s2o_dense_blocks(call, q, k), call
     else:
         knobs["pvthreshd"] = None  # exact only without the stage-2 test
-        result = s2o_attention(q, k, v, tau=call["tau"] if call["tau"] in (0.0, None) else 0.0, out=out,
-                               backend="triton", **knobs, **common)
+        result, stats = s2o_attention(q, k, v, tau=call["tau"] if call["tau"] in (0.0, None) else 0.0, out=out,
+                                      return_sparsity=True, backend="triton", **knobs, **common)
         ref = block_sparse_attention(q, k, v, None, backend="reference", sink_logits=sinks, **common)
+        if call["tau"] is None:  # no stop test: every visible block visited
+            assert (stats.qk_skipped == 0).all() and (stats.pv_skipped == 0).all(), call
+    assert stats.dense_blocks == _s2o_dense_blocks(call, q, k), call
     return result, ref
+
+
+def _s2o_dense_blocks(call: dict, q, k) -> int:
+    """The blocks dense attention computes for an S2O call, from the element-wise definition of its causal mask."""
+    seq = 2 if call["layout"] == "HND" else 1
+    q_len, kv_len = q.shape[seq], k.shape[seq]
+    if not call["causal"]:
+        return math.ceil(q_len / BLOCK_Q) * math.ceil(kv_len / BLOCK_K)
+    return int(blocks_seen(window_mask(q_len, kv_len, call["causal_variant"], q_len + kv_len)).sum())
 
 
 def draw_pbs_call(seed: int) -> dict:
@@ -370,14 +386,53 @@ def test_random_pbs_call_matches_reference(seed):
     thresholds = dict(cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"], pvthreshd=call["pvthreshd"])
     result = pbs_sparge_attention(q, k, v, segment=call["segment"], causal_variant=variant, out=out,
                                   backend="triton", **thresholds)
-    order = segmented_key_order(last_block_key_importance(q, k, causal_variant=variant), call["segment"])
-    kp, vp = gather_keys(k, order), gather_keys(v, order)
-    kw = dict(is_causal=True, permuted_keys=PermutedKeys(order.to(torch.int32), call["segment"]),
-              causal_variant=variant)
-    mask = predict_block_mask(q, kp, cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"],
-                              backend="triton", **kw)
+    kp, vp, kw, mask = _pbs_permuted_call(call, q, k, v)
     ref = block_sparse_attention(q, kp, vp, mask, pvthreshd=call["pvthreshd"], backend="reference", **kw)
     _check(result, out, big, ref, 2, call)
     if call["simthreshd1"] == 1.0 and call["pvthreshd"] is None:
         exact = block_sparse_attention(q, k, v, None, backend="reference", is_causal=True, causal_variant=variant)
         _check(result, out, big, exact, 2, call)
+
+
+def _pbs_permuted_call(call: dict, q, k, v) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor]:
+    """What pbs_sparge_attention computes for a drawn call, step by step: the keys and values in its segmented order,
+    the keyword arguments that give the kernels the keys' original positions, and stage 1's mask on those keys."""
+    order = segmented_key_order(last_block_key_importance(q, k, causal_variant=call["causal_variant"]),
+                                call["segment"])
+    kw = dict(is_causal=True, permuted_keys=PermutedKeys(order.to(torch.int32), call["segment"]),
+              causal_variant=call["causal_variant"])
+    kp = gather_keys(k, order)
+    mask = predict_block_mask(q, kp, cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"],
+                              backend="triton", **kw)
+    return kp, gather_keys(v, order), kw, mask
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.parametrize("seed", seeds("pbs_statistics", share=4))
+def test_random_pbs_call_statistics_count_the_blocks_computed(seed):
+    """A PBS-Attn call (its permuted keys and stage 1's mask on them) with ``return_sparsity=True``: the Triton
+    kernels' and the reference's statistics count as dense the blocks of plain causal attention on keys in order,
+    and as computed the kept blocks whose key segment holds a key that some query of the block sees (keys move
+    within segments only, and a permuted block is walked whole where its segment is visible); the two skip the same
+    P.V products, and the outputs agree."""
+    call = draw_pbs_call(seed)
+    q, k, v = _inputs(call)
+    kp, vp, kw, mask = _pbs_permuted_call(call, q, k, v)
+    kw.update(pvthreshd=call["pvthreshd"], return_sparsity=True)
+    result, stats = block_sparse_attention(q, kp, vp, mask, backend="triton", **kw)
+    ref, ref_stats = block_sparse_attention(q, kp, vp, mask, backend="reference", **kw)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    allowed = window_mask(q_len, kv_len, call["causal_variant"], q_len + kv_len)
+    dense = int(blocks_seen(allowed).sum())
+    segment_of_block = torch.arange(mask.shape[-1]) * BLOCK_K // call["segment"]
+    computed = mask & blocks_seen(allowed, key_block=call["segment"])[:, segment_of_block]
+    want_qk = (1 - computed.sum((-1, -2)).double() / dense).mean(0)
+    for name, s in (("triton", stats), ("reference", ref_stats)):
+        assert s.dense_blocks == dense, (name, s.dense_blocks, dense, call)
+        torch.testing.assert_close(s.qk_skipped.double(), want_qk, msg=lambda m: f"{name} {call}: {m}")
+    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped, msg=lambda m: f"{call}: {m}")
+    if call["pvthreshd"] is None:
+        torch.testing.assert_close(stats.pv_skipped, stats.qk_skipped)
+    assert not torch.isnan(result).any(), call
+    _assert_close_to(result, ref, call)

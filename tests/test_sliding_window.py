@@ -45,13 +45,14 @@ def window_mask(nq: int, nkv: int, variant: str | None, window: int) -> torch.Te
     return (key <= position) & (key > position - window)
 
 
-def blocks_seen(allowed: torch.Tensor) -> torch.Tensor:
-    """(q blocks, k blocks) bool from an element-wise (Nq, Nkv) mask: the blocks holding a pair it allows."""
+def blocks_seen(allowed: torch.Tensor, key_block: int = BLOCK_K) -> torch.Tensor:
+    """(q blocks, k blocks) bool from an element-wise (Nq, Nkv) mask: the blocks holding a pair it allows (key
+    blocks of ``key_block`` keys: PBS-Attn's segments, say)."""
     nq, nkv = allowed.shape
-    q_blocks, k_blocks = math.ceil(nq / BLOCK_Q), math.ceil(nkv / BLOCK_K)
-    padded = allowed.new_zeros(q_blocks * BLOCK_Q, k_blocks * BLOCK_K)
+    q_blocks, k_blocks = math.ceil(nq / BLOCK_Q), math.ceil(nkv / key_block)
+    padded = allowed.new_zeros(q_blocks * BLOCK_Q, k_blocks * key_block)
     padded[:nq, :nkv] = allowed
-    return padded.view(q_blocks, BLOCK_Q, k_blocks, BLOCK_K).any(3).any(1)
+    return padded.view(q_blocks, BLOCK_Q, k_blocks, key_block).any(3).any(1)
 
 
 def exact(q, k, v, allowed):
