@@ -212,37 +212,46 @@ def draw_statistics_extras(seed: int, heads: int, pvthreshd: float | None) -> di
     return dict(scale=scale, pvthreshd=pvthreshd)
 
 
+def allowed_pairs(call: dict, q_len: int, kv_len: int) -> torch.Tensor:
+    """(Nq, Nkv) bool: the (query, key) pairs a drawn call's causal variant and window (if any) let a query see, from
+    their element-wise definitions (not from the package's block rule)."""
+    if not call["causal"]:
+        return torch.ones(q_len, kv_len, dtype=torch.bool)
+    return window_mask(q_len, kv_len, call["causal_variant"], call.get("sliding_window") or q_len + kv_len)
+
+
+def assert_statistics_count(stats, ref_stats, dense: int, computed: torch.Tensor, pv_off: bool, what,
+                            name: str = "kernels", pv_atol: float = 0.0) -> None:
+    """Both statistics count ``dense`` blocks and skip the Q.K^T products that ``computed`` ((B, H, q blocks,
+    k blocks) bool) leaves out; the two skip the same P.V products per head, up to ``pv_atol`` or one block of a
+    (batch, head) row, whichever is more, where ``pv_atol`` > 0; with stage 2 off (``pv_off``) P.V skips are Q.K^T's."""
+    want_qk = (1 - computed.sum((-1, -2)).double() / max(dense, 1)).mean(0)
+    for who, s in ((name, stats), ("reference", ref_stats)):
+        assert s.dense_blocks == dense, (who, s.dense_blocks, dense, what)
+        torch.testing.assert_close(s.qk_skipped.double(), want_qk, msg=lambda m: f"{who} {what}: {m}")
+    atol = max(pv_atol, 1 / max(dense, 1)) if pv_atol else 0.0
+    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped, atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
+    if pv_off:
+        torch.testing.assert_close(stats.pv_skipped, stats.qk_skipped)
+
+
 def check_call_statistics(call: dict, extras: dict, q, k, v, mask: torch.Tensor | None, arguments: tuple,
                           backend: str = "auto", pv_atol: float = 0.0) -> None:
     """Run a drawn call with ``return_sparsity=True`` on ``backend`` (given ``mask`` compacted when the call's entry
     is "compact") and on the float32 reference. Both statistics must count the dense blocks and the skipped Q.K^T
     products that the element-wise definition gives (a kept block counts where some query of it sees some key of
-    it: the call's causal variant and window, not the package's block rule); the two must skip the same P.V products
-    per head, up to ``pv_atol`` or one block of a (batch, head) row, whichever is more, where ``pv_atol`` > 0; and
-    the outputs must agree. ``arguments``: the call's ``_call_arguments``."""
+    it), as :func:`assert_statistics_count` checks, and the outputs must agree. ``arguments``: the call's
+    ``_call_arguments``."""
     common, capped, sinks = arguments
     given = compact_block_mask(mask, q, k, **common) if call["entry"] == "compact" else mask
     kw = dict(sink_logits=sinks, return_sparsity=True, **extras, **capped)
     result, stats = block_sparse_attention(q, k, v, given, backend=backend, **kw)
     ref, ref_stats = block_sparse_attention(q, k, v, mask, backend="reference", **kw)
     seq_dim = 2 if call["layout"] == "HND" else 1
-    q_len, kv_len = q.shape[seq_dim], k.shape[seq_dim]
-    if call["causal"]:
-        allowed = window_mask(q_len, kv_len, call["causal_variant"], call["sliding_window"] or q_len + kv_len)
-    else:
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
-    seen = blocks_seen(allowed).to(q.device)
+    seen = blocks_seen(allowed_pairs(call, q.shape[seq_dim], k.shape[seq_dim])).to(q.device)
     kept = (seen if mask is None else mask.bool() & seen).expand(call["batch"], call["heads"], *seen.shape)
-    dense = int(seen.sum())
-    want_qk = (1 - kept.sum((-1, -2)).double() / max(dense, 1)).mean(0)
-    for name, s in ((backend, stats), ("reference", ref_stats)):
-        assert s.dense_blocks == dense, (name, s.dense_blocks, dense, call, extras)
-        torch.testing.assert_close(s.qk_skipped.double(), want_qk, msg=lambda m: f"{name} {call} {extras}: {m}")
-    atol = max(pv_atol, 1 / max(dense, 1)) if pv_atol else 0.0
-    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped, atol=atol, rtol=0,
-                               msg=lambda m: f"{call} {extras}: {m}")
-    if extras["pvthreshd"] is None:
-        torch.testing.assert_close(stats.pv_skipped, stats.qk_skipped)
+    assert_statistics_count(stats, ref_stats, int(seen.sum()), kept, extras["pvthreshd"] is None, (call, extras),
+                            name=backend, pv_atol=pv_atol)
     assert not torch.isnan(result).any(), (call, extras)
     _assert_close_to(result, ref, call)
 

@@ -37,10 +37,11 @@ from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_atten
 from sparge_diffusers.llm import pbs_sparge_attention
 from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
-from test_gpu_random_calls import _assert_close_to, check_call_statistics, draw_statistics_extras, stage1_defaults
+from test_gpu_random_calls import (_assert_close_to, allowed_pairs, assert_statistics_count, check_call_statistics,
+                                   draw_statistics_extras, stage1_defaults)
 from test_kernels import assert_stage1_agrees
 from test_s2o import order_for
-from test_sliding_window import blocks_seen, window_mask
+from test_sliding_window import blocks_seen
 
 CALLS = int(os.environ.get("SPARGE_RANDOM_CALLS", "24"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
@@ -352,10 +353,7 @@ def _s2o_result_and_reference(call: dict, q, k, v, out) -> tuple[torch.Tensor, t
 def _s2o_dense_blocks(call: dict, q, k) -> int:
     """The blocks dense attention computes for an S2O call, from the element-wise definition of its causal mask."""
     seq = 2 if call["layout"] == "HND" else 1
-    q_len, kv_len = q.shape[seq], k.shape[seq]
-    if not call["causal"]:
-        return math.ceil(q_len / BLOCK_Q) * math.ceil(kv_len / BLOCK_K)
-    return int(blocks_seen(window_mask(q_len, kv_len, call["causal_variant"], q_len + kv_len)).sum())
+    return int(blocks_seen(allowed_pairs(call, q.shape[seq], k.shape[seq])).sum())
 
 
 def draw_pbs_call(seed: int) -> dict:
@@ -422,17 +420,10 @@ def test_random_pbs_call_statistics_count_the_blocks_computed(seed):
     kw.update(pvthreshd=call["pvthreshd"], return_sparsity=True)
     result, stats = block_sparse_attention(q, kp, vp, mask, backend="triton", **kw)
     ref, ref_stats = block_sparse_attention(q, kp, vp, mask, backend="reference", **kw)
-    q_len, kv_len = q.shape[2], k.shape[2]
-    allowed = window_mask(q_len, kv_len, call["causal_variant"], q_len + kv_len)
-    dense = int(blocks_seen(allowed).sum())
+    allowed = allowed_pairs(call, q.shape[2], k.shape[2])
     segment_of_block = torch.arange(mask.shape[-1]) * BLOCK_K // call["segment"]
     computed = mask & blocks_seen(allowed, key_block=call["segment"])[:, segment_of_block]
-    want_qk = (1 - computed.sum((-1, -2)).double() / dense).mean(0)
-    for name, s in (("triton", stats), ("reference", ref_stats)):
-        assert s.dense_blocks == dense, (name, s.dense_blocks, dense, call)
-        torch.testing.assert_close(s.qk_skipped.double(), want_qk, msg=lambda m: f"{name} {call}: {m}")
-    torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped, msg=lambda m: f"{call}: {m}")
-    if call["pvthreshd"] is None:
-        torch.testing.assert_close(stats.pv_skipped, stats.qk_skipped)
+    assert_statistics_count(stats, ref_stats, int(blocks_seen(allowed).sum()), computed, call["pvthreshd"] is None,
+                            call, name="triton")
     assert not torch.isnan(result).any(), call
     _assert_close_to(result, ref, call)
