@@ -12,7 +12,8 @@ relative L1 against the reference under the dtype's tolerance. The same for S2O 
 by the reference, or built by the kernels and visited in full against exact attention) and for PBS-Attn's whole path
 (importance, segment sort, key gather, stage 1 and the walk on permuted keys). And, as in test_random_calls.py, with
 ``return_sparsity=True``, a drawn scale and per-head stage-2 thresholds: the statistics against the blocks the
-element-wise definition makes the call compute.
+element-wise definition makes the call compute; the same for PBS-Attn's calls, and S2O's dense blocks (since
+session 80).
 
 ``SPARGE_GPU_RANDOM_CALLS`` sets the number of seeds per test (default 40), ``SPARGE_GPU_RANDOM_FIRST`` the first
 (default 0).
@@ -328,6 +329,13 @@ def _structured_inputs(call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, k, v
 
 
+def s2o_dense_blocks(call: dict, q: torch.Tensor, k: torch.Tensor) -> int:
+    """The blocks dense attention computes for a drawn S2O call, from the element-wise definition of its causal
+    mask (here and in test_random_calls.py)."""
+    seq_dim = 2 if call["layout"] == "HND" else 1
+    return int(blocks_seen(allowed_pairs(call, q.shape[seq_dim], k.shape[seq_dim])).sum())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS))
 def test_gpu_random_s2o_call_matches_reference(seed):
@@ -359,11 +367,15 @@ def test_gpu_random_s2o_call_matches_reference(seed):
                                        return_sparsity=True, **knobs, **common)
         # a stop test lying on its threshold may fall either way under the kernel's rounding
         assert (stats.qk_skipped - ref_stats.qk_skipped).abs().max() <= 0.02, call
+        assert ref_stats.dense_blocks == s2o_dense_blocks(call, q, k), call
     else:
         tau = call["tau"] if call["tau"] in (0.0, None) else 0.0
         knobs["pvthreshd"] = None  # exact only without the stage-2 test
-        result = s2o_attention(q, k, v, tau=tau, out=out, **knobs, **common)
+        result, stats = s2o_attention(q, k, v, tau=tau, out=out, return_sparsity=True, **knobs, **common)
         ref = block_sparse_attention(q, k, v, None, backend="reference", **common)
+        if tau is None:  # no stop test: every visible block visited
+            assert (stats.qk_skipped == 0).all() and (stats.pv_skipped == 0).all(), call
+    assert stats.dense_blocks == s2o_dense_blocks(call, q, k), call
     assert result.data_ptr() == out.data_ptr(), call
     assert not torch.isnan(result).any(), call
     assert torch.isnan(big.narrow(seq_dim, q_len, 7)).all(), ("rows past the call were written", call)
@@ -377,7 +389,7 @@ def draw_pbs_call(seed: int) -> dict:
     rng = random.Random(seed)
     kv_heads = rng.choice([1, 2, 4])
     kv_len = rng.randint(1, 6000)
-    return dict(
+    call = dict(
         batch=rng.choice([1, 1, 2]),
         kv_heads=kv_heads,
         heads=kv_heads * rng.choice([1, 2, 4]),
@@ -391,6 +403,8 @@ def draw_pbs_call(seed: int) -> dict:
         pvthreshd=rng.choice([None, None, 8.0]),
         seed=seed,
     )
+    return call | dict(causal=True, layout="HND", entry="whole",
+                       causal_variant="lower_right" if call["q_len"] < call["kv_len"] else None)
 
 
 @pytest.mark.gpu
@@ -401,26 +415,67 @@ def test_gpu_random_pbs_call_matches_reference(seed):
     mask; with every block kept (simthreshd1 1) and no stage-2 test, also against exact causal attention."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from sparge_diffusers import PermutedKeys
     from sparge_diffusers.llm import pbs_sparge_attention
-    from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 
     call = draw_pbs_call(seed)
-    call.update(causal=True, layout="HND", causal_variant="lower_right" if call["q_len"] < call["kv_len"] else None)
-    q, k, v = _inputs(dict(call, entry="whole"))
+    q, k, v = _inputs(call)
     variant = call["causal_variant"]
     out = torch.full_like(q, float("nan"))
     thresholds = dict(cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"], pvthreshd=call["pvthreshd"])
     result = pbs_sparge_attention(q, k, v, segment=call["segment"], causal_variant=variant, out=out, **thresholds)
     assert result.data_ptr() == out.data_ptr() and not torch.isnan(result).any(), call
 
-    order = segmented_key_order(last_block_key_importance(q, k, causal_variant=variant), call["segment"])
-    permuted = PermutedKeys(order.to(torch.int32), call["segment"])
-    kp, vp = gather_keys(k, order), gather_keys(v, order)
-    kw = dict(is_causal=True, permuted_keys=permuted, causal_variant=variant)
-    mask = predict_block_mask(q, kp, cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"], **kw)
+    kp, vp, kw, mask = pbs_permuted_call(call, q, k, v)
     ref = block_sparse_attention(q, kp, vp, mask, pvthreshd=call["pvthreshd"], backend="reference", **kw)
     _assert_close_to(result, ref, call)
     if call["simthreshd1"] == 1.0 and call["pvthreshd"] is None:
         exact = block_sparse_attention(q, k, v, None, backend="reference", is_causal=True, causal_variant=variant)
         _assert_close_to(result, exact, call)
+
+
+def pbs_permuted_call(call: dict, q, k, v, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, dict,
+                                                                            torch.Tensor]:
+    """What pbs_sparge_attention computes for a drawn call, step by step (here and in test_random_calls.py): the keys
+    and values in its segmented order, the keyword arguments that give the kernels the keys' original positions, and
+    stage 1's mask on those keys (predicted by ``backend``)."""
+    from sparge_diffusers import PermutedKeys
+    from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
+
+    order = segmented_key_order(last_block_key_importance(q, k, causal_variant=call["causal_variant"]),
+                                call["segment"])
+    kw = dict(is_causal=True, permuted_keys=PermutedKeys(order.to(torch.int32), call["segment"]),
+              causal_variant=call["causal_variant"])
+    kp = gather_keys(k, order)
+    mask = predict_block_mask(q, kp, cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"],
+                              backend=backend, **kw)
+    return kp, gather_keys(v, order), kw, mask
+
+
+def check_pbs_call_statistics(call: dict, q, k, v, backend: str = "auto", pv_atol: float = 0.0) -> None:
+    """A drawn PBS-Attn call (its permuted keys and stage 1's mask on them) with ``return_sparsity=True`` on
+    ``backend`` and on the float32 reference: both count as dense the blocks of plain causal attention on keys in
+    order, and as computed the kept blocks whose key segment holds a key that some query of the block sees (keys move
+    within segments only, and a permuted block is walked whole where its segment is visible); P.V skips as
+    :func:`assert_statistics_count` allows; the outputs agree."""
+    kp, vp, kw, mask = pbs_permuted_call(call, q, k, v, backend=backend)
+    kw.update(pvthreshd=call["pvthreshd"], return_sparsity=True)
+    result, stats = block_sparse_attention(q, kp, vp, mask, backend=backend, **kw)
+    ref, ref_stats = block_sparse_attention(q, kp, vp, mask, backend="reference", **kw)
+    allowed = allowed_pairs(call, q.shape[2], k.shape[2])
+    segment_of_block = torch.arange(mask.shape[-1]) * BLOCK_K // call["segment"]
+    computed = mask & blocks_seen(allowed, key_block=call["segment"])[:, segment_of_block].to(mask.device)
+    assert_statistics_count(stats, ref_stats, int(blocks_seen(allowed).sum()), computed, call["pvthreshd"] is None,
+                            call, name=backend, pv_atol=pv_atol)
+    assert not torch.isnan(result).any(), call
+    _assert_close_to(result, ref, call)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + CALLS))
+def test_gpu_random_pbs_call_statistics_count_the_blocks_computed(seed):
+    """test_random_calls.py's PBS-Attn statistics test on the GPU's larger PBS calls (prompts up to 6000 tokens,
+    segments up to 2048): P.V skips may differ by 2% (or one block of a row), as in the statistics test above."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    call = draw_pbs_call(seed)
+    check_pbs_call_statistics(call, *_inputs(call), pv_atol=0.02)

@@ -32,16 +32,14 @@ import random
 import pytest
 import torch
 
-from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_attention, compact_block_mask,
-                              predict_block_mask, s2o_attention, sparge_attention)
+from sparge_diffusers import (BLOCK_K, BLOCK_Q, block_sparse_attention, compact_block_mask, predict_block_mask,
+                              s2o_attention, sparge_attention)
 from sparge_diffusers.llm import pbs_sparge_attention
-from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
-from test_gpu_random_calls import (_assert_close_to, allowed_pairs, assert_statistics_count, check_call_statistics,
-                                   draw_statistics_extras, stage1_defaults)
+from test_gpu_random_calls import (_assert_close_to, check_call_statistics, check_pbs_call_statistics,
+                                   draw_statistics_extras, pbs_permuted_call, s2o_dense_blocks, stage1_defaults)
 from test_kernels import assert_stage1_agrees
 from test_s2o import order_for
-from test_sliding_window import blocks_seen
 
 CALLS = int(os.environ.get("SPARGE_RANDOM_CALLS", "24"))
 FIRST = int(os.environ.get("SPARGE_RANDOM_FIRST", "0"))
@@ -338,7 +336,7 @@ def _s2o_result_and_reference(call: dict, q, k, v, out) -> tuple[torch.Tensor, t
                                        return_sparsity=True, **knobs, **common)
         # a stop test lying on its threshold may fall either way under the kernel's rounding
         assert (stats.qk_skipped - ref_stats.qk_skipped).abs().max() <= 0.02, call
-        assert ref_stats.dense_blocks == _s2o_dense_blocks(call, q, k), call
+        assert ref_stats.dense_blocks == s2o_dense_blocks(call, q, k), call
     else:
         knobs["pvthreshd"] = None  # exact only without the stage-2 test
         result, stats = s2o_attention(q, k, v, tau=call["tau"] if call["tau"] in (0.0, None) else 0.0, out=out,
@@ -346,14 +344,8 @@ def _s2o_result_and_reference(call: dict, q, k, v, out) -> tuple[torch.Tensor, t
         ref = block_sparse_attention(q, k, v, None, backend="reference", sink_logits=sinks, **common)
         if call["tau"] is None:  # no stop test: every visible block visited
             assert (stats.qk_skipped == 0).all() and (stats.pv_skipped == 0).all(), call
-    assert stats.dense_blocks == _s2o_dense_blocks(call, q, k), call
+    assert stats.dense_blocks == s2o_dense_blocks(call, q, k), call
     return result, ref
-
-
-def _s2o_dense_blocks(call: dict, q, k) -> int:
-    """The blocks dense attention computes for an S2O call, from the element-wise definition of its causal mask."""
-    seq = 2 if call["layout"] == "HND" else 1
-    return int(blocks_seen(allowed_pairs(call, q.shape[seq], k.shape[seq])).sum())
 
 
 def draw_pbs_call(seed: int) -> dict:
@@ -384,25 +376,12 @@ def test_random_pbs_call_matches_reference(seed):
     thresholds = dict(cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"], pvthreshd=call["pvthreshd"])
     result = pbs_sparge_attention(q, k, v, segment=call["segment"], causal_variant=variant, out=out,
                                   backend="triton", **thresholds)
-    kp, vp, kw, mask = _pbs_permuted_call(call, q, k, v)
+    kp, vp, kw, mask = pbs_permuted_call(call, q, k, v, backend="triton")
     ref = block_sparse_attention(q, kp, vp, mask, pvthreshd=call["pvthreshd"], backend="reference", **kw)
     _check(result, out, big, ref, 2, call)
     if call["simthreshd1"] == 1.0 and call["pvthreshd"] is None:
         exact = block_sparse_attention(q, k, v, None, backend="reference", is_causal=True, causal_variant=variant)
         _check(result, out, big, exact, 2, call)
-
-
-def _pbs_permuted_call(call: dict, q, k, v) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor]:
-    """What pbs_sparge_attention computes for a drawn call, step by step: the keys and values in its segmented order,
-    the keyword arguments that give the kernels the keys' original positions, and stage 1's mask on those keys."""
-    order = segmented_key_order(last_block_key_importance(q, k, causal_variant=call["causal_variant"]),
-                                call["segment"])
-    kw = dict(is_causal=True, permuted_keys=PermutedKeys(order.to(torch.int32), call["segment"]),
-              causal_variant=call["causal_variant"])
-    kp = gather_keys(k, order)
-    mask = predict_block_mask(q, kp, cdfthreshd=call["cdfthreshd"], simthreshd1=call["simthreshd1"],
-                              backend="triton", **kw)
-    return kp, gather_keys(v, order), kw, mask
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
@@ -415,15 +394,4 @@ def test_random_pbs_call_statistics_count_the_blocks_computed(seed):
     within segments only, and a permuted block is walked whole where its segment is visible); the two skip the same
     P.V products, and the outputs agree."""
     call = draw_pbs_call(seed)
-    q, k, v = _inputs(call)
-    kp, vp, kw, mask = _pbs_permuted_call(call, q, k, v)
-    kw.update(pvthreshd=call["pvthreshd"], return_sparsity=True)
-    result, stats = block_sparse_attention(q, kp, vp, mask, backend="triton", **kw)
-    ref, ref_stats = block_sparse_attention(q, kp, vp, mask, backend="reference", **kw)
-    allowed = allowed_pairs(call, q.shape[2], k.shape[2])
-    segment_of_block = torch.arange(mask.shape[-1]) * BLOCK_K // call["segment"]
-    computed = mask & blocks_seen(allowed, key_block=call["segment"])[:, segment_of_block]
-    assert_statistics_count(stats, ref_stats, int(blocks_seen(allowed).sum()), computed, call["pvthreshd"] is None,
-                            call, name="triton")
-    assert not torch.isnan(result).any(), call
-    _assert_close_to(result, ref, call)
+    check_pbs_call_statistics(call, *_inputs(call), backend="triton")
