@@ -1,7 +1,12 @@
 """NSA-style key-block selection (kernels/block_selection.py): the fused Triton kernel in the interpreter against
-the float32 reference, the selection rules on both backends, input errors, and the GPU."""
+the float32 reference, the selection rules on both backends, input errors, and the GPU.
+
+``SPARGE_GPU_RANDOM_CALLS`` (default 12 here) and ``SPARGE_GPU_RANDOM_FIRST`` set the GPU's random calls, as for
+test_gpu_random_calls.py.
+"""
 
 import math
+import os
 
 import pytest
 import torch
@@ -9,6 +14,9 @@ import torch
 from sparge_diffusers import select_key_blocks, select_key_blocks_op
 from sparge_diffusers.kernels import block_selection as selection_module
 from sparge_diffusers.kernels.reference import reference_block_importance
+
+GPU_CALLS = int(os.environ.get("SPARGE_GPU_RANDOM_CALLS", "12"))
+GPU_FIRST = int(os.environ.get("SPARGE_GPU_RANDOM_FIRST", "0"))
 
 CASES = [
     # B, H, HK, N (q and k), Nkv (non-causal), D, block, top_k, causal
@@ -212,7 +220,7 @@ def test_gpu_custom_op_under_inductor():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(GPU_FIRST, GPU_FIRST + GPU_CALLS))
 def test_gpu_random_calls(seed):
     """One random call per seed (shape, group, layout incl. non-contiguous views, dtype, block, top_k, causality and
     causal variant) against the float32 reference on the CPU."""

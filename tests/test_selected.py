@@ -1,17 +1,33 @@
 """Per-query block selection with FSA's KV-outer loop (kernels/selected.py): the Triton kernels in the interpreter
-against the float32 reference, the selection index, the NSA-style block choice, input errors, and the GPU."""
+against the float32 reference, the selection index, the NSA-style block choice, input errors, random calls that
+combine the grid's axes, and the GPU.
+
+``SPARGE_RANDOM_SELECTED_CALLS`` sets the number of random calls on the CPU (default 16, about 1 s each),
+``SPARGE_RANDOM_SELECTED_FIRST`` the first seed (default 0); ``SPARGE_GPU_RANDOM_CALLS`` (default 24 here) and
+``SPARGE_GPU_RANDOM_FIRST`` those of the GPU's random calls.
+"""
 
 import math
+import os
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sparge_diffusers import build_selection_index, relative_l1, select_key_blocks, selected_block_attention
+from sparge_diffusers import (block_sparse_attention, build_selection_index, relative_l1, select_key_blocks,
+                              selected_block_attention, selection_sparsity)
 from sparge_diffusers import selected_block_attention_op
 from sparge_diffusers.kernels import selected as selected_module
+from sparge_diffusers.kernels.reference import reference_block_importance
+
+from test_block_selection import check_is_top_k
 
 L1_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+RANDOM_CALLS = int(os.environ.get("SPARGE_RANDOM_SELECTED_CALLS", "16"))
+RANDOM_FIRST = int(os.environ.get("SPARGE_RANDOM_SELECTED_FIRST", "0"))
+GPU_CALLS = int(os.environ.get("SPARGE_GPU_RANDOM_CALLS", "24"))  # as for test_gpu_random_calls.py
+GPU_FIRST = int(os.environ.get("SPARGE_GPU_RANDOM_FIRST", "0"))
 
 
 def make_qkv(B, H, HK, Nq, Nkv, D, dtype, layout, seed, device="cpu"):
@@ -228,27 +244,14 @@ def test_selection_sparsity_counts_the_pairs_a_selection_covers(is_causal, nq, v
     """Against a dense (query, key) coverage mask built pair by pair: repeats, -1, out-of-range picks, hidden and
     partly hidden blocks (causal, both variants with Nq != Nkv), the short last block; per query head of each
     group."""
-    from sparge_diffusers import selection_sparsity
-
     n, block, heads = 150, 32, 4  # 5 blocks of keys, the last of 22
     generator = torch.Generator().manual_seed(4)
     sel = torch.randint(-1, 7, (2, 2, nq, 4), generator=generator)  # -1 = none, 5 and 6 = out of range
     sel[0, 0, :, 1] = sel[0, 0, :, 0]  # repeats
     stats = selection_sparsity(sel, heads=heads, kv_len=n, block_size=block, is_causal=is_causal,
                                causal_variant=variant)
-    covered = torch.zeros(2, 2, nq, n, dtype=torch.bool)
-    for b, h, i, t in torch.nonzero(sel >= 0).tolist():
-        j = int(sel[b, h, i, t])
-        covered[b, h, i, j * block:(j + 1) * block] = True  # slicing past n covers nothing
-    visible = torch.ones(nq, n, dtype=torch.bool)
-    if is_causal:
-        visible = visible.tril(diagonal=n - nq if variant == "lower_right" else 0)
-    covered &= visible
-    want = 1 - covered.sum(dim=(2, 3)).double() / visible.sum()
-    want = want.repeat_interleave(heads // 2, dim=1).mean(0).float()
-    torch.testing.assert_close(stats.qk_skipped, want)
-    torch.testing.assert_close(stats.pv_skipped, want)
-    assert stats.dense_blocks == int(visible.sum()) and 0 < stats.sparsity < 1
+    assert_selection_sparsity(stats, sel, heads, n, block, is_causal, variant)
+    assert 0 < stats.sparsity < 1
     everything = torch.arange(5).expand(1, 1, nq, 5)
     assert selection_sparsity(everything, heads=1, kv_len=n, block_size=block, is_causal=is_causal,
                               causal_variant=variant).sparsity == 0
@@ -314,7 +317,7 @@ def test_gpu_matches_reference(layout, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", range(GPU_FIRST, GPU_FIRST + GPU_CALLS))
 def test_gpu_random_calls(seed):
     """One random call per seed: shape, GQA, layout (incl. non-contiguous views), dtype, block, top_k, causality
     and causal variant, a reused index, against the float32 reference on the CPU; every output element written."""
@@ -362,3 +365,115 @@ def test_gpu_custom_op_under_inductor(mode):
     for _ in range(3):  # reduce-overhead records a CUDA graph on a later call, then replays it
         got = compiled(q, k, v, sel).clone()
     assert torch.equal(got, eager * 2.0)
+
+
+def assert_selection_sparsity(stats, sel: torch.Tensor, heads: int, kv_len: int, block: int, is_causal: bool,
+                              variant: str | None) -> None:
+    """``stats`` (from :func:`selection_sparsity`) against a dense (query, key) coverage mask built from the
+    definition: a pick covers its block's keys (none for -1, an out-of-range pick or a repeat's second time), causal
+    masking hides the keys after the query; per query head of each group, mean over the batch."""
+    B, HK, nq, _ = sel.shape
+    key_block = torch.arange(kv_len) // block
+    covered = (sel.long().unsqueeze(-1) == key_block).any(-2)  # (B, HK, nq, kv_len); -1 matches no key
+    visible = torch.ones(nq, kv_len, dtype=torch.bool)
+    if is_causal:
+        visible = visible.tril(diagonal=kv_len - nq if variant == "lower_right" else 0)
+    covered &= visible
+    want = 1 - covered.sum(dim=(2, 3)).double() / max(int(visible.sum()), 1)
+    want = want.repeat_interleave(heads // HK, dim=1).mean(0).float()
+    torch.testing.assert_close(stats.qk_skipped, want)
+    torch.testing.assert_close(stats.pv_skipped, want)
+    assert stats.dense_blocks == int(visible.sum())
+
+
+def draw_selected_call(seed: int) -> dict:
+    """One call of the FSA path, a pure function of ``seed``: shapes, GQA group, layout (contiguous, a transposed
+    view or a strided q), dtype, block size, top_k, causality and variant, scale, sinks, where the selection comes
+    from (random picks with -1s and repeats, the NSA-style kernel, or every block), the kernel's query chunk and
+    whether the call runs in query pieces."""
+    rng = random.Random(seed)
+    kv_heads = rng.choice([1, 2])
+    causal = rng.random() < 0.6
+    variant = rng.choice([None, None, "lower_right", "upper_left"]) if causal else None
+    q_len = rng.randint(1, 400)
+    return dict(
+        batch=rng.choice([1, 2]), kv_heads=kv_heads, heads=kv_heads * rng.choice([1, 2, 3, 4]),
+        head_dim=rng.choice([16, 32, 64, 24, 128]), block=rng.choice([32, 64, 128]), top_k=rng.randint(1, 8),
+        causal=causal, variant=variant, q_len=q_len,
+        kv_len=q_len if causal and variant is None else rng.randint(1, 400),
+        dtype=rng.choice([torch.bfloat16, torch.float16]), layout=rng.choice(["HND", "NHD"]),
+        view=rng.choice(["contiguous", "contiguous", "transposed", "strided_q"]),
+        selection=rng.choice(["random", "random", "nsa", "every"]), scale=rng.choice([None, None, 0.05, 0.3]),
+        sinks=rng.random() < 0.25, query_chunk=rng.choice([64, 256]), pieces=rng.choice([1, 1, 3]), seed=seed)
+
+
+def _selected_call_inputs(call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of a drawn call in its layout: contiguous, NHD as a transposed view of HND tensors, or q a strided
+    view (rows padded to twice their width)."""
+    B, H, HK, D, layout = call["batch"], call["heads"], call["kv_heads"], call["head_dim"], call["layout"]
+    view = call["view"]
+    q, k, v = make_qkv(B, H, HK, call["q_len"], call["kv_len"], D, call["dtype"],
+                       "HND" if view == "transposed" else layout, seed=call["seed"])
+    if view == "transposed" and layout == "NHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if view == "strided_q":
+        wide = torch.zeros(*q.shape[:-1], 2 * D, dtype=q.dtype)
+        wide[..., :D] = q
+        q = wide[..., :D]
+    return q, k, v
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.parametrize("seed", range(RANDOM_FIRST, RANDOM_FIRST + RANDOM_CALLS))
+def test_random_selected_call_matches_reference(seed, monkeypatch):
+    """A drawn FSA call on the Triton kernels in the interpreter, into a NaN-poisoned buffer: every element written,
+    relative L1 against the float32 reference under the dtype's tolerance, rows whose selection shows no key zero,
+    with every block selected also against exact attention; a prebuilt index gives the same output; an NSA-style
+    selection holds each row's top blocks of the reference importance; the selection's statistics against the
+    pair-by-pair definition."""
+    call = draw_selected_call(seed)
+    monkeypatch.setattr(selected_module, "QUERY_CHUNK", call["query_chunk"])
+    q, k, v = _selected_call_inputs(call)
+    layout, block, top_k, variant = call["layout"], call["block"], call["top_k"], call["variant"]
+    B, H, HK, D, q_len, kv_len = (call[n] for n in ("batch", "heads", "kv_heads", "head_dim", "q_len", "kv_len"))
+    n_blocks = math.ceil(kv_len / block)
+    common = dict(block_size=block, is_causal=call["causal"], tensor_layout=layout, causal_variant=variant)
+    offset = kv_len - q_len if variant == "lower_right" else 0
+    if call["selection"] == "nsa":
+        nsa = dict(block_size=block, is_causal=call["causal"], scale=call["scale"] or D ** -0.5, sink_blocks=1,
+                   local_blocks=1)
+        sel = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, backend="triton", causal_variant=variant,
+                                **nsa)
+        importance = reference_block_importance(q, k, tensor_layout=layout, q_start=offset, **nsa)
+        check_is_top_k(sel, importance, top_k, tol=1e-2 * (H // HK))
+    elif call["selection"] == "every":
+        sel = torch.arange(n_blocks, dtype=torch.int32).expand(B, HK, q_len, n_blocks)
+    else:
+        sel = random_selection(B, HK, q_len, n_blocks, top_k, seed=seed)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(seed)) * 3 if call["sinks"] else None
+    kw = dict(common, scale=call["scale"], sink_logits=sinks)
+    per_query = sel.shape[-1] * H * (D * 2 + 4)  # the partial outputs' bytes per query (the docstring's figure)
+    budget = per_query * math.ceil(q_len / call["pieces"]) if call["pieces"] > 1 else selected_module.MAX_PARTIAL_BYTES
+
+    out = poisoned_like(q)
+    got = selected_block_attention(q, k, v, sel, backend="triton", out=out, max_partial_bytes=budget, **kw)
+    ref = selected_block_attention(q, k, v, sel, backend="reference", **kw)
+    assert got.data_ptr() == out.data_ptr() and got.shape == q.shape, call
+    assert not torch.isnan(got).any(), call
+    seq_dim = 2 if layout == "HND" else 1
+    empty = (ref.float().abs().sum(-1) == 0).movedim(seq_dim, -1)  # (B, H, Nq) rows with no visible key
+    assert (got.float().abs().sum(-1).movedim(seq_dim, -1)[empty] == 0).all(), call
+    if ref.abs().sum() > 0:
+        assert relative_l1(got.float(), ref.float()) < L1_TOL[call["dtype"]], call
+    if call["selection"] == "every":
+        exact = block_sparse_attention(q, k, v, None, backend="reference", is_causal=call["causal"],
+                                       tensor_layout=layout, causal_variant=variant, scale=call["scale"],
+                                       sink_logits=sinks)
+        if exact.abs().sum() > 0:
+            assert relative_l1(got.float(), exact.float()) < L1_TOL[call["dtype"]], call
+    index = build_selection_index(sel, q_len=q_len, kv_len=kv_len, block_size=block, is_causal=call["causal"],
+                                  causal_offset=offset)
+    assert torch.equal(selected_block_attention(q, k, v, index, backend="triton", **kw), got), call
+    stats = selection_sparsity(sel, heads=H, kv_len=kv_len, block_size=block, is_causal=call["causal"],
+                               causal_variant=variant)
+    assert_selection_sparsity(stats, sel, H, kv_len, block, call["causal"], variant)
