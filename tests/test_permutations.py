@@ -1,10 +1,12 @@
 """Visual token permutations: bijections, inverses, text tokens, caching, and exactness of attention."""
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sparge_diffusers import relative_l1, sparge_attention
+from sparge_diffusers import block_sparse_attention, relative_l1, sparge_attention
 from sparge_diffusers.kernels.reference import reference_block_statistics
 from sparge_diffusers.permutations import (
     ORDERS,
@@ -90,6 +92,41 @@ def test_permuted_attention_keeping_everything_equals_dense(layout, order):
     # a returned (out, stats) tuple keeps its stats
     out, stats = attention(q, k, v, tensor_layout=layout, return_sparsity=True, backend="reference")
     assert out.shape == q.shape and 0 <= stats.sparsity <= 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_permutation_is_a_bijection_that_moves_only_the_grid(seed):
+    """A drawn grid (any sizes, not only powers of two), order, text lengths and layout: the permutation is a
+    bijection, moves the grid's tokens among themselves only, ``restore`` undoes ``apply``, each order visits the
+    grid as its name says, and attention through :func:`permuted` (float32 reference, every block) equals dense
+    attention in the original order."""
+    rng = random.Random(seed)
+    grid = tuple(rng.randint(1, 12) for _ in range(3))
+    order, layout = rng.choice(sorted(ORDERS)), rng.choice(["HND", "NHD"])
+    before, after = rng.choice([0, 0, 1, 7, 20]), rng.choice([0, 0, 3])
+    T, H, W = grid
+    n = before + T * H * W + after
+    p = visual_token_permutation(grid, order, text_before=before, text_after=after, seed=seed)
+    perm = p.perm.tolist()
+    assert len(p) == n and sorted(perm) == list(range(n))
+    assert perm[:before] == list(range(before)) and perm[n - after:] == list(range(n - after, n))
+    visual = [i - before for i in perm[before:n - after]]  # row-major (t, h, w) indices in visiting order
+    coords = [(i // (H * W), i // W % H, i % W) for i in visual]
+    if order == "rowmajor":
+        assert visual == list(range(T * H * W))
+    elif order == "colmajor":  # frame by frame, down each column
+        assert coords == sorted(coords, key=lambda c: (c[0], c[2], c[1]))
+    elif order == "timemajor":  # each pixel across frames first
+        assert coords == sorted(coords, key=lambda c: (c[1], c[2], c[0]))
+    x = torch.randn(1, 2, n, 16) if layout == "HND" else torch.randn(1, n, 2, 16)
+    assert torch.equal(p.restore(p.apply(x, layout), layout), x)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(x.shape, generator=g) for _ in range(3))
+    attention = permuted(block_sparse_attention, p)
+    out = attention(q, k, v, None, tensor_layout=layout, backend="reference")
+    qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
+    dense = F.scaled_dot_product_attention(qh, kh, vh)
+    torch.testing.assert_close(out, dense if layout == "HND" else dense.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
 def test_permutation_errors():
