@@ -29,12 +29,14 @@ import torch
 from sparge_diffusers import (
     BLOCK_K,
     BLOCK_Q,
+    PermutedKeys,
     block_sparse_attention,
     compact_block_mask,
     predict_block_mask,
     relative_l1,
     sparge_attention,
 )
+from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
 from test_kernels import L1_TOL, assert_stage1_agrees
@@ -438,9 +440,6 @@ def pbs_permuted_call(call: dict, q, k, v, backend: str = "auto") -> tuple[torch
     """What pbs_sparge_attention computes for a drawn call, step by step (here and in test_random_calls.py): the keys
     and values in its segmented order, the keyword arguments that give the kernels the keys' original positions, and
     stage 1's mask on those keys (predicted by ``backend``)."""
-    from sparge_diffusers import PermutedKeys
-    from sparge_diffusers.permutations import gather_keys, last_block_key_importance, segmented_key_order
-
     order = segmented_key_order(last_block_key_importance(q, k, causal_variant=call["causal_variant"]),
                                 call["segment"])
     kw = dict(is_causal=True, permuted_keys=PermutedKeys(order.to(torch.int32), call["segment"]),

@@ -18,8 +18,8 @@ longer prompts are drawn, and the mask's layout read on the GPU (one Triton pass
 equal the one read on the CPU.
 
 ``SPARGE_RANDOM_MASKS`` sets the number of seeds (default 200; a seed takes ~25 ms on the CPU),
-``SPARGE_RANDOM_MASKS_FIRST`` the first (default 0). Seeds 0-5308831 pass on the CPU and 0-91148 on H100/H200s with
-the draws of session 60 (``docs/testing.md``); :data:`FOUND_BUGS` run always.
+``SPARGE_RANDOM_MASKS_FIRST`` the first (default 0); ``docs/testing.md`` gives the seeds that pass on the CPU and on
+GPUs. :data:`FOUND_BUGS` run always.
 """
 
 import os
