@@ -318,36 +318,11 @@ def test_gpu_matches_reference(layout, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(GPU_FIRST, GPU_FIRST + GPU_CALLS))
-def test_gpu_random_calls(seed):
-    """One random call per seed: shape, GQA, layout (incl. non-contiguous views), dtype, block, top_k, causality
-    and causal variant, a reused index, against the float32 reference on the CPU; every output element written."""
-    g = torch.Generator().manual_seed(seed)
-    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
-    B, HK, group = pick([1, 2]), pick([1, 2, 4]), pick([1, 2, 4, 8])
-    D, block, dtype = pick([32, 64, 96, 128]), pick([32, 64, 128]), pick([torch.bfloat16, torch.float16])
-    causal, layout = pick([True, False]), pick(["HND", "NHD"])
-    variant = pick([None, "lower_right", "upper_left"]) if causal else None
-    Nq = int(torch.randint(1, 2500, (1,), generator=g))
-    Nkv = Nq if causal and variant is None else int(torch.randint(1, 2500, (1,), generator=g))
-    top_k = int(torch.randint(1, 20, (1,), generator=g))
-    H = HK * group
-    q, k, v = make_qkv(B, H, HK, Nq, Nkv, D, dtype, "HND", seed=seed, device="cuda")
-    if layout == "NHD":  # non-contiguous (B, N, H, D) views of (B, H, N, D) tensors
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    sel = random_selection(B, HK, Nq, math.ceil(Nkv / block), top_k, seed=seed, device="cuda")
-    kwargs = dict(block_size=block, is_causal=causal, tensor_layout=layout, causal_variant=variant)
-    budget = pick([selected_module.MAX_PARTIAL_BYTES, 1 << 20])  # one piece, or query chunks
-    got = selected_block_attention(q, k, v, sel, out=poisoned_like(q), max_partial_bytes=budget, **kwargs)
-    ref = selected_block_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), sel.cpu(), **kwargs)
-    assert not torch.isnan(got).any()
-    if ref.abs().sum() == 0:  # every selection empty (a tiny Nq): zero rows
-        assert (got == 0).all()
-    else:
-        assert relative_l1(got.cpu().float(), ref) < L1_TOL[dtype], (B, H, HK, Nq, Nkv, D, block, top_k, causal,
-                                                                     variant)
-    index = build_selection_index(sel, q_len=Nq, kv_len=Nkv, block_size=block, is_causal=causal,
-                                  causal_offset=Nkv - Nq if variant == "lower_right" else 0)
-    assert torch.equal(selected_block_attention(q, k, v, index, **kwargs), got)
+def test_gpu_random_calls(seed, monkeypatch):
+    """The CPU's random FSA call (:func:`draw_selected_call`) at GPU sizes: lengths up to 2500, top_k up to 20, head
+    dim 96 too; the compiled kernels against the float32 reference on the CPU, with the same checks."""
+    call = draw_selected_call(seed, max_len=2500, max_top_k=20, head_dims=(16, 24, 32, 64, 96, 128))
+    check_selected_call(call, monkeypatch, device="cuda")
 
 
 @pytest.mark.gpu
@@ -372,69 +347,70 @@ def assert_selection_sparsity(stats, sel: torch.Tensor, heads: int, kv_len: int,
     """``stats`` (from :func:`selection_sparsity`) against a dense (query, key) coverage mask built from the
     definition: a pick covers its block's keys (none for -1, an out-of-range pick or a repeat's second time), causal
     masking hides the keys after the query; per query head of each group, mean over the batch."""
-    B, HK, nq, _ = sel.shape
+    B, HK, nq, top_k = sel.shape
     key_block = torch.arange(kv_len) // block
-    covered = (sel.long().unsqueeze(-1) == key_block).any(-2)  # (B, HK, nq, kv_len); -1 matches no key
+    covered = torch.zeros(B, HK, nq, kv_len, dtype=torch.bool)
+    for pick in sel.long().unbind(-1):  # one pick at a time keeps the mask at (B, HK, nq, kv_len); -1 matches none
+        covered |= pick.unsqueeze(-1) == key_block
     visible = torch.ones(nq, kv_len, dtype=torch.bool)
     if is_causal:
         visible = visible.tril(diagonal=kv_len - nq if variant == "lower_right" else 0)
     covered &= visible
     want = 1 - covered.sum(dim=(2, 3)).double() / max(int(visible.sum()), 1)
     want = want.repeat_interleave(heads // HK, dim=1).mean(0).float()
-    torch.testing.assert_close(stats.qk_skipped, want)
-    torch.testing.assert_close(stats.pv_skipped, want)
+    torch.testing.assert_close(stats.qk_skipped.cpu(), want)
+    torch.testing.assert_close(stats.pv_skipped.cpu(), want)
     assert stats.dense_blocks == int(visible.sum())
 
 
-def draw_selected_call(seed: int) -> dict:
-    """One call of the FSA path, a pure function of ``seed``: shapes, GQA group, layout (contiguous, a transposed
-    view or a strided q), dtype, block size, top_k, causality and variant, scale, sinks, where the selection comes
-    from (random picks with -1s and repeats, the NSA-style kernel, or every block), the kernel's query chunk and
-    whether the call runs in query pieces."""
+def draw_selected_call(seed: int, max_len: int = 400, max_top_k: int = 8,
+                       head_dims: tuple[int, ...] = (16, 32, 64, 24, 128)) -> dict:
+    """One call of the FSA path, a pure function of ``seed`` (and the bounds): shapes, GQA group, layout
+    (contiguous, a transposed view or a strided q), dtype, block size, top_k, causality and variant, scale, sinks,
+    where the selection comes from (random picks with -1s and repeats, the NSA-style kernel, or every block), the
+    kernel's query chunk and whether the call runs in query pieces."""
     rng = random.Random(seed)
     kv_heads = rng.choice([1, 2])
     causal = rng.random() < 0.6
     variant = rng.choice([None, None, "lower_right", "upper_left"]) if causal else None
-    q_len = rng.randint(1, 400)
+    q_len = rng.randint(1, max_len)
     return dict(
         batch=rng.choice([1, 2]), kv_heads=kv_heads, heads=kv_heads * rng.choice([1, 2, 3, 4]),
-        head_dim=rng.choice([16, 32, 64, 24, 128]), block=rng.choice([32, 64, 128]), top_k=rng.randint(1, 8),
+        head_dim=rng.choice(head_dims), block=rng.choice([32, 64, 128]), top_k=rng.randint(1, max_top_k),
         causal=causal, variant=variant, q_len=q_len,
-        kv_len=q_len if causal and variant is None else rng.randint(1, 400),
+        kv_len=q_len if causal and variant is None else rng.randint(1, max_len),
         dtype=rng.choice([torch.bfloat16, torch.float16]), layout=rng.choice(["HND", "NHD"]),
         view=rng.choice(["contiguous", "contiguous", "transposed", "strided_q"]),
         selection=rng.choice(["random", "random", "nsa", "every"]), scale=rng.choice([None, None, 0.05, 0.3]),
         sinks=rng.random() < 0.25, query_chunk=rng.choice([64, 256]), pieces=rng.choice([1, 1, 3]), seed=seed)
 
 
-def _selected_call_inputs(call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _selected_call_inputs(call: dict, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v of a drawn call in its layout: contiguous, NHD as a transposed view of HND tensors, or q a strided
     view (rows padded to twice their width)."""
     B, H, HK, D, layout = call["batch"], call["heads"], call["kv_heads"], call["head_dim"], call["layout"]
     view = call["view"]
     q, k, v = make_qkv(B, H, HK, call["q_len"], call["kv_len"], D, call["dtype"],
-                       "HND" if view == "transposed" else layout, seed=call["seed"])
+                       "HND" if view == "transposed" else layout, seed=call["seed"], device=device)
     if view == "transposed" and layout == "NHD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if view == "strided_q":
-        wide = torch.zeros(*q.shape[:-1], 2 * D, dtype=q.dtype)
+        wide = torch.zeros(*q.shape[:-1], 2 * D, dtype=q.dtype, device=device)
         wide[..., :D] = q
         q = wide[..., :D]
     return q, k, v
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
-@pytest.mark.parametrize("seed", range(RANDOM_FIRST, RANDOM_FIRST + RANDOM_CALLS))
-def test_random_selected_call_matches_reference(seed, monkeypatch):
-    """A drawn FSA call on the Triton kernels in the interpreter, into a NaN-poisoned buffer: every element written,
-    relative L1 against the float32 reference under the dtype's tolerance, rows whose selection shows no key zero,
-    with every block selected also against exact attention; a prebuilt index gives the same output; an NSA-style
-    selection holds each row's top blocks of the reference importance; the selection's statistics against the
-    pair-by-pair definition."""
-    call = draw_selected_call(seed)
+def check_selected_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> None:
+    """A drawn FSA call on the Triton kernels (the interpreter on the CPU) into a NaN-poisoned buffer: every element
+    written, relative L1 against the float32 reference (on the CPU) under the dtype's tolerance, rows whose selection
+    shows no key zero, with every block selected also against exact attention; a prebuilt index gives the same
+    output; an NSA-style selection holds each row's top blocks of the reference importance; the selection's
+    statistics against the pair-by-pair definition."""
     monkeypatch.setattr(selected_module, "QUERY_CHUNK", call["query_chunk"])
-    q, k, v = _selected_call_inputs(call)
-    layout, block, top_k, variant = call["layout"], call["block"], call["top_k"], call["variant"]
+    q, k, v = _selected_call_inputs(call, device)
+    qc, kc, vc = q.cpu(), k.cpu(), v.cpu()
+    layout, block, top_k, variant, seed = call["layout"], call["block"], call["top_k"], call["variant"], call["seed"]
     B, H, HK, D, q_len, kv_len = (call[n] for n in ("batch", "heads", "kv_heads", "head_dim", "q_len", "kv_len"))
     n_blocks = math.ceil(kv_len / block)
     common = dict(block_size=block, is_causal=call["causal"], tensor_layout=layout, causal_variant=variant)
@@ -444,21 +420,23 @@ def test_random_selected_call_matches_reference(seed, monkeypatch):
                    local_blocks=1)
         sel = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, backend="triton", causal_variant=variant,
                                 **nsa)
-        importance = reference_block_importance(q, k, tensor_layout=layout, q_start=offset, **nsa)
-        check_is_top_k(sel, importance, top_k, tol=1e-2 * (H // HK))
+        importance = reference_block_importance(qc, kc, tensor_layout=layout, q_start=offset, **nsa)
+        check_is_top_k(sel.cpu(), importance, top_k, tol=1e-2 * (H // HK))
     elif call["selection"] == "every":
-        sel = torch.arange(n_blocks, dtype=torch.int32).expand(B, HK, q_len, n_blocks)
+        sel = torch.arange(n_blocks, dtype=torch.int32, device=device).expand(B, HK, q_len, n_blocks)
     else:
-        sel = random_selection(B, HK, q_len, n_blocks, top_k, seed=seed)
+        sel = random_selection(B, HK, q_len, n_blocks, top_k, seed=seed, device=device)
     sinks = torch.randn(H, generator=torch.Generator().manual_seed(seed)) * 3 if call["sinks"] else None
-    kw = dict(common, scale=call["scale"], sink_logits=sinks)
+    kw = dict(common, scale=call["scale"])
+    on_device = dict(kw, sink_logits=None if sinks is None else sinks.to(device))
     per_query = sel.shape[-1] * H * (D * 2 + 4)  # the partial outputs' bytes per query (the docstring's figure)
     budget = per_query * math.ceil(q_len / call["pieces"]) if call["pieces"] > 1 else selected_module.MAX_PARTIAL_BYTES
 
     out = poisoned_like(q)
-    got = selected_block_attention(q, k, v, sel, backend="triton", out=out, max_partial_bytes=budget, **kw)
-    ref = selected_block_attention(q, k, v, sel, backend="reference", **kw)
+    got = selected_block_attention(q, k, v, sel, backend="triton", out=out, max_partial_bytes=budget, **on_device)
+    ref = selected_block_attention(qc, kc, vc, sel.cpu(), backend="reference", sink_logits=sinks, **kw)
     assert got.data_ptr() == out.data_ptr() and got.shape == q.shape, call
+    got = got.cpu()
     assert not torch.isnan(got).any(), call
     seq_dim = 2 if layout == "HND" else 1
     empty = (ref.float().abs().sum(-1) == 0).movedim(seq_dim, -1)  # (B, H, Nq) rows with no visible key
@@ -466,14 +444,21 @@ def test_random_selected_call_matches_reference(seed, monkeypatch):
     if ref.abs().sum() > 0:
         assert relative_l1(got.float(), ref.float()) < L1_TOL[call["dtype"]], call
     if call["selection"] == "every":
-        exact = block_sparse_attention(q, k, v, None, backend="reference", is_causal=call["causal"],
+        exact = block_sparse_attention(qc, kc, vc, None, backend="reference", is_causal=call["causal"],
                                        tensor_layout=layout, causal_variant=variant, scale=call["scale"],
                                        sink_logits=sinks)
         if exact.abs().sum() > 0:
             assert relative_l1(got.float(), exact.float()) < L1_TOL[call["dtype"]], call
     index = build_selection_index(sel, q_len=q_len, kv_len=kv_len, block_size=block, is_causal=call["causal"],
                                   causal_offset=offset)
-    assert torch.equal(selected_block_attention(q, k, v, index, backend="triton", **kw), got), call
+    assert torch.equal(selected_block_attention(q, k, v, index, backend="triton", **on_device).cpu(), got), call
     stats = selection_sparsity(sel, heads=H, kv_len=kv_len, block_size=block, is_causal=call["causal"],
                                causal_variant=variant)
-    assert_selection_sparsity(stats, sel, H, kv_len, block, call["causal"], variant)
+    assert_selection_sparsity(stats, sel.cpu(), H, kv_len, block, call["causal"], variant)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.parametrize("seed", range(RANDOM_FIRST, RANDOM_FIRST + RANDOM_CALLS))
+def test_random_selected_call_matches_reference(seed, monkeypatch):
+    """A drawn FSA call (:func:`draw_selected_call`) in the interpreter, checked by :func:`check_selected_call`."""
+    check_selected_call(draw_selected_call(seed), monkeypatch)
