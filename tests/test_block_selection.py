@@ -1,12 +1,14 @@
 """NSA-style key-block selection (kernels/block_selection.py): the fused Triton kernel in the interpreter against
 the float32 reference, the selection rules on both backends, input errors, and the GPU.
 
-``SPARGE_GPU_RANDOM_CALLS`` (default 12 here) and ``SPARGE_GPU_RANDOM_FIRST`` set the GPU's random calls, as for
-test_gpu_random_calls.py.
+``SPARGE_RANDOM_SELECTION_CALLS`` sets the number of random calls on the CPU (default 16),
+``SPARGE_RANDOM_SELECTION_FIRST`` the first seed (default 0); ``SPARGE_GPU_RANDOM_CALLS`` (default 12 here) and
+``SPARGE_GPU_RANDOM_FIRST`` set the GPU's random calls, as for test_gpu_random_calls.py.
 """
 
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from sparge_diffusers import select_key_blocks, select_key_blocks_op
 from sparge_diffusers.kernels import block_selection as selection_module
 from sparge_diffusers.kernels.reference import reference_block_importance
 
+RANDOM_CALLS = int(os.environ.get("SPARGE_RANDOM_SELECTION_CALLS", "16"))
+RANDOM_FIRST = int(os.environ.get("SPARGE_RANDOM_SELECTION_FIRST", "0"))
 GPU_CALLS = int(os.environ.get("SPARGE_GPU_RANDOM_CALLS", "12"))
 GPU_FIRST = int(os.environ.get("SPARGE_GPU_RANDOM_FIRST", "0"))
 
@@ -245,3 +249,66 @@ def test_gpu_random_calls(seed):
     check_is_top_k(got, importance, top_k, tol=1e-2 * group)
     ref = select_key_blocks(qc, kc, top_k=top_k, tensor_layout=layout, causal_variant=variant, **kwargs)
     assert (got.sort(-1).values == ref.sort(-1).values).all(-1).float().mean() > 0.95
+
+
+def draw_selection_call(seed: int, max_len: int = 400) -> dict:
+    """One NSA-style selection call, a pure function of ``seed`` (and the bound on lengths): shapes, group (3 is
+    padded to 4 inside the kernel, 16 packs four tokens per program), head dim, block, top_k (mostly below the key
+    blocks there are, so that the choice matters; at times above), forced sink and local blocks, scale, causality
+    and variant, dtype, layout (contiguous, a transposed view or a strided q), the kernel's chunk of block means and
+    its int64 sort keys."""
+    rng = random.Random(seed)
+    causal = rng.random() < 0.6
+    variant = rng.choice([None, None, "lower_right", "upper_left"]) if causal else None
+    q_len = rng.randint(1, max_len)
+    kv_len = q_len if causal and variant is None else rng.randint(1, max_len)
+    block = rng.choice([32, 32, 64, 128])
+    n_blocks = math.ceil(kv_len / block)
+    top_k = rng.randint(1, max(1, n_blocks - 1)) if rng.random() < 0.8 else rng.randint(n_blocks, n_blocks + 4)
+    kv_heads = rng.choice([1, 2])
+    return dict(
+        batch=rng.choice([1, 2]), kv_heads=kv_heads, heads=kv_heads * rng.choice([1, 2, 3, 4, 8, 16]),
+        head_dim=rng.choice([16, 24, 32, 64, 96, 128]), block=block, top_k=top_k,
+        sink_blocks=rng.choice([0, 1, 1, 2]), local_blocks=rng.choice([0, 1, 1, 3]),
+        scale_factor=rng.choice([1.0, 1.0, 0.5, 2.0]), causal=causal, variant=variant, q_len=q_len, kv_len=kv_len,
+        dtype=rng.choice([torch.bfloat16, torch.float16]), layout=rng.choice(["HND", "NHD"]),
+        view=rng.choice(["contiguous", "contiguous", "transposed", "strided_q"]),
+        select_chunk=rng.choice([16, selection_module.SELECT_CHUNK]), int64_keys=rng.random() < 0.25, seed=seed)
+
+
+def check_selection_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> None:
+    """A drawn selection on the Triton kernel (the interpreter on the CPU): each row holds its top_k visible blocks
+    of the float32 reference importance (forced blocks first, no repeats, -1s last; within the tolerance of the
+    kernel's fp16/bf16 scores), and almost every row the same set as the reference backend."""
+    monkeypatch.setattr(selection_module, "SELECT_CHUNK", call["select_chunk"])
+    if call["int64_keys"]:
+        monkeypatch.setattr(selection_module, "KEY32_MAX_BLOCKS", 0)
+    B, H, HK, D, layout = call["batch"], call["heads"], call["kv_heads"], call["head_dim"], call["layout"]
+    q_len, kv_len, top_k, variant, view = call["q_len"], call["kv_len"], call["top_k"], call["variant"], call["view"]
+    q, k = make_qk(B, H, HK, q_len, kv_len, D, call["dtype"], "HND" if view == "transposed" else layout,
+                   seed=call["seed"], device=device)
+    if view == "transposed" and layout == "NHD":
+        q, k = (t.transpose(1, 2) for t in (q, k))
+    if view == "strided_q":
+        wide = torch.zeros(*q.shape[:-1], 2 * D, dtype=q.dtype, device=device)
+        wide[..., :D] = q
+        q = wide[..., :D]
+    kwargs = dict(block_size=call["block"], is_causal=call["causal"], scale=call["scale_factor"] * D ** -0.5,
+                  sink_blocks=call["sink_blocks"], local_blocks=call["local_blocks"])
+    got = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, causal_variant=variant, backend="triton",
+                            **kwargs).cpu()
+    qc, kc = q.cpu(), k.cpu()
+    importance = reference_block_importance(qc, kc, tensor_layout=layout,
+                                            q_start=kv_len - q_len if variant == "lower_right" else 0, **kwargs)
+    check_is_top_k(got, importance, top_k, tol=1e-2 * (H // HK) * max(call["scale_factor"], 1.0))
+    ref = select_key_blocks(qc, kc, top_k=top_k, tensor_layout=layout, causal_variant=variant, backend="reference",
+                            **kwargs)
+    differ = int((got.sort(-1).values != ref.sort(-1).values).any(-1).sum())  # rows with a near-tie picked apart
+    assert differ <= max(2, 0.03 * B * HK * q_len), (differ, call)
+
+
+@pytest.mark.parametrize("seed", range(RANDOM_FIRST, RANDOM_FIRST + RANDOM_CALLS))
+def test_random_selection_matches_reference(seed, monkeypatch):
+    """A drawn selection call (:func:`draw_selection_call`) in the interpreter, checked by
+    :func:`check_selection_call`."""
+    check_selection_call(draw_selection_call(seed), monkeypatch)
