@@ -42,6 +42,20 @@ def make_qk(B, H, HK, Nq, Nkv, D, dtype, layout, seed, device="cpu"):
     return q.to(device), k.to(device)
 
 
+def apply_drawn_view(tensors: tuple[torch.Tensor, ...], view: str, layout: str) -> tuple[torch.Tensor, ...]:
+    """A random draw's inputs as the call sees them: made in HND for ``view == "transposed"`` (NHD then becomes a
+    transposed view of them), otherwise in ``layout``; for "strided_q" the first tensor (q) becomes a view whose rows
+    are padded to twice their width."""
+    if view == "transposed" and layout == "NHD":
+        tensors = tuple(t.transpose(1, 2) for t in tensors)
+    if view == "strided_q":
+        q, width = tensors[0], tensors[0].shape[-1]
+        wide = q.new_zeros(*q.shape[:-1], 2 * width)
+        wide[..., :width] = q
+        tensors = (wide[..., :width],) + tuple(tensors[1:])
+    return tensors
+
+
 def check_is_top_k(sel, importance, top_k, tol):
     """sel holds, per row, min(top_k, visible) distinct visible blocks whose importance no unchosen visible block
     exceeds by more than tol (the kernel scores in fp16/bf16), then -1s."""
@@ -285,14 +299,9 @@ def check_selection_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: st
         monkeypatch.setattr(selection_module, "KEY32_MAX_BLOCKS", 0)
     B, H, HK, D, layout = call["batch"], call["heads"], call["kv_heads"], call["head_dim"], call["layout"]
     q_len, kv_len, top_k, variant, view = call["q_len"], call["kv_len"], call["top_k"], call["variant"], call["view"]
-    q, k = make_qk(B, H, HK, q_len, kv_len, D, call["dtype"], "HND" if view == "transposed" else layout,
-                   seed=call["seed"], device=device)
-    if view == "transposed" and layout == "NHD":
-        q, k = (t.transpose(1, 2) for t in (q, k))
-    if view == "strided_q":
-        wide = torch.zeros(*q.shape[:-1], 2 * D, dtype=q.dtype, device=device)
-        wide[..., :D] = q
-        q = wide[..., :D]
+    q, k = apply_drawn_view(make_qk(B, H, HK, q_len, kv_len, D, call["dtype"],
+                                    "HND" if view == "transposed" else layout, seed=call["seed"], device=device),
+                            view, layout)
     kwargs = dict(block_size=call["block"], is_causal=call["causal"], scale=call["scale_factor"] * D ** -0.5,
                   sink_blocks=call["sink_blocks"], local_blocks=call["local_blocks"])
     got = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, causal_variant=variant, backend="triton",

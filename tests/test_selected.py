@@ -21,7 +21,7 @@ from sparge_diffusers import selected_block_attention_op
 from sparge_diffusers.kernels import selected as selected_module
 from sparge_diffusers.kernels.reference import reference_block_importance
 
-from test_block_selection import check_is_top_k
+from test_block_selection import apply_drawn_view, check_is_top_k
 
 L1_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
 RANDOM_CALLS = int(os.environ.get("SPARGE_RANDOM_SELECTED_CALLS", "16"))
@@ -347,7 +347,7 @@ def assert_selection_sparsity(stats, sel: torch.Tensor, heads: int, kv_len: int,
     """``stats`` (from :func:`selection_sparsity`) against a dense (query, key) coverage mask built from the
     definition: a pick covers its block's keys (none for -1, an out-of-range pick or a repeat's second time), causal
     masking hides the keys after the query; per query head of each group, mean over the batch."""
-    B, HK, nq, top_k = sel.shape
+    B, HK, nq, _ = sel.shape
     key_block = torch.arange(kv_len) // block
     covered = torch.zeros(B, HK, nq, kv_len, dtype=torch.bool)
     for pick in sel.long().unbind(-1):  # one pick at a time keeps the mask at (B, HK, nq, kv_len); -1 matches none
@@ -390,14 +390,9 @@ def _selected_call_inputs(call: dict, device: str = "cpu") -> tuple[torch.Tensor
     view (rows padded to twice their width)."""
     B, H, HK, D, layout = call["batch"], call["heads"], call["kv_heads"], call["head_dim"], call["layout"]
     view = call["view"]
-    q, k, v = make_qkv(B, H, HK, call["q_len"], call["kv_len"], D, call["dtype"],
-                       "HND" if view == "transposed" else layout, seed=call["seed"], device=device)
-    if view == "transposed" and layout == "NHD":
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if view == "strided_q":
-        wide = torch.zeros(*q.shape[:-1], 2 * D, dtype=q.dtype, device=device)
-        wide[..., :D] = q
-        q = wide[..., :D]
+    q, k, v = apply_drawn_view(make_qkv(B, H, HK, call["q_len"], call["kv_len"], D, call["dtype"],
+                                        "HND" if view == "transposed" else layout, seed=call["seed"], device=device),
+                               view, layout)
     return q, k, v
 
 
