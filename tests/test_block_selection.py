@@ -15,6 +15,7 @@ import torch
 
 from sparge_diffusers import select_key_blocks, select_key_blocks_op
 from sparge_diffusers.kernels import block_selection as selection_module
+from sparge_diffusers.kernels._inputs import to_hnd
 from sparge_diffusers.kernels.reference import reference_block_importance
 
 RANDOM_CALLS = int(os.environ.get("SPARGE_RANDOM_SELECTION_CALLS", "16"))
@@ -56,9 +57,9 @@ def apply_drawn_view(tensors: tuple[torch.Tensor, ...], view: str, layout: str) 
     return tensors
 
 
-def check_is_top_k(sel, importance, top_k, tol):
+def check_is_top_k(sel, importance, top_k, tol, rel=0.0):
     """sel holds, per row, min(top_k, visible) distinct visible blocks whose importance no unchosen visible block
-    exceeds by more than tol (the kernel scores in fp16/bf16), then -1s."""
+    exceeds by more than tol + rel * its importance, then -1s."""
     n_blocks = importance.shape[-1]
     visible = importance >= 0
     valid = sel >= 0
@@ -72,7 +73,7 @@ def check_is_top_k(sel, importance, top_k, tol):
     assert (chosen <= visible).all()
     low = torch.where(chosen, importance, math.inf).amin(-1)
     high = torch.where(visible & ~chosen, importance, -math.inf).amax(-1)
-    assert (low >= high - tol).all(), float((high - low).max())
+    assert (low >= high - tol - rel * high.clamp(min=0)).all(), float((high - low).max())
 
 
 GRID = [(case, dtype, layout, "int32") for case in CASES for dtype in (torch.bfloat16, torch.float16)
@@ -89,8 +90,7 @@ def test_kernel_matches_reference(case, dtype, layout, keys, monkeypatch):
     q, k = make_qk(B, H, HK, N, Nkv, D, dtype, layout, seed=N + D)
     kwargs = dict(block_size=block, is_causal=causal, scale=D ** -0.5, sink_blocks=1, local_blocks=2)
     out = torch.full((B, HK, N, top_k), 7777, dtype=torch.int32)  # poisoned: every element must be written
-    to_hnd = (lambda t: t.transpose(1, 2)) if layout == "NHD" else (lambda t: t)
-    selection_module.select_key_blocks_triton(to_hnd(q), to_hnd(k), out, **kwargs)
+    selection_module.select_key_blocks_triton(to_hnd(q, layout), to_hnd(k, layout), out, **kwargs)
     ref = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, backend="reference", **kwargs)
     importance = reference_block_importance(q, k, tensor_layout=layout, **kwargs)
     check_is_top_k(out, importance, top_k, tol=1e-2 * (H // HK))
@@ -237,34 +237,6 @@ def test_gpu_custom_op_under_inductor():
     assert torch.equal(compiled(q, k), eager * 2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(GPU_FIRST, GPU_FIRST + GPU_CALLS))
-def test_gpu_random_calls(seed):
-    """One random call per seed (shape, group, layout incl. non-contiguous views, dtype, block, top_k, causality and
-    causal variant) against the float32 reference on the CPU."""
-    g = torch.Generator().manual_seed(seed)
-    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
-    B, HK, group = pick([1, 2]), pick([1, 2, 4]), pick([1, 2, 3, 4, 8, 16])
-    D, block, dtype = pick([32, 64, 96, 128]), pick([32, 64, 128]), pick([torch.bfloat16, torch.float16])
-    causal, layout = pick([True, False]), pick(["HND", "NHD"])
-    variant = pick([None, "lower_right", "upper_left"]) if causal else None
-    Nq = int(torch.randint(1, 3000, (1,), generator=g))
-    Nkv = Nq if causal and variant is None else int(torch.randint(1, 3000, (1,), generator=g))
-    top_k = int(torch.randint(1, 40, (1,), generator=g))
-    H = HK * group
-    q, k = make_qk(B, H, HK, Nq, Nkv, D, dtype, "HND", seed=seed, device="cuda")
-    if layout == "NHD":  # non-contiguous (B, N, H, D) views of (B, H, N, D) tensors
-        q, k = (t.transpose(1, 2) for t in (q, k))
-    kwargs = dict(block_size=block, is_causal=causal, scale=D ** -0.5, sink_blocks=1, local_blocks=1)
-    got = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, causal_variant=variant, **kwargs).cpu()
-    qc, kc = q.cpu().float(), k.cpu().float()
-    importance = reference_block_importance(qc, kc, tensor_layout=layout,
-                                            q_start=Nkv - Nq if variant == "lower_right" else 0, **kwargs)
-    check_is_top_k(got, importance, top_k, tol=1e-2 * group)
-    ref = select_key_blocks(qc, kc, top_k=top_k, tensor_layout=layout, causal_variant=variant, **kwargs)
-    assert (got.sort(-1).values == ref.sort(-1).values).all(-1).float().mean() > 0.95
-
-
 def draw_selection_call(seed: int, max_len: int = 400) -> dict:
     """One NSA-style selection call, a pure function of ``seed`` (and the bound on lengths): shapes, group (3 is
     padded to 4 inside the kernel, 16 packs four tokens per program), head dim, block, top_k (mostly below the key
@@ -292,8 +264,13 @@ def draw_selection_call(seed: int, max_len: int = 400) -> dict:
 
 def check_selection_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> None:
     """A drawn selection on the Triton kernel (the interpreter on the CPU): each row holds its top_k visible blocks
-    of the float32 reference importance (forced blocks first, no repeats, -1s last; within the tolerance of the
-    kernel's fp16/bf16 scores), and almost every row the same set as the reference backend."""
+    (forced blocks first, no repeats, -1s last) of the float32 importance computed from the kernel's own block means
+    (rounded to the inputs' dtype, as the kernel scores them) to the bits its int32 key keeps plus float32 rounding,
+    and of the exact float32 importance within the tolerance of those fp16/bf16 means.
+
+    (A first version asked instead that all but 3% of rows pick the reference backend's set. On the GPU, at 92-93
+    key blocks and top_k 52-55, seeds 220 and 431 had 3.4% and 4.1% of their rows picked apart from it, each within
+    the half-precision tolerance: near-ties of bf16-rounded means, not a fault of the kernel.)"""
     monkeypatch.setattr(selection_module, "SELECT_CHUNK", call["select_chunk"])
     if call["int64_keys"]:
         monkeypatch.setattr(selection_module, "KEY32_MAX_BLOCKS", 0)
@@ -307,13 +284,16 @@ def check_selection_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: st
     got = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, causal_variant=variant, backend="triton",
                             **kwargs).cpu()
     qc, kc = q.cpu(), k.cpu()
-    importance = reference_block_importance(qc, kc, tensor_layout=layout,
-                                            q_start=kv_len - q_len if variant == "lower_right" else 0, **kwargs)
+    q_start = kv_len - q_len if variant == "lower_right" else 0
+    importance = reference_block_importance(qc, kc, tensor_layout=layout, q_start=q_start, **kwargs)
     check_is_top_k(got, importance, top_k, tol=1e-2 * (H // HK) * max(call["scale_factor"], 1.0))
-    ref = select_key_blocks(qc, kc, top_k=top_k, tensor_layout=layout, causal_variant=variant, backend="reference",
-                            **kwargs)
-    differ = int((got.sort(-1).values != ref.sort(-1).values).any(-1).sum())  # rows with a near-tie picked apart
-    assert differ <= max(2, 0.03 * B * HK * q_len), (differ, call)
+    kernel_means = selection_module.block_mean_keys(to_hnd(k, layout), call["block"]).to(k.dtype).cpu()
+    at_kernel_precision = reference_block_importance(qc, kc, tensor_layout=layout, q_start=q_start,
+                                                     block_means=kernel_means, **kwargs)
+    n_blocks = kernel_means.shape[2]
+    # an int32 key keeps 23 - ceil(log2(n_blocks)) mantissa bits; 1e-5: exp2, the sums and the dot in float32
+    key_bits = 23 if call["int64_keys"] else 23 - max(1, (n_blocks - 1).bit_length())
+    check_is_top_k(got, at_kernel_precision, top_k, tol=1e-9, rel=2.0 ** -(key_bits - 1) + 1e-5)
 
 
 @pytest.mark.parametrize("seed", range(RANDOM_FIRST, RANDOM_FIRST + RANDOM_CALLS))
@@ -321,3 +301,11 @@ def test_random_selection_matches_reference(seed, monkeypatch):
     """A drawn selection call (:func:`draw_selection_call`) in the interpreter, checked by
     :func:`check_selection_call`."""
     check_selection_call(draw_selection_call(seed), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(GPU_FIRST, GPU_FIRST + GPU_CALLS))
+def test_gpu_random_calls(seed, monkeypatch):
+    """The CPU's drawn selection calls (:func:`draw_selection_call`), lengths to 3000, on the compiled kernel, checked
+    by :func:`check_selection_call` against the float32 reference on the CPU."""
+    check_selection_call(draw_selection_call(seed, max_len=3000), monkeypatch, device="cuda")

@@ -386,22 +386,26 @@ def reference_selected_block_attention(q, k, v, block_indices: torch.Tensor, *, 
 
 
 def reference_block_importance(q, k, *, block_size: int, is_causal: bool, scale: float, sink_blocks: int,
-                               local_blocks: int, tensor_layout: TensorLayout = "HND", q_start: int = 0
-                               ) -> torch.Tensor:
+                               local_blocks: int, tensor_layout: TensorLayout = "HND", q_start: int = 0,
+                               block_means: torch.Tensor | None = None) -> torch.Tensor:
     """Each query token's importance of each key block (``kernels/block_selection.py``), in float32.
 
     Importance = the softmax over visible blocks of ``scale * q . mean(K_block)``, summed over the query heads
     of the token's KV head group (in [0, group]); forced blocks (the first ``sink_blocks``, and under causal
     masking the token's own block and the ``local_blocks - 1`` before it) get ``group + 1``; blocks the token
-    cannot see get -1. ``q_start``: the position of q's first token (a chunk of the queries). Returns
-    (B, H_kv, Nq, n_blocks).
+    cannot see get -1. ``q_start``: the position of q's first token (a chunk of the queries). ``block_means``:
+    (B, H_kv, n_blocks, D) means to score with instead of k's exact ones (the tests pass the kernel's, rounded
+    to its input dtype, to check it at its own precision). Returns (B, H_kv, Nq, n_blocks).
     """
     qh, kh = (to_hnd(t, tensor_layout).float() for t in (q, k))
     B, H, Nq, D = qh.shape
     HK = kh.shape[1]
     group = H // HK
-    keys, counts = _padded_blocks(kh, block_size)
-    k_means = keys.sum(3) / counts[:, None]  # (B, HK, n_blocks, D)
+    if block_means is None:
+        keys, counts = _padded_blocks(kh, block_size)
+        k_means = keys.sum(3) / counts[:, None]  # (B, HK, n_blocks, D)
+    else:
+        k_means = block_means.float()
     n_blocks = k_means.shape[2]
     blocks = torch.arange(n_blocks, device=q.device)
     positions = torch.arange(q_start, q_start + Nq, device=q.device)
