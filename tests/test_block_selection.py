@@ -295,7 +295,8 @@ def check_selection_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: st
     at_kernel_precision = reference_block_importance(qc, kc, tensor_layout=layout, q_start=q_start,
                                                      block_means=kernel_means, **kwargs)
     n_blocks = kernel_means.shape[2]
-    # an int32 key keeps 23 - ceil(log2(n_blocks)) mantissa bits; 1e-5: exp2, the sums and the dot in float32
+    # an int32 key keeps 23 - ceil(log2(n_blocks)) mantissa bits, so truncation moves an importance by less than
+    # 2^-key_bits of it (twice that between two keys); 1e-5: exp2, the sums and the dot in float32
     key_bits = 23 if call["int64_keys"] else 23 - max(1, (n_blocks - 1).bit_length())
     check_is_top_k(got, at_kernel_precision, top_k, tol=1e-9, rel=2.0 ** -(key_bits - 1) + 1e-5)
 

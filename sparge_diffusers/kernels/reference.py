@@ -397,14 +397,17 @@ def reference_block_importance(q, k, *, block_size: int, is_causal: bool, scale:
     (B, H_kv, n_blocks, D) means to score with instead of k's exact ones (the tests pass the kernel's, rounded
     to its input dtype, to check it at its own precision). Returns (B, H_kv, Nq, n_blocks).
     """
-    qh, kh = (to_hnd(t, tensor_layout).float() for t in (q, k))
+    qh, kh = to_hnd(q, tensor_layout).float(), to_hnd(k, tensor_layout)
     B, H, Nq, D = qh.shape
     HK = kh.shape[1]
     group = H // HK
     if block_means is None:
-        keys, counts = _padded_blocks(kh, block_size)
+        keys, counts = _padded_blocks(kh, block_size)  # in float32
         k_means = keys.sum(3) / counts[:, None]  # (B, HK, n_blocks, D)
     else:
+        expected = (B, HK, math.ceil(kh.shape[2] / block_size), D)
+        if tuple(block_means.shape) != expected:
+            raise ValueError(f"block_means must have shape {expected}, got {tuple(block_means.shape)}")
         k_means = block_means.float()
     n_blocks = k_means.shape[2]
     blocks = torch.arange(n_blocks, device=q.device)
