@@ -76,6 +76,21 @@ def check_is_top_k(sel, importance, top_k, tol, rel=0.0):
     assert (low >= high - tol - rel * high.clamp(min=0)).all(), float((high - low).max())
 
 
+def check_top_k_at_kernel_precision(sel, q, k, top_k, *, tensor_layout="HND", q_start=0, **kwargs):
+    """sel holds each row's top_k visible blocks of the float32 importance computed from the kernel's own block
+    means (rounded to the inputs' dtype, as the kernel scores them), to the bits the kernel's key keeps plus float32
+    rounding. kwargs: the selection's block_size, is_causal, scale, sink_blocks and local_blocks."""
+    kernel_means = selection_module.block_mean_keys(to_hnd(k, tensor_layout), kwargs["block_size"]).to(k.dtype)
+    importance = reference_block_importance(q.cpu(), k.cpu(), tensor_layout=tensor_layout, q_start=q_start,
+                                            block_means=kernel_means.cpu(), **kwargs)
+    n_blocks = kernel_means.shape[2]
+    # an int32 key keeps 23 - ceil(log2(n_blocks)) mantissa bits, so truncation moves an importance by less than
+    # 2^-key_bits of it (twice that between two keys); an int64 key keeps all 23; 1e-5: exp2, the sums and the dot
+    # in float32
+    key_bits = 23 if n_blocks > selection_module.KEY32_MAX_BLOCKS else 23 - max(1, (n_blocks - 1).bit_length())
+    check_is_top_k(sel.cpu(), importance, top_k, tol=1e-9, rel=2.0 ** -(key_bits - 1) + 1e-5)
+
+
 GRID = [(case, dtype, layout, "int32") for case in CASES for dtype in (torch.bfloat16, torch.float16)
         for layout in ("HND", "NHD")] + [(case, torch.float16, "HND", "int64") for case in CASES]
 
@@ -94,6 +109,7 @@ def test_kernel_matches_reference(case, dtype, layout, keys, monkeypatch):
     ref = select_key_blocks(q, k, top_k=top_k, tensor_layout=layout, backend="reference", **kwargs)
     importance = reference_block_importance(q, k, tensor_layout=layout, **kwargs)
     check_is_top_k(out, importance, top_k, tol=1e-2 * (H // HK))
+    check_top_k_at_kernel_precision(out, q, k, top_k, tensor_layout=layout, **kwargs)
     # the same blocks as the reference's in (almost) every row, best first: the rest are near-ties
     same = (out.sort(-1).values == ref.sort(-1).values).all(-1).float().mean()
     assert same > 0.97, float(same)
@@ -135,6 +151,7 @@ def test_causal_variants_match_the_reference_and_the_equal_length_call(nq, nkv, 
     ref = select_key_blocks(q, k, top_k=6, backend="reference", causal_variant=variant, **kwargs)
     importance = reference_block_importance(q, k, q_start=offset, **kwargs)
     check_is_top_k(out, importance, 6, tol=2e-2)
+    check_top_k_at_kernel_precision(out, q, k, 6, q_start=offset, **kwargs)
     assert (out.sort(-1).values == ref.sort(-1).values).all(-1).float().mean() > 0.97
     if offset < 0:
         assert (out[:, :, :-offset] == -1).all() and (ref[:, :, :-offset] == -1).all()  # no key to see
@@ -269,7 +286,7 @@ def draw_selection_call(seed: int, max_len: int = 400) -> dict:
 def check_selection_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> None:
     """A drawn selection on the Triton kernel (the interpreter on the CPU): each row holds its top_k visible blocks
     (forced blocks first, no repeats, -1s last) of the float32 importance computed from the kernel's own block means
-    (rounded to the inputs' dtype, as the kernel scores them) to the bits its int32 key keeps plus float32 rounding,
+    (rounded to the inputs' dtype, as the kernel scores them) to the bits its sort key keeps plus float32 rounding,
     and of the exact float32 importance within the tolerance of those fp16/bf16 means.
 
     (A first version asked instead that all but 3% of rows pick the reference backend's set. On the GPU, at 92-93
@@ -291,14 +308,7 @@ def check_selection_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: st
     q_start = kv_len - q_len if variant == "lower_right" else 0
     importance = reference_block_importance(qc, kc, tensor_layout=layout, q_start=q_start, **kwargs)
     check_is_top_k(got, importance, top_k, tol=1e-2 * (H // HK) * max(call["scale_factor"], 1.0))
-    kernel_means = selection_module.block_mean_keys(to_hnd(k, layout), call["block"]).to(k.dtype).cpu()
-    at_kernel_precision = reference_block_importance(qc, kc, tensor_layout=layout, q_start=q_start,
-                                                     block_means=kernel_means, **kwargs)
-    n_blocks = kernel_means.shape[2]
-    # an int32 key keeps 23 - ceil(log2(n_blocks)) mantissa bits, so truncation moves an importance by less than
-    # 2^-key_bits of it (twice that between two keys); 1e-5: exp2, the sums and the dot in float32
-    key_bits = 23 if call["int64_keys"] else 23 - max(1, (n_blocks - 1).bit_length())
-    check_is_top_k(got, at_kernel_precision, top_k, tol=1e-9, rel=2.0 ** -(key_bits - 1) + 1e-5)
+    check_top_k_at_kernel_precision(got, q, k, top_k, tensor_layout=layout, q_start=q_start, **kwargs)
 
 
 @pytest.mark.parametrize("seed", range(RANDOM_FIRST, RANDOM_FIRST + RANDOM_CALLS))

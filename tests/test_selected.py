@@ -21,7 +21,7 @@ from sparge_diffusers import selected_block_attention_op
 from sparge_diffusers.kernels import selected as selected_module
 from sparge_diffusers.kernels.reference import reference_block_importance
 
-from test_block_selection import apply_drawn_view, check_is_top_k
+from test_block_selection import apply_drawn_view, check_is_top_k, check_top_k_at_kernel_precision
 
 L1_TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
 RANDOM_CALLS = int(os.environ.get("SPARGE_RANDOM_SELECTED_CALLS", "16"))
@@ -400,8 +400,8 @@ def check_selected_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: str
     """A drawn FSA call on the Triton kernels (the interpreter on the CPU) into a NaN-poisoned buffer: every element
     written, relative L1 against the float32 reference (on the CPU) under the dtype's tolerance, rows whose selection
     shows no key zero, with every block selected also against exact attention; a prebuilt index gives the same
-    output; an NSA-style selection holds each row's top blocks of the reference importance; the selection's
-    statistics against the pair-by-pair definition."""
+    output; an NSA-style selection holds each row's top blocks of the reference importance, exact and at the
+    kernel's own precision; the selection's statistics against the pair-by-pair definition."""
     monkeypatch.setattr(selected_module, "QUERY_CHUNK", call["query_chunk"])
     q, k, v = _selected_call_inputs(call, device)
     qc, kc, vc = q.cpu(), k.cpu(), v.cpu()
@@ -417,6 +417,7 @@ def check_selected_call(call: dict, monkeypatch: pytest.MonkeyPatch, device: str
                                 **nsa)
         importance = reference_block_importance(qc, kc, tensor_layout=layout, q_start=offset, **nsa)
         check_is_top_k(sel.cpu(), importance, top_k, tol=1e-2 * (H // HK))
+        check_top_k_at_kernel_precision(sel, q, k, top_k, tensor_layout=layout, q_start=offset, **nsa)
     elif call["selection"] == "every":
         sel = torch.arange(n_blocks, dtype=torch.int32, device=device).expand(B, HK, q_len, n_blocks)
     else:
