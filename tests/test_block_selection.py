@@ -116,6 +116,19 @@ def test_kernel_matches_reference(case, dtype, layout, keys, monkeypatch):
     assert (out[..., 0] == ref[..., 0]).float().mean() > 0.97
 
 
+def test_reference_importance_scores_given_block_means_and_checks_their_shape():
+    """block_means equal to k's own float32 means give the exact importance; rounded ones move it; a wrong shape
+    (a block too few) raises ValueError naming the shape expected."""
+    q, k = make_qk(1, 4, 2, 100, 100, 32, torch.bfloat16, "HND", seed=3)
+    kwargs = dict(block_size=32, is_causal=True, scale=32 ** -0.5, sink_blocks=1, local_blocks=1)
+    exact = reference_block_importance(q, k, **kwargs)
+    means = selection_module.block_mean_keys(k, 32)
+    torch.testing.assert_close(reference_block_importance(q, k, block_means=means, **kwargs), exact)
+    assert not torch.equal(reference_block_importance(q, k, block_means=means.to(torch.bfloat16), **kwargs), exact)
+    with pytest.raises(ValueError, match=r"block_means must have shape \(1, 2, 4, 32\)"):
+        reference_block_importance(q, k, block_means=means[:, :, :3], **kwargs)
+
+
 def test_top_k_above_the_key_blocks_sorts_only_the_blocks_there_are(monkeypatch):
     """top_k far above the key blocks (1000 against 7): the kernel is launched on 7 columns (its sort width, a
     compile-time constant, followed top_k: 10_000 compiled a 16384-wide sort, once per block count, minutes each on
