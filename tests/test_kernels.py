@@ -486,6 +486,55 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
             call()
 
 
+def test_inputs_of_the_wrong_type_device_or_dtype_raise_value_error_naming_the_problem():
+    """The checks of types, devices, dtypes, head dims and per-head tensors that the test above leaves out
+    (none of them ran in the suite before session 84). A tensor on the meta device stands in for one on another
+    device, as CI has only the CPU."""
+    import dataclasses
+
+    from sparge_diffusers import PermutedKeys, build_selection_index, selected_block_attention
+
+    q, k, v = make_qkv(1, 4, 2, 100, 100, 64, torch.float16, "HND", seed=0)
+    meta_k = k.to("meta")
+    compact = compact_block_mask(torch.ones(1, 1, 1, 2, dtype=torch.bool), q, k)
+    indices = torch.zeros(1, 2, 100, 1, dtype=torch.int32)
+    index = build_selection_index(torch.zeros(1, 2, 100, 1, dtype=torch.int32), q_len=100, kv_len=300,
+                                  block_size=64, is_causal=True)  # built for 300 keys, called with 100
+    cases = [
+        (lambda: sparge_attention(q.tolist(), k, v), "q must be a torch.Tensor, got list"),
+        (lambda: sparge_attention(q, meta_k, v), r"q and k are on different devices \(cpu vs meta\)"),
+        (lambda: sparge_attention(q.double(), k.double(), v.double()), "unsupported dtype torch.float64"),
+        (lambda: sparge_attention(q, k[..., :32], v[..., :32]), "head dims differ: q has 64, k has 32"),
+        (lambda: sparge_attention(q, k, v, backend="cuda"), "backend must be 'auto', 'triton' or 'reference'"),
+        (lambda: sparge_attention(q.to("meta"), meta_k, v.to("meta")), "device meta is not supported"),
+        (lambda: sparge_attention(q, k, v, cdfthreshd=torch.tensor([0.9, 0.9])),
+         r"cdfthreshd needs one value or one per head \(4\), got 2"),
+        (lambda: sparge_attention(q, k, v, simthreshd1=torch.tensor([0.5, math.nan, 0.5, 0.5])),
+         "simthreshd1 contains NaN"),
+        (lambda: sparge_attention(q, k, v, cdfthreshd=torch.tensor(1.5)),
+         r"cdfthreshd must lie in \[0.0, 1.0\], got \[1.5, 1.5, 1.5, 1.5\]"),
+        (lambda: block_sparse_attention(q, k, v, [[[[True, True]]]]), "block_mask must be a 4-D tensor"),
+        (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 1, 2, dtype=torch.bool, device="meta")),
+         "block_mask is on meta, q on cpu"),
+        (lambda: block_sparse_attention(q, k, v, dataclasses.replace(compact, mask=compact.mask.to("meta"))),
+         "CompactBlockMask is on meta, q on cpu"),
+        (lambda: block_sparse_attention(q, k, v, None, is_causal=True, permuted_keys="segments of 128"),
+         "permuted_keys must be a PermutedKeys, got str"),
+        (lambda: block_sparse_attention(q, k, v, None, is_causal=True,
+                                        permuted_keys=PermutedKeys(torch.arange(100, device="meta")[None, None], 64)),
+         "permuted_keys.positions is on meta, q on cpu"),
+        (lambda: selected_block_attention(q, k, v, indices.tolist()), "block_indices must be a torch.Tensor"),
+        (lambda: selected_block_attention(q, k, v, indices.to("meta")), "block_indices is on meta, q on cpu"),
+        (lambda: selected_block_attention(q, k, v, index, backend="reference"),
+         "a SelectionIndex runs on the Triton backend only"),
+        (lambda: selected_block_attention(q, k, v, index, backend="triton"),
+         "the SelectionIndex was built for a different key length"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

@@ -1289,6 +1289,34 @@ def test_a_value_head_dim_unlike_the_querys_falls_back_to_sdpa():
     assert attention.sparse_calls == 0 and out.shape == (1, 130, 4, 32) and torch.equal(out, expected)
 
 
+def test_a_non_causal_call_or_dropout_falls_back_to_sdpa():
+    """The kernels of the LLM path run causal prefill: an encoder's attention (module.is_causal False, or
+    is_causal=False passed) must get transformers' SDPA function, which attends to every key, and so must a call
+    with dropout. Before session 84 no test made either call: without the check a non-causal module got causal
+    attention, silently."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module, (q, k, v), attention = direct_call_setup(7)
+    encoder = torch.nn.Module()
+    encoder.is_causal, encoder.num_key_value_groups = False, 2
+    for mod, kwargs in ((encoder, {}), (module, {"is_causal": False})):
+        attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)  # each warns once
+        with pytest.warns(UserWarning, match="a non-causal attention module"):
+            out, _ = attention(mod, q, k, v, None, scaling=0.125, **kwargs)
+        expected, _ = sdpa_attention_forward(mod, q, k, v, None, scaling=0.125, **kwargs)
+        assert attention.sparse_calls == 0 and torch.equal(out, expected)
+        every_key = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+        assert relative_l1(out, every_key.transpose(1, 2)) < 1e-5
+    with pytest.warns(UserWarning, match="dropout"):
+        torch.manual_seed(0)
+        out, _ = attention(module, q, k, v, None, dropout=0.5, scaling=0.125)
+    torch.manual_seed(0)
+    expected, _ = sdpa_attention_forward(module, q, k, v, None, dropout=0.5, scaling=0.125)
+    assert attention.sparse_calls == 0 and torch.equal(out, expected)
+    with pytest.raises(ValueError, match="a non-causal attention module; strict=True forbids"):
+        SpargeLLMAttention(strict=True)(encoder, q, k, v, None, scaling=0.125)
+
+
 def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
     """Keyword arguments that change attention: a position bias goes to transformers' SDPA function, which adds it
     (a warning; strict raises); per-token sinks and model-chosen key indices raise on every call, decode steps

@@ -183,6 +183,24 @@ def test_dense_walk_on_permuted_keys_equals_causal_attention(layout, backend, NQ
     assert relative_l1(to_layout(out, layout).float(), causal_sdpa(q, k, v, variant)) < L1_TOL[dtype]
 
 
+def test_permuted_keys_positions_of_any_integer_dtype_and_stride_give_the_same_output():
+    """The kernel reads int32 positions with a unit last stride: int64 positions (as segmented_key_order returns
+    them) and a strided view are converted first. Before session 84 no CPU test passed either to the Triton
+    path, so dropping the conversion of a strided view (the kernel then reads other slots' positions) passed."""
+    q, k, v = make_qkv(2, 4, 2, 300, 64, torch.float16, seed=5)
+    order = random_segment_order(2, 2, 300, 128, seed=6)
+    kp, vp = gather_keys(k, order), gather_keys(v, order)
+    strided = torch.stack([order.int(), torch.zeros_like(order, dtype=torch.int32)], -1)[..., 0]
+    assert strided.stride(-1) == 2
+    expected = block_sparse_attention(q, kp, vp, None, is_causal=True, permuted_keys=PermutedKeys(order.int(), 128),
+                                      backend="triton")
+    assert relative_l1(expected.float(), causal_sdpa(q, k, v)) < L1_TOL[torch.float16]
+    for positions in (order, strided):
+        out = block_sparse_attention(q, kp, vp, None, is_causal=True, permuted_keys=PermutedKeys(positions, 128),
+                                     backend="triton", out=torch.full_like(q, math.nan))
+        assert torch.equal(out, expected), positions.dtype
+
+
 PBS_CASES = [
     # B, H, HK, NQ, N, D, segment, causal variant
     (2, 4, 2, 300, 300, 64, 128, None),  # GQA, ragged last block and segment

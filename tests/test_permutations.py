@@ -137,6 +137,26 @@ def test_permutation_errors():
         visual_token_permutation((2, 2, 2), "zigzag")
     with pytest.raises(ValueError, match="causal"):
         permuted(sparge_attention, p)(*[torch.randn(1, 1, 8, 64)] * 3, is_causal=True)
+    # the rest ran in no test before session 84
+    from sparge_diffusers.permutations import block_self_similarity, last_block_key_importance
+
+    x = torch.randn(1, 1, 8, 16)
+    cases = [
+        (lambda: visual_token_permutation((2, 0, 2), "hilbert"), r"grid must be three positive sizes \(T, H, W\)"),
+        (lambda: visual_token_permutation((2, 2), "hilbert"), "grid must be three positive sizes"),
+        (lambda: visual_token_permutation((2, 2, 2), "hilbert", text_before=-1), "text_before and text_after"),
+        (lambda: p.apply(x, "BHSD"), "tensor_layout must be 'HND' or 'NHD', got 'BHSD'"),
+        (lambda: p.restore(x.to("meta")), "permutation indices are on cpu, tensor on meta"),
+        (lambda: block_self_similarity(x, 4, "BHSD"), "tensor_layout must be 'HND' or 'NHD'"),
+        (lambda: block_self_similarity(x[0], 4), r"expected a 4-D tensor and block_size >= 1, got shape \(1, 8, 16\)"),
+        (lambda: block_self_similarity(x, 0), "block_size >= 1"),
+        (lambda: last_block_key_importance(x, x, backend="cuda"), "backend must be 'auto', 'triton' or 'torch'"),
+        (lambda: last_block_key_importance(x[..., :12], x[..., :12], backend="triton"),
+         "power-of-two head dim >= 16 .* got D = 12"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
 
 
 @pytest.mark.parametrize("block", [64, 128])

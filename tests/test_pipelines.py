@@ -330,6 +330,51 @@ def test_set_attn_processor_works_where_the_model_has_it(name):
     assert len({s["layer"] for s in processor.stats}) == len(model.attn_processors)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_processor_set_on_each_attention_module_picks_the_modules_native_processor(name):
+    """Mochi's transformer has no set_attn_processor: a user may set the processor module by module. Each module
+    of each model then gets its diffusers default from the processor's registry (Mochi's branch of it ran in no
+    test before session 84), and a module of a class it does not know raises, naming the way out."""
+    torch.manual_seed(6)
+    model, inputs = MODELS[name]()
+    native = run(model, inputs)
+    processor = SpargeProcessor(settings=KEEP_ALL, collect_stats=True)
+    modules = [m for m in model.modules() if callable(getattr(m, "processor", None))]
+    assert modules
+    for module in modules:
+        if hasattr(module, "set_processor"):
+            module.set_processor(processor)
+        else:  # MochiAttention (diffusers 0.42) has the attribute but no set_processor
+            module.processor = processor
+    assert relative_l1(run(model, inputs), native) < 1e-5
+    assert len({s["layer"] for s in processor.stats}) == len(modules)
+
+    class UnknownAttention(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="does not know the native processor of UnknownAttention; pass native="):
+        processor(UnknownAttention(), torch.randn(1, 4, 8))
+
+
+def test_what_runs_unpermuted_or_dense_says_why():
+    """Paths no test took before session 84: a permutation without a token grid (set_attn_processor alone tells
+    the processor nothing of the model) warns and runs the tokens in their order; dropout is a reason to fall back
+    to SDPA; apply on a model without attention modules raises."""
+    torch.manual_seed(8)
+    model, inputs = flux()
+    native = run(model, inputs)
+    processor = SpargeProcessor(settings=dataclasses.replace(KEEP_ALL, permutation="hilbert"), collect_stats=True)
+    model.set_attn_processor(processor)
+    with pytest.warns(UserWarning, match=r"no token grid for permutation \(use apply\(\) or bind\(\)"):
+        out = run(model, inputs)
+    assert relative_l1(out, native) < 1e-5 and processor.stats
+    q = torch.randn(1, 2, 64, 64)
+    assert processor.fallback_reason(q, q, q, None, 0.1) == "dropout"
+    assert processor.fallback_reason(q, q, q, None, 0.0) is None
+    with pytest.raises(ValueError, match="Linear has no attention modules with a processor"):
+        apply(torch.nn.Linear(4, 4))
+
+
 def test_set_attn_processor_with_per_layer_settings_or_warm_up_steps_needs_bind():
     """set_attn_processor tells the processor nothing of the model. Per-layer settings are found by layer name and
     warm-up steps counted by bind's hook, so through that call alone every layer silently ran the processor's

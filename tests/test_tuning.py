@@ -267,6 +267,17 @@ def test_settings_file_mismatches(tmp_path):
                                 "layers": {"a": {"cdfthreshd": [0.9, 1.5]}}}))
     with pytest.raises(ValueError, match=r"s.json: layer 'a': cdfthreshd values must lie in \[0.0, 1.0\], got 1.5"):
         LayerSettingsFile.load(path)
+    header = {"format": "sparge-diffusers/layer-settings", "version": 1, "model_class": "X"}
+    for change, message in [({"version": 2}, "has settings format version 2; this release reads version 1"),
+                            ({"layers": {}}, "holds no layers"),
+                            ({"model_class": None}, "names no model_class"),
+                            ({"model_class": ""}, "names no model_class"),
+                            ({"layers": [{"cdfthreshd": 0.9}]},
+                             "'layers' must map layer names to settings, got a list"),
+                            ({"layers": {"a": 0.9}}, "layer 'a' must map setting names to values, got a float")]:
+        path.write_text(json.dumps({**header, "layers": {"a": {"cdfthreshd": 0.9}}, **change}))
+        with pytest.raises(ValueError, match=message):  # hand-edited files: a ValueError naming the problem
+            LayerSettingsFile.load(path)
 
 
 def test_settings_file_is_strict_json_and_keeps_stage_2_off(tmp_path):
@@ -321,6 +332,9 @@ def test_threshold_grid_rejects_values_the_kernels_refuse(field, values, message
     (dict(pvthreshd=[50, None]), "got None"),
     (dict(simthreshd1=[]), "non-empty list"),
     (dict(permutation="zigzag"), "unknown permutation 'zigzag'"),
+    (dict(permutation=["hilbert"]), r"unknown permutation \['hilbert'\]"),
+    (dict(dense="false"), "dense must be True or False, got 'false'"),  # truthy: it ran the layer densely
+    (dict(dense=1), "dense must be True or False, got 1"),
 ])
 def test_settings_are_checked_when_made(settings, message):
     """Not at the model's first attention call (after its text encoders ran); None and inf turn stage 2 off."""

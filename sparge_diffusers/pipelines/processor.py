@@ -57,11 +57,11 @@ class SpargeSettings:
 
     def __post_init__(self):
         # checked when made (or read from a settings file), not at the model's first attention call
-        for name in (*THRESHOLD_RANGES, "permutation"):
+        for name in (*THRESHOLD_RANGES, "permutation", "dense"):
             self._check(name, getattr(self, name))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in THRESHOLD_RANGES or name == "permutation":  # set later (settings.cdfthreshd = ...): checked too
+        if name in THRESHOLD_RANGES or name in ("permutation", "dense"):  # set later (settings.x = ...): checked too
             self._check(name, value)
         object.__setattr__(self, name, value)
 
@@ -69,7 +69,10 @@ class SpargeSettings:
     def _check(name: str, value: Any) -> None:
         if name in THRESHOLD_RANGES:
             check_threshold_values(name, value)
-        elif value is not None and value not in ORDERS:
+        elif name == "dense":  # a string such as "false" from a hand-edited file is truthy: it would run dense
+            if not isinstance(value, bool):
+                raise ValueError(f"dense must be True or False, got {value!r}")
+        elif value is not None and (not isinstance(value, str) or value not in ORDERS):
             raise ValueError(f"unknown permutation {value!r}; choose from {sorted(ORDERS)} or None")
 
 

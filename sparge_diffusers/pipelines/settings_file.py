@@ -72,8 +72,17 @@ class LayerSettingsFile:
         if doc.get("version") != VERSION:
             raise ValueError(f"{path} has settings format version {doc.get('version')}; this release reads "
                              f"version {VERSION}")
+        model_class = doc.get("model_class")
+        if not isinstance(model_class, str) or not model_class:
+            raise ValueError(f"{path} names no model_class (the diffusers class the settings were tuned for)")
+        entries = doc.get("layers", {})
+        if not isinstance(entries, dict):  # a hand-edited file: say so instead of an AttributeError below
+            raise ValueError(f"{path}: 'layers' must map layer names to settings, got a {type(entries).__name__}")
         layers, measured = {}, {}
-        for name, entry in doc.get("layers", {}).items():
+        for name, entry in entries.items():
+            if not isinstance(entry, dict):
+                raise ValueError(f"{path}: layer {name!r} must map setting names to values, got a "
+                                 f"{type(entry).__name__}")
             unknown = set(entry) - set(_THRESHOLDS) - {"measured"}
             if unknown:
                 raise ValueError(f"{path}: layer {name!r} has unknown keys {sorted(unknown)}")
@@ -88,7 +97,7 @@ class LayerSettingsFile:
                 measured[name] = entry["measured"]
         if not layers:
             raise ValueError(f"{path} holds no layers")
-        return cls(model_class=doc.get("model_class", ""), layers=layers,
+        return cls(model_class=model_class, layers=layers,
                    diffusers_version=doc.get("diffusers_version"), budget=doc.get("budget", {}),
                    measured=measured, calibration=doc.get("calibration", {}))
 
