@@ -229,10 +229,9 @@ def _settings(args: argparse.Namespace):
 def generate_command(args: argparse.Namespace) -> int:
     from .generation import generate
 
-    prompts = list(args.prompt or []) or (read_prompts(args.prompts) if args.prompts else [])
+    # argparse requires --prompt or --prompts; an empty or unreadable prompts file: read_prompts said why
+    prompts = list(args.prompt or []) or read_prompts(args.prompts)
     if not prompts:
-        if not args.prompts:
-            print("give --prompt TEXT (repeatable) or --prompts FILE", file=sys.stderr)
         return 2
     modes = _modes_or_none(args.attention)
     if modes is None:
@@ -302,22 +301,22 @@ def eval_command(args: argparse.Namespace) -> int:
         return 2
     if not _prepare_output_folder(args.out):
         return 2
-    try:  # metric models first: a bad spec or missing weights file fails before the pipeline loads
+    try:  # metric models and real images first: a bad spec, missing weights file or image fails before the
+        # pipeline loads (minutes)
         lpips = LPIPS.from_files(args.lpips_weights) if args.lpips_weights else None
         dover = DoverScorer(args.dover_weights) if args.dover_weights else None
         clip = load_clip(args.clip, _device(args.device)) if args.clip else None
+        real = None
+        if args.fid_real:
+            from .eval.run import load_images
+
+            real = load_images(args.fid_real, (args.height or 1024, args.width or 1024))
     except (ValueError, OSError, ImportError) as e:
         print(e, file=sys.stderr)
         return 2
     pipe = load_pipeline(args.model, args.device, args.dtype)
     if dover is not None:
         dover.to(pipe.device)
-    real = None
-    if args.fid_real:
-        from .eval.run import load_images
-
-        size = (args.height or 1024, args.width or 1024)
-        real = load_images(args.fid_real, size)
     report = evaluate(pipe, prompts, modes, args.out, seed=args.seed, pipe_kwargs=pipeline_kwargs(args), clip=clip,
                       lpips=lpips, inception_weights=args.fid_weights, real_images=real, dover=dover,
                       progress=not args.quiet)

@@ -121,6 +121,11 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
     model = str(tmp_path / "no-model")
     generate = ["generate", "--model", model, "--out", str(tmp_path / "g"), "--prompt", "a cat"]
     assert "must be at least 0" in _error_of(generate + ["--dense-steps", "-1"], capsys)
+    assert "one of the arguments --prompt --prompts is required" in _error_of(generate[:5], capsys)
+    empty_prompts = tmp_path / "empty.txt"
+    empty_prompts.write_text("\n  \n")
+    assert "holds no prompts" in _error_of(generate[:5] + ["--prompts", str(empty_prompts)], capsys)
+    assert "expected KEY=VALUE, got 'steps'" in _error_of(generate + ["--pipe-arg", "steps"], capsys)
     assert "must be at least 1" in _error_of(generate + ["--steps", "0"], capsys)
     assert "pipe_kwargs sets prompt" in _error_of(generate + ["--pipe-arg", "prompt=a dog"], capsys)
     assert "expected an integer" in _error_of(generate + ["--fps", "x"], capsys)
@@ -138,6 +143,12 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
         evaluate + ["--attention", "sparge", "--lpips-weights", str(tmp_path / "a.pth")], capsys)
     prompts.write_text("a cat\na dog\n")
     assert "no such folder" in _error_of(evaluate + fid + ["--fid-real", str(tmp_path / "no-images")], capsys)
+    one_image = tmp_path / "one-image"
+    one_image.mkdir()
+    (one_image / "a.png").write_bytes(b"")
+    assert "must hold at least two images" in _error_of(evaluate + fid + ["--fid-real", str(one_image)], capsys)
+    (one_image / "b.png").write_bytes(b"not a png")  # was read after the pipeline had loaded, and raised there
+    assert "cannot identify image file" in _error_of(evaluate + fid + ["--fid-real", str(one_image)], capsys)
     prompts.write_text("a cat\n")
     assert "pipe_kwargs sets output_type" in _error_of(evaluate + ["--pipe-arg", "output_type=np"], capsys)
     assert "CLIP model spec" in _error_of(evaluate + ["--clip", "clip-vit"], capsys)  # was loaded after the pipeline
@@ -151,6 +162,7 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
     assert "need 0 < l1 <= l2" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--l1", "0.1", "--l2",
                                                     "0.05"], capsys)
     assert "positive finite" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--l1", "nan"], capsys)
+    assert "expected a number, got 'x'" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--l1", "x"], capsys)
     assert "pipe_kwargs sets generator" in _error_of(tune + ["--out", str(tmp_path / "s.json"), "--pipe-arg",
                                                              "generator=1"], capsys)
     assert "is a folder" in _error_of(tune + ["--out", str(tmp_path)], capsys)

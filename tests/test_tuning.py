@@ -177,6 +177,26 @@ class CaptureSDPA(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def test_tune_refuses_what_it_cannot_calibrate():
+    """None of these ran in a test before session 84: a calibration item that is neither a prompt nor a dict of
+    transformer inputs; pipeline call arguments without a pipeline; a model none of whose attention calls can run
+    sparse (head dim 12: each call warns that it is not tuned, then tune raises instead of writing an empty file)."""
+    from sparge_diffusers import tune
+
+    model, latents = tiny_flux(8)
+    with pytest.raises(ValueError, match="calibration item 1 is a int: use prompts"):
+        tune(model, [latents(0), 3], grid=GRID, progress=False)
+    with pytest.raises(ValueError, match="pipe_kwargs are pipeline call arguments; pass the pipeline"):
+        tune(model, [latents(0)], grid=GRID, progress=False, pipe_kwargs={"num_inference_steps": 2})
+    torch.manual_seed(0)
+    narrow = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=12, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 4, 4))
+    with pytest.warns(UserWarning, match="head dim 12; such calls are not tuned"):
+        with pytest.raises(ValueError, match="no attention call could run sparse during calibration"):
+            tune(narrow, [latents(0)], grid=GRID, progress=False)
+
+
 def test_tune_tiny_model_matches_brute_force(tmp_path):
     from sparge_diffusers import tune
 
