@@ -128,6 +128,15 @@ def test_search_errors():
     search.observe(q, k, v)
     with pytest.raises(ValueError, match="heads"):
         search.observe(q[:, :1], k[:, :1], v[:, :1])
+    with pytest.raises(RuntimeError, match="finish_stage1 needs phase 1 with at least one observed call"):
+        ThresholdSearch().finish_stage1()
+    search.finish_stage1()
+    with pytest.raises(RuntimeError, match="finish_stage1 needs phase 1"):  # twice
+        search.finish_stage1()
+    with pytest.raises(RuntimeError, match="at least one observed call in phase 2"):
+        search.result()
+    search.observe(q, k, v)
+    assert search.result().sparsity >= 0
 
 
 def test_budget_too_tight_is_reported():
