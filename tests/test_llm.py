@@ -1296,7 +1296,7 @@ def test_a_non_causal_call_or_dropout_falls_back_to_sdpa():
     attention, silently."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    module, (q, k, v), attention = direct_call_setup(7)
+    module, (q, k, v), _ = direct_call_setup(7)
     encoder = torch.nn.Module()
     encoder.is_causal, encoder.num_key_value_groups = False, 2
     for mod, kwargs in ((encoder, {}), (module, {"is_causal": False})):

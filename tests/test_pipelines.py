@@ -241,7 +241,7 @@ def test_key_padding_mask_shapes_against_sdpa_under_the_mask():
         processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=additive)
     assert processor.recorded_calls == 2
     three_rows = torch.ones(3, 1, 1, 201, dtype=torch.bool)  # for a batch of 2: SDPA raises, and so must the seam
-    with pytest.raises(RuntimeError, match="must match the size"):  # (it read two of the three rows, silently)
+    with pytest.raises(RuntimeError, match="must match the size"):  # not read as a key-padding mask (two rows of it)
         processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=three_rows)
 
 
