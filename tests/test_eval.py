@@ -42,6 +42,8 @@ def test_psnr_known_value_and_ordering():
 
     assert psnr(noisy(0.02), x) > psnr(noisy(0.1), x)
     assert ssim(noisy(0.02), x) > ssim(noisy(0.1), x)
+    # flat images leave SSIM's luminance term alone, (2ab + C1) / (a^2 + b^2 + C1) with C1 = (0.01 * data range)^2
+    assert ssim(torch.full((2, 3, 32, 32), 0.1), torch.zeros(2, 3, 32, 32)) == pytest.approx(1e-4 / 0.0101, rel=1e-4)
     lpips = LPIPS()
     assert 0 < lpips.distance(noisy(0.02), x) < lpips.distance(noisy(0.2), x)
 
@@ -92,6 +94,41 @@ def test_lpips_loads_weight_files(tmp_path):
     assert lpips.distance(x, x) == 0 and lpips.distance(images(seed=1), x) > 0
     with pytest.raises(FileNotFoundError, match=ALEXNET_FILE):
         LPIPS.from_files(tmp_path / "missing.pth")
+
+
+def torchvision_alexnet_features():
+    """torchvision's ``alexnet().features``, written out here (torchvision is not a dependency)."""
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(3, 64, 11, 4, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+                         nn.Conv2d(64, 192, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+                         nn.Conv2d(192, 384, 3, padding=1), nn.ReLU(inplace=True),
+                         nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(inplace=True),
+                         nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2))
+
+
+def test_lpips_equals_torchmetrics_lpips_given_the_same_backbone(tmp_path, monkeypatch):
+    # The oracle is torchmetrics' own LPIPS network: its input scaling, unit normalisation, layer weights (the same
+    # shipped alex.pth), spatial mean and sum over layers. Only its backbone is swapped for a random AlexNet, since
+    # torchvision (which would build it) is not installed and the real weights would need a download.
+    from torchmetrics.functional.image import lpips as tm_lpips
+
+    torch.manual_seed(0)
+    backbone = torchvision_alexnet_features()
+    monkeypatch.setattr(tm_lpips, "_get_tv_model_features", lambda net, pretrained=False: backbone)
+    oracle = tm_lpips._LPIPS(pretrained=True, net="alex", pnet_rand=True).eval()
+    path = tmp_path / ALEXNET_FILE
+    torch.save({f"features.{k}": v for k, v in backbone.state_dict().items()}, path)
+    lpips = LPIPS.from_files(path)
+    for size in ((31, 45), (40, 33), (64, 64), (131, 67)):  # AlexNet's smallest input (31 px) and odd sizes
+        x = torch.rand(3, 3, *size, generator=torch.Generator().manual_seed(sum(size)))
+        for y in (x.flip(0), (x + 0.05 * torch.randn_like(x)).clamp(0, 1), x.roll(7, -1)):
+            want = oracle(x, y, normalize=True).flatten().double()
+            got = lpips(x, y).double()
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (size, got, want)
+            assert lpips.distance(x, y, batch=2) == pytest.approx(float(want.mean()), rel=1e-4)
+    x = torch.rand(2, 3, 16, 24)  # shorter than AlexNet takes: upsampled to a short side of 31 first
+    up = F.interpolate(torch.cat([x, x.flip(0)]), size=(31, 46), mode="bilinear", align_corners=False)
+    assert torch.allclose(lpips(x, x.flip(0)), oracle(up[:2], up[2:], normalize=True).flatten(), rtol=1e-4)
 
 
 # --- FID ----------------------------------------------------------------------------------------------
@@ -195,6 +232,51 @@ def test_clip_preprocess_resizes_and_crops():
     assert x.shape == (2, 3, 16, 16)
 
 
+def test_clip_score_equals_torchmetrics_image_by_image(tmp_path):
+    # The oracle is torchmetrics' clip_score with transformers' own CLIPImageProcessor (resize, crop, normalise)
+    # and tokenizer, on the same tiny random CLIP. Noise images are the hard case for resizing: there a long side
+    # of 68 instead of 67 pixels (70x33 resized to a short side of 32) moved scores by up to 6 points of 100.
+    from torchmetrics.functional.multimodal import clip_score as torchmetrics_clip_score
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from sparge_diffusers.eval import load_clip
+
+    ours = load_clip(save_tiny_transformers_clip(tmp_path))
+    model = CLIPModel.from_pretrained(tmp_path).eval()
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                 crop_size={"height": 32, "width": 32}),
+                              tokenizer=AutoTokenizer.from_pretrained(tmp_path))
+
+    class Projections:  # torchmetrics 1.9 takes features as tensors; transformers 5 returns model outputs
+        config = model.config
+
+        def to(self, device):
+            return self
+
+        def get_image_features(self, *args, **kwargs):
+            out = model.get_image_features(*args, **kwargs)
+            return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+        def get_text_features(self, *args, **kwargs):
+            out = model.get_text_features(*args, **kwargs)
+            return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+    prompts = [f"{a} {b}" for i, a in enumerate(WORDS[3:9]) for b in WORDS[4 + i:9]]  # 15 of two words
+    for size in ((32, 32), (40, 64), (70, 33)):
+        pixels = torch.randint(0, 256, (3, 3, *size), generator=torch.Generator().manual_seed(size[0]),
+                               dtype=torch.uint8)
+        with torch.no_grad():
+            want = torch.tensor([[float(torchmetrics_clip_score(image, [p], lambda: (Projections(), processor)))
+                                  for p in prompts] for image in pixels])
+        got = torch.tensor([[clip_score(image[None].float() / 255, [p], ours) for p in prompts] for image in pixels])
+        assert (want > 1).sum() >= 3 and (want == 0).sum() >= 1, want  # both sides of the clamp are drawn
+        # PIL's resize rounds to 8 bits between its two passes; without resizing the scores are equal
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 if size == (32, 32) else 0.25), (size, got - want)
+        pairs = [int(want[i].argmax()) for i in range(3)]  # a batch scores the mean of its images' scores
+        assert clip_score(pixels.float() / 255, [prompts[j] for j in pairs], ours) == pytest.approx(
+            float(want[range(3), pairs].mean()), abs=0.25)
+
+
 def test_load_clip_errors(tmp_path):
     from sparge_diffusers.eval import load_clip
 
@@ -230,6 +312,13 @@ def test_video_indicators():
     assert sharpness(torch.full((2, 3, 16, 16), 0.5)) == 0
     blurred = F.avg_pool2d(F.pad(frames, (2, 2, 2, 2), mode="replicate"), 5, stride=1)
     assert sharpness(blurred) < sharpness(frames)
+    # known values: black, red, green, blue frames change luma (0.299 R + 0.587 G + 0.114 B) by 0.299, 0.288, 0.473;
+    # a checkerboard's Laplacian is +-4 at each of the 14 x 14 valid pixels (unbiased variance)
+    colours = torch.zeros(4, 3, 8, 8)
+    colours[1, 0], colours[2, 1], colours[3, 2] = 1, 1, 1
+    assert temporal_flicker(colours) == pytest.approx((0.299 + 0.288 + 0.473) / 3, rel=1e-6)
+    board = ((torch.arange(16)[:, None] + torch.arange(16)) % 2).float().expand(2, 3, 16, 16)
+    assert sharpness(board) == pytest.approx(16 * 196 / 195, rel=1e-6)
 
 
 def test_parse_modes(tmp_path):

@@ -41,8 +41,10 @@ class ClipModel:
         """(N, 3, H, W) in [0, 1] -> the model's input: short side resized, centre-cropped, normalised."""
         check_unit_images(images)
         h, w = images.shape[-2:]
-        s = self.image_size / min(h, w)
-        size = (max(self.image_size, round(h * s)), max(self.image_size, round(w * s)))
+        # the long side floors, as in torchvision's Resize (OpenAI's and open_clip's preprocessing) and in
+        # transformers' CLIPImageProcessor; rounding it made a 70x33 image 68x32 where both make it 67x32
+        long = int(self.image_size * max(h, w) / min(h, w))
+        size = (self.image_size, long) if h <= w else (long, self.image_size)
         x = F.interpolate(images.float(), size=size, mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
         top, left = (x.shape[-2] - self.image_size) // 2, (x.shape[-1] - self.image_size) // 2
         x = x[..., top:top + self.image_size, left:left + self.image_size]
@@ -64,7 +66,11 @@ class ClipModel:
 
 
 def clip_score(images: torch.Tensor, prompts: list[str], model: ClipModel) -> float:
-    """Mean of 100 * max(cos(image, its prompt), 0) (the torchmetrics / Hessel et al. definition)."""
+    """Mean over images of 100 * max(cos(image, its prompt), 0): Hessel et al.'s CLIP-S with w = 100.
+
+    torchmetrics' ``clip_score`` clamps the mean instead of each cosine; the two agree whenever every cosine is
+    positive, and equal each other image by image.
+    """
     if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
         # a str would be read as one prompt per character (five images against "a cat")
         raise ValueError("clip_score takes a list of prompts, one str per image")

@@ -43,6 +43,7 @@ def ssim(x: torch.Tensor, ref: torch.Tensor) -> float:
 # LPIPS (Zhang et al. 2018) on AlexNet: unit-normalise the activations of the five ReLUs along channels, square
 # their difference, weight channels by learned non-negative 1x1 convolutions, average over space, sum layers.
 _TAPS = (1, 4, 7, 9, 11)  # indices of relu1..relu5 in torchvision's alexnet.features
+_MIN_SIDE = 31  # the shortest side whose relu5 is not empty (30 px leaves conv2's pooling nothing to pool)
 _SHIFT = (-0.030, -0.088, -0.188)
 _SCALE = (0.458, 0.448, 0.450)
 ALEXNET_FILE = "alexnet-owt-7be5be79.pth"  # torchvision's ImageNet AlexNet weights
@@ -61,6 +62,7 @@ class LPIPS(nn.Module):
     """LPIPS distance with an AlexNet backbone (0 for identical images; lower is closer).
 
     Build it with :meth:`from_files` for the real metric; the constructor alone gives random weights (tests).
+    Images shorter than 31 px on a side, which LPIPS's AlexNet cannot take, are upsampled (bilinear) to 31 first.
     """
 
     shift: torch.Tensor  # buffers, registered below
@@ -102,8 +104,8 @@ class LPIPS(nn.Module):
         return model
 
     def _activations(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if min(x.shape[-2:]) < 64:  # AlexNet's pooling needs >= 64 px; smaller images are upsampled (bilinear)
-            s = 64 / min(x.shape[-2:])
+        if min(x.shape[-2:]) < _MIN_SIDE:  # departs from LPIPS, which fails there: upsample (bilinear) to fit
+            s = _MIN_SIDE / min(x.shape[-2:])
             x = F.interpolate(x, size=(round(x.shape[-2] * s), round(x.shape[-1] * s)), mode="bilinear",
                               align_corners=False)
         x = ((x * 2 - 1) - self.shift) / self.scale  # [0, 1] -> LPIPS's input scaling
