@@ -3,6 +3,8 @@ downloads), and the eval runner end to end on tiny models."""
 
 import csv
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -126,8 +128,8 @@ def test_lpips_equals_torchmetrics_lpips_given_the_same_backbone(tmp_path, monke
             got = lpips(x, y).double()
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (size, got, want)
             assert lpips.distance(x, y, batch=2) == pytest.approx(float(want.mean()), rel=1e-4)
-    x = torch.rand(2, 3, 16, 24)  # shorter than AlexNet takes: upsampled to a short side of 31 first
-    up = F.interpolate(torch.cat([x, x.flip(0)]), size=(31, 46), mode="bilinear", align_corners=False)
+    x = torch.rand(2, 3, 20, 48)  # a side shorter than AlexNet takes: upsampled to a short side of 31 first
+    up = F.interpolate(torch.cat([x, x.flip(0)]), size=(31, 74), mode="bilinear", align_corners=False)
     assert torch.allclose(lpips(x, x.flip(0)), oracle(up[:2], up[2:], normalize=True).flatten(), rtol=1e-4)
 
 
@@ -277,7 +279,7 @@ def test_clip_score_equals_torchmetrics_image_by_image(tmp_path):
             float(want[range(3), pairs].mean()), abs=0.25)
 
 
-def test_load_clip_errors(tmp_path):
+def test_load_clip_errors(tmp_path, monkeypatch):
     from sparge_diffusers.eval import load_clip
 
     with pytest.raises(ValueError, match="open_clip:ARCH:WEIGHTS"):
@@ -286,6 +288,18 @@ def test_load_clip_errors(tmp_path):
         load_clip("open_clip:ViT-B-32:/nowhere/open_clip_pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_clip(f"transformers:{tmp_path}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors not found"):  # a file name without a folder
+        load_clip("open_clip:ViT-B-32:model.safetensors")
+    asked = []
+
+    def create_model(arch, pretrained=None, device=None):  # stands in for open_clip's: nothing downloads
+        asked.append((arch, pretrained))
+        raise LookupError("stub")
+
+    monkeypatch.setitem(sys.modules, "open_clip", types.SimpleNamespace(create_model=create_model))
+    with pytest.raises(LookupError, match="stub"):  # a pretrained tag is no file name: open_clip is asked for it
+        load_clip("open_clip:ViT-B-32:laion2b_s34b_b79k")
+    assert asked == [("ViT-B-32", "laion2b_s34b_b79k")]
 
 
 def test_open_clip_architecture_with_random_weights():
@@ -317,6 +331,7 @@ def test_video_indicators():
     colours = torch.zeros(4, 3, 8, 8)
     colours[1, 0], colours[2, 1], colours[3, 2] = 1, 1, 1
     assert temporal_flicker(colours) == pytest.approx((0.299 + 0.288 + 0.473) / 3, rel=1e-6)
+    assert temporal_flicker(colours[:2]) == pytest.approx(0.299, rel=1e-6)  # two frames are enough
     board = ((torch.arange(16)[:, None] + torch.arange(16)) % 2).float().expand(2, 3, 16, 16)
     assert sharpness(board) == pytest.approx(16 * 196 / 195, rel=1e-6)
 

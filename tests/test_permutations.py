@@ -35,10 +35,12 @@ def test_orders_are_what_their_names_say():
     assert grid_order((T, H, W), "colmajor")[:3].tolist() == [0, W, 2 * W]
     # time-major: the same pixel across frames first
     assert grid_order((T, H, W), "timemajor")[:2].tolist() == [0, H * W]
-    # Hilbert: consecutive tokens are grid neighbours when the grid is a power-of-two cube
-    c = torch.tensor([(t, h, w) for t in range(4) for h in range(4) for w in range(4)])
-    path = c[torch.from_numpy(grid_order((4, 4, 4), "hilbert"))]
-    assert ((path[1:] - path[:-1]).abs().sum(-1) == 1).all()
+    # Hilbert: consecutive tokens are grid neighbours when the grid is a power-of-two cube, or square (an image,
+    # or one row over time: a 2-D curve; a 3-D curve through the plane would jump up to 3 steps at 8 x 8)
+    for grid in ((4, 4, 4), (1, 8, 8), (8, 1, 8), (16, 16, 1)):
+        c = torch.tensor([(t, h, w) for t in range(grid[0]) for h in range(grid[1]) for w in range(grid[2])])
+        path = c[torch.from_numpy(grid_order(grid, "hilbert"))]
+        assert ((path[1:] - path[:-1]).abs().sum(-1) == 1).all(), grid
     # random is seeded
     assert (grid_order((T, H, W), "random", seed=1) == grid_order((T, H, W), "random", seed=1)).all()
     assert (grid_order((T, H, W), "random", seed=1) != grid_order((T, H, W), "random", seed=2)).any()

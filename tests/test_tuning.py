@@ -2,6 +2,7 @@
 Flux transformer, settings files (round trip, mismatches) and the ``tune`` command on a locally saved pipeline."""
 
 import json
+import types
 import warnings
 
 import pytest
@@ -84,6 +85,7 @@ def test_search_picks_the_best_grid_point_within_budget(aggregate):
         l1s = [float(r[1][h]) for r in rows]
         assert (max(l1s) if aggregate == "max" else sum(l1s) / 3) < 0.06
     assert choice.sparsity > 0.05, "structured inputs must leave something to skip"
+    assert choice.l1 == max(choice.l1_per_head), "with a choice per head, the worst head bounds the layer"
 
 
 def layer_rows(samples, *setting):
@@ -119,6 +121,7 @@ def test_search_per_layer_chooses_one_setting():
 def test_search_errors():
     with pytest.raises(ValueError, match="l1 <= l2"):
         ThresholdSearch(l1=0.1, l2=0.05)
+    ThresholdSearch(l1=0.05, l2=0.05)  # equal budgets are allowed
     with pytest.raises(ValueError, match="aggregate"):
         ThresholdSearch(aggregate="median")
     search = ThresholdSearch()
@@ -139,10 +142,62 @@ def test_search_errors():
     assert search.result().sparsity >= 0
 
 
+@pytest.mark.parametrize("per_head", [True, False])
+def test_search_keeps_the_budget_strict_and_breaks_sparsity_ties_by_the_lower_error(per_head):
+    # A stand-in for sparge_attention whose sparsity and error at each grid point are set here. The errors are
+    # exact in binary (the output is 1 + l1 where the reference is 1), so "below the budget" is tested at equality.
+    outcomes = {(0.3, None): (0.5, 0.0625),  # stage 1: at the budget, so not below it
+                (0.6, None): (0.4, 0.03125), (0.9, None): (0.4, 0.015625),  # tied sparsity: the lower error wins
+                (0.9, 50.0): (0.4, 0.015625), (0.9, 8.0): (0.45, 0.046875), (0.9, 4.0): (0.5, 0.0625)}
+
+    def attention(q, k, v, *, simthreshd1, cdfthreshd, pvthreshd, return_sparsity, **_):
+        sim = simthreshd1[0] if isinstance(simthreshd1, list) else simthreshd1
+        pv = pvthreshd[0] if isinstance(pvthreshd, list) else pvthreshd
+        sparsity, l1 = outcomes[(sim, pv)]
+        skipped = torch.full((q.shape[1],), sparsity)
+        return torch.full_like(q, 1 + l1), types.SimpleNamespace(qk_skipped=skipped, pv_skipped=skipped)
+
+    grid = ThresholdGrid(simthreshd1=(0.3, 0.6, 0.9), cdfthreshd=(0.9,), pvthreshd=(50.0, 8.0, 4.0))
+    search = ThresholdSearch(l1=0.0625, l2=0.0625, grid=grid, per_head=per_head)
+    q = torch.zeros(1, 2, 8, 4)
+    for phase in (1, 2):
+        for call in range(2):
+            assert search.calls == call
+            search.observe(q, q, q, torch.ones_like(q), attention=attention)
+        if phase == 1:
+            search.finish_stage1()
+    choice = search.result()
+    assert (choice.simthreshd1, choice.cdfthreshd, choice.pvthreshd) == ([0.9] * 2, [0.9] * 2, [8.0] * 2)
+    assert choice.sparsity == pytest.approx(0.45)
+    assert (choice.l1, choice.calls, choice.within_budget) == (0.046875, 2, True)
+
+
+def test_search_without_a_reference_computes_the_same_one_in_either_layout_and_with_grouped_heads():
+    q, k, v = video_like_qkv((1, 8, 16), heads=4, head_dim=32, seed=3)
+    k, v = k[:, ::2], v[:, ::2]  # two key/value heads for four query heads
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))  # q's dtype
+    choices = []
+    for layout, given in (("HND", ref), ("HND", None), ("NHD", None)):
+        t = (lambda x: x) if layout == "HND" else (lambda x: x.transpose(1, 2))
+        search = ThresholdSearch(l1=0.05, l2=0.06, grid=GRID)
+        for phase in (1, 2):
+            search.observe(t(q), t(k), t(v), None if given is None else t(given), tensor_layout=layout)
+            if phase == 1:
+                search.finish_stage1()
+        choices.append(search.result())
+    assert choices[0].l1_per_head == pytest.approx(choices[1].l1_per_head, rel=1e-5, abs=1e-7)
+    assert choices[1] == choices[2]
+
+
 def test_budget_too_tight_is_reported():
     samples = calibration_samples([0], heads=2)
     search = ThresholdSearch(l1=1e-9, l2=1e-9, grid=GRID)
-    assert not run_search(search, samples).within_budget
+    choice = run_search(search, samples)
+    assert not choice.within_budget
+    assert not run_search(ThresholdSearch(l1=1e-9, l2=1.0, grid=GRID), samples).within_budget, "phase 1 missed"
+    # none fits, so each phase falls back to its least error: every block kept (GRID's densest point), stage 2 off
+    dense = evaluate(samples, [1.0] * 2, [1.0] * 2, [50.0] * 2)[0][1]
+    assert choice.l1_per_head == pytest.approx([float(x) for x in dense], rel=1e-6) and choice.sparsity == 0
 
 
 # --- tune() on a tiny Flux transformer ------------------------------------------------------------------
