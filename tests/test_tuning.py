@@ -195,7 +195,8 @@ def test_budget_too_tight_is_reported():
     choice = run_search(search, samples)
     assert not choice.within_budget
     assert not run_search(ThresholdSearch(l1=1e-9, l2=1.0, grid=GRID), samples).within_budget, "phase 1 missed"
-    # none fits, so each phase falls back to its least error: every block kept (GRID's densest point), stage 2 off
+    # none fits, so each phase falls back to its least error: every block kept (as at GRID's densest point) and
+    # stage 2 off
     dense = evaluate(samples, [1.0] * 2, [1.0] * 2, [50.0] * 2)[0][1]
     assert choice.l1_per_head == pytest.approx([float(x) for x in dense], rel=1e-6) and choice.sparsity == 0
 

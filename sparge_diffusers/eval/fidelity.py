@@ -43,7 +43,7 @@ def ssim(x: torch.Tensor, ref: torch.Tensor) -> float:
 # LPIPS (Zhang et al. 2018) on AlexNet: unit-normalise the activations of the five ReLUs along channels, square
 # their difference, weight channels by learned non-negative 1x1 convolutions, average over space, sum layers.
 _TAPS = (1, 4, 7, 9, 11)  # indices of relu1..relu5 in torchvision's alexnet.features
-_MIN_SIDE = 31  # the shortest side whose relu5 is not empty (30 px leaves conv2's pooling nothing to pool)
+_MIN_SIDE = 31  # the shortest side AlexNet reaches relu5 from (at 30 px the second pooling gets a 2 x 2 map)
 _SHIFT = (-0.030, -0.088, -0.188)
 _SCALE = (0.458, 0.448, 0.450)
 ALEXNET_FILE = "alexnet-owt-7be5be79.pth"  # torchvision's ImageNet AlexNet weights
