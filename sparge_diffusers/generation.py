@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ._json import write_json
-from .pipelines.call_arguments import check_pipe_kwargs, prompt_list
+from .pipelines.call_arguments import check_pipe_kwargs, pipeline_progress_off, prompt_list
 
 __all__ = ["generate", "run_pipeline", "save_output"]
 
@@ -157,8 +157,6 @@ def generate(pipe: Any, prompts: str | Sequence[str], out_dir: str | Path, *, sp
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pipe_kwargs = dict(pipe_kwargs or {})
-    if hasattr(pipe, "set_progress_bar_config"):
-        pipe.set_progress_bar_config(disable=True)  # one bar over all prompts instead of one per call
     processor = None
     if sparse:
         options = {"layer_settings": layer_settings} if layer_settings is not None else {}
@@ -171,6 +169,7 @@ def generate(pipe: Any, prompts: str | Sequence[str], out_dir: str | Path, *, sp
             raise ValueError(f"{type(pipe).__name__} has no transformer to compile")
         pipe.transformer = torch.compile(transformer)
     rows, notes = [], []
+    restore_progress = pipeline_progress_off(pipe)  # one bar over all prompts instead of one per call
     try:
         if warmup:
             # one sparse step at least, so the sparse kernels are compiled too (dense steps come first)
@@ -212,6 +211,7 @@ def generate(pipe: Any, prompts: str | Sequence[str], out_dir: str | Path, *, sp
                     processor.reset_stats()
                 rows.append(row)
     finally:
+        restore_progress()
         if compile:
             pipe.transformer = transformer
         if processor is not None:

@@ -161,9 +161,11 @@ def test_permutation_errors():
             call()
 
 
-@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("block", [1, 7, 64, 128])
 def test_block_self_similarity_matches_gram_definition(block):
     x = torch.randn(2, 3, 300, 64) + 0.5
+    if block == 1:  # each token is its own block: cos(x, x) = 1
+        torch.testing.assert_close(block_self_similarity(x, 1), torch.ones(2, 3, 300))
     torch.testing.assert_close(block_self_similarity(x, block), reference_block_statistics(x, block)[1])
     torch.testing.assert_close(block_self_similarity(x.transpose(1, 2), block, "NHD"),
                                reference_block_statistics(x, block)[1])
@@ -214,6 +216,51 @@ def test_triton_per_head_row_gather_equals_torch_gather(index_batch, D):
         stride_ih=index.stride(1))
     assert torch.equal(out, expected)
     assert torch.equal(gather_rows_per_head(x, index), expected)  # the CPU path
+
+
+def test_row_gathers_take_the_triton_copy_only_where_it_applies(monkeypatch):
+    """The dispatch of ``gather_rows`` and ``gather_rows_per_head``, run without a GPU by letting CPU tensors take
+    the Triton copy under the interpreter: both sequence dims on dense and on diffusers-like strided views, one
+    index per head with and without a batch, NaN-poisoned outputs; and the inputs the copy cannot read (a strided
+    last dim or index) or that autograd records through go to torch, with the same result."""
+    from sparge_diffusers._launch import interpreting
+    from sparge_diffusers.permutations import gather
+
+    if not interpreting():
+        pytest.skip("runs the Triton copy on CPU tensors, which needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(gather, "_COPY_DEVICES", ("cuda", "cpu"))
+    copies = []
+    launch = gather._launch_gather
+    monkeypatch.setattr(gather, "_launch_gather", lambda *a: (copies.append(a[0].shape), launch(*a))[1])
+    nan_empty_like = torch.empty_like
+    monkeypatch.setattr(gather.torch, "empty_like", lambda t: nan_empty_like(t).fill_(float("nan")))
+
+    index = torch.randperm(37)
+    projection = torch.randn(2, 37, 3 * 72)  # diffusers' (B, N, H*D) projection and its (B, H, N, D) view
+    for x, seq_dim in [(torch.randn(2, 3, 37, 64), 2), (torch.randn(2, 37, 3, 64), 1),
+                       (projection.view(2, 37, 3, 72).transpose(1, 2), 2), (projection.view(2, 37, 3, 72), 1)]:
+        out = gather.gather_rows(x, index, seq_dim)
+        assert torch.equal(out, x.index_select(seq_dim, index)) and out.stride() == x.stride()
+    assert len(copies) == 4
+    for index_batch in (2, 1):
+        x = torch.randn(2, 3, 37, 72)
+        order = torch.stack([torch.stack([torch.randperm(37) for _ in range(3)]) for _ in range(index_batch)])
+        expected = torch.gather(x, 2, order.expand(2, 3, 37).unsqueeze(-1).expand(x.shape))
+        assert torch.equal(gather.gather_rows_per_head(x, order), expected)
+    assert len(copies) == 6
+
+    x = torch.randn(2, 3, 37, 128)
+    fallbacks = [(x[..., ::2], index, torch.randperm(37).expand(1, 3, 37)),  # strided last dim of x
+                 (x, torch.randint(0, 37, (74,))[::2], torch.randint(0, 37, (1, 3, 37, 2))[..., 0])]  # of index
+    for y, flat, order in fallbacks:
+        assert torch.equal(gather.gather_rows(y, flat, 2), y.index_select(2, flat))
+        assert torch.equal(gather.gather_rows_per_head(y, order),
+                           torch.gather(y, 2, order.expand(2, 3, 37).unsqueeze(-1).expand(y.shape)))
+    w = torch.randn(2, 3, 37, 128)
+    tracked = x.clone().requires_grad_()
+    (gather.gather_rows(tracked, index, 2) * w).sum().backward()
+    assert torch.equal(tracked.grad, torch.zeros_like(w).index_add_(2, index, w))
+    assert len(copies) == 6, "only dense, untracked inputs take the copy"
 
 
 @pytest.mark.gpu

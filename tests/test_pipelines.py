@@ -327,10 +327,21 @@ def test_set_attn_processor_works_where_the_model_has_it(name):
     torch.manual_seed(2)
     model, inputs = MODELS[name]()
     native = run(model, inputs)
+    originals = {n: type(p) for n, p in model.attn_processors.items()}
     processor = SpargeProcessor(settings=KEEP_ALL, collect_stats=True)
     model.set_attn_processor(processor)
     assert relative_l1(run(model, inputs), native) < 1e-5
     assert len({s["layer"] for s in processor.stats}) == len(model.attn_processors)
+    processor.detach(model)  # after calls: each module's native as its calls showed it
+    assert {n: type(p) for n, p in model.attn_processors.items()} == originals
+
+    # detached before any call: the natives come from the registry by the model's class (SD3.5 Medium's attn2
+    # got CogVideoX's processor, and the model then failed for want of text)
+    fresh = SpargeProcessor(settings=KEEP_ALL)
+    model.set_attn_processor(fresh)
+    fresh.detach(model)
+    assert {n: type(p) for n, p in model.attn_processors.items()} == originals
+    assert torch.equal(run(model, inputs), native)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -357,6 +368,14 @@ def test_a_processor_set_on_each_attention_module_picks_the_modules_native_proce
 
     with pytest.raises(ValueError, match="does not know the native processor of UnknownAttention; pass native="):
         processor(UnknownAttention(), torch.randn(1, 4, 8))
+    from diffusers.models.attention_processor import Attention
+
+    # diffusers' Attention of none of the four models: the registry covers joint attention (SD3), and self-attention
+    # with QK norms (CogVideoX; SD3.5 Medium's attn2), not a plain or a cross-attention module
+    for other in (Attention(query_dim=16, heads=2, dim_head=8),
+                  Attention(query_dim=16, cross_attention_dim=16, heads=2, dim_head=8, qk_norm="layer_norm")):
+        with pytest.raises(ValueError, match="does not know the native processor of Attention"):
+            processor(other, torch.randn(1, 4, 16))
 
 
 def test_what_runs_unpermuted_or_dense_says_why():

@@ -1,7 +1,9 @@
 """Per-layer threshold tuning: the search against a brute-force evaluation with the reference, tune() on a tiny
 Flux transformer, settings files (round trip, mismatches) and the ``tune`` command on a locally saved pipeline."""
 
+import functools
 import json
+import re
 import types
 import warnings
 
@@ -315,7 +317,8 @@ def test_settings_file_mismatches(tmp_path):
                              layers={"transformer_blocks.0.attn": SpargeSettings(cdfthreshd=0.9)})
     path = tmp_path / "s.json"
     good.save(path)
-    with pytest.warns(UserWarning, match="cover 1 of 2 attention layers"):
+    uncovered = r"cover 1 of 2 attention layers .*; 1 \(e\.g\. \['single_transformer_blocks\.0\.attn'\]\)"
+    with pytest.warns(UserWarning, match=uncovered):
         processor = apply(model, layer_settings=path)
     assert processor.layer_settings["transformer_blocks.0.attn"].cdfthreshd == 0.9
     processor.detach(model)
@@ -335,7 +338,14 @@ def test_settings_file_mismatches(tmp_path):
                             layers={n: SpargeSettings() for n in ("transformer_blocks.0.attn",
                                                                   "single_transformer_blocks.0.attn")})
     old.save(path)
-    with pytest.warns(UserWarning, match="diffusers 0.30.0"):
+    with pytest.warns(UserWarning, match="diffusers 0.30.0") as caught:
+        apply(model, layer_settings=path).detach(model)
+    assert len(caught) == 1  # every layer is covered: no coverage warning
+    whole = LayerSettingsFile(model_class="FluxTransformer2DModel", diffusers_version=diffusers.__version__,
+                              layers=old.layers)
+    whole.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the file's diffusers version is the one running: nothing to warn about
         apply(model, layer_settings=path).detach(model)
 
     path.write_text("{not json")
@@ -525,6 +535,9 @@ def test_tune_rejects_bad_calibration():
         tune(model, [])
     with pytest.raises(ValueError, match="prompts need a pipeline"):
         tune(model, ["a cat"])
+    for one in ("a cat", b"a cat"):  # not a list of five prompts of one letter each
+        with pytest.raises(ValueError, match="non-empty list"):
+            tune(model, one)
     with pytest.raises(ValueError, match="l1 <= l2"):
         tune(model, [{}], l1=0.1, l2=0.05)
 
@@ -567,6 +580,51 @@ def test_generate_evaluate_and_tune_refuse_pipe_kwargs_they_set_themselves(tmp_p
         with pytest.raises(ValueError, match=f"pipe_kwargs sets {next(iter(kwargs))}"):
             tune(pipe, ["a cat"], pipe_kwargs=kwargs, progress=False)
     assert calls == []
+
+
+def test_generate_evaluate_and_tune_give_the_pipeline_its_progress_bar_back(tmp_path):
+    """Each shows one bar over all its calls and turns the pipeline's own bar off meanwhile. They left it off: a
+    later call of the pipeline by the user showed no progress. Its configuration now comes back, after an error
+    too."""
+    import diffusers
+    from sparge_diffusers import tune
+    from sparge_diffusers.eval import AttentionMode, evaluate
+    from sparge_diffusers.generation import generate
+    from tiny_pipes import TinyImagePipeline
+
+    seen = []
+
+    class Pipeline(TinyImagePipeline):
+        set_progress_bar_config = diffusers.DiffusionPipeline.set_progress_bar_config  # diffusers' own
+        fail = False
+
+        def __call__(self, prompt, generator, output_type="pt", **kwargs):  # tune passes no output_type here
+            seen.append(dict(self._progress_bar_config))
+            if self.fail:
+                raise RuntimeError("out of memory")
+            return super().__call__(prompt, generator, output_type, **kwargs)
+
+    pipe = Pipeline()
+    mine = {"leave": False, "desc": "mine"}
+    runs = [lambda: generate(pipe, ["a cat"], tmp_path / "g", progress=False),
+            lambda: evaluate(pipe, ["a cat"], [AttentionMode("dense", False)], tmp_path / "e", progress=False),
+            lambda: tune(pipe, ["a cat"], progress=False)]
+    for fail in (False, True):
+        pipe.fail = fail
+        for run in runs:
+            pipe.set_progress_bar_config(**mine)
+            seen.clear()
+            if fail:
+                with pytest.raises(RuntimeError, match="out of memory"):
+                    run()
+            else:
+                run()
+            assert seen and all(config == {"disable": True} for config in seen)
+            assert pipe._progress_bar_config == mine
+    pipe.fail = False
+    del pipe._progress_bar_config  # never configured: diffusers reads that as {}
+    runs[0]()
+    assert pipe._progress_bar_config == {}
 
 
 def test_tune_skips_the_vae_decode(tmp_path):
@@ -632,21 +690,35 @@ def test_generate_and_evaluate_take_one_prompt_as_a_str_and_refuse_other_prompts
             evaluate(pipe, prompts, [AttentionMode("dense", False)], tmp_path / "e", progress=False)
 
 
-def test_tune_calls_other_pipelines_as_given(tmp_path):
-    """Only diffusers pipelines are asked for latents: a wrapper's call keeps the arguments it was given."""
+def test_tune_calls_other_pipelines_as_given(tmp_path, capsys, monkeypatch):
+    """Only diffusers pipelines are asked for latents: a wrapper's call keeps the arguments it was given, even
+    where it takes an ``output_type``. Prompt i runs with seed + i; a progress bar shows by default."""
     from sparge_diffusers import tune
     from tiny_pipes import TinyImagePipeline
 
     inner = TinyImagePipeline()
+    calls = []
 
     class Wrapper:  # a pipeline-like callable without output_type
         transformer = inner.transformer
 
-        def __call__(self, prompt, generator):
-            return inner(prompt, generator, "pt")
+        def __call__(self, prompt, generator, output_type="pt"):
+            calls.append((prompt, generator.initial_seed(), output_type))
+            return inner(prompt, generator, output_type)
 
-    tuned = tune(Wrapper(), ["a cat"], progress=False)
-    assert tuned.layers and tuned.calibration["pipe_kwargs"] == {}
+    import tqdm
+    from sparge_diffusers.tuning import pipeline
+
+    monkeypatch.setattr(pipeline, "tqdm", functools.partial(tqdm.tqdm, mininterval=0))  # print every update
+    tuned = tune(Wrapper(), ["a cat", "a dog", "a cow"], seed=5)
+    assert tuned.layers and tuned.calibration["pipe_kwargs"] == {} and tuned.calibration["runs"] == 3
+    # prompt i uses seed + i, in both phases
+    assert calls == [("a cat", 5, "pt"), ("a dog", 6, "pt"), ("a cow", 7, "pt")] * 2
+    bars = capsys.readouterr().err.replace("\n", "\r").split("\r")  # each pass names what it searches
+    first = [bar for bar in bars if re.match(r"tune: .* [12]/6 \[", bar)]
+    second = [bar for bar in bars if re.match(r"tune: .* [4-6]/6 \[", bar)]
+    assert first and all(bar.endswith("run/s, simthreshd1, cdfthreshd]") for bar in first)
+    assert second and all(bar.endswith("run/s, pvthreshd]") for bar in second) and "100%" in second[-1]
 
 
 def test_attention_modes_are_consistent():

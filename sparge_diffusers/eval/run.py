@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .._json import write_json
 from ..generation import device_name, run_pipeline, to_uint8
-from ..pipelines.call_arguments import check_pipe_kwargs, prompt_list
+from ..pipelines.call_arguments import check_pipe_kwargs, pipeline_progress_off, prompt_list
 from ._images import check_unit_images
 from .clip import ClipModel, clip_score, clip_temp, clipsim
 from .distribution import fid
@@ -144,27 +144,29 @@ def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionM
     out_dir.mkdir(parents=True, exist_ok=True)
     pipe_kwargs = dict(pipe_kwargs or {})
     steps = pipe_kwargs.get("num_inference_steps")
-    if hasattr(pipe, "set_progress_bar_config"):
-        pipe.set_progress_bar_config(disable=True)
     outputs: dict[str, list[torch.Tensor]] = {}
     seconds: dict[str, list[float]] = {}
     sparsity: dict[str, dict[str, float]] = {}
-    with tqdm(total=len(modes) * len(prompts), desc="eval", unit="sample", disable=not progress) as bar:
-        for mode in modes:
-            installed = install(pipe, processors[mode.name]) if mode.sparse else None
-            try:
-                outputs[mode.name], seconds[mode.name] = [], []
-                for i, prompt in enumerate(prompts):
-                    bar.set_postfix_str(mode.name)
-                    frames, s = run_pipeline(pipe, prompt, seed + i, pipe_kwargs)
-                    outputs[mode.name].append(frames)
-                    seconds[mode.name].append(s)
-                    bar.update()
-                if installed is not None:
-                    sparsity[mode.name] = installed.sparsity_by_layer()
-            finally:
-                if installed is not None:
-                    installed.detach(getattr(pipe, "transformer", pipe))
+    restore_progress = pipeline_progress_off(pipe)  # one bar over all samples instead of one per call
+    try:
+        with tqdm(total=len(modes) * len(prompts), desc="eval", unit="sample", disable=not progress) as bar:
+            for mode in modes:
+                installed = install(pipe, processors[mode.name]) if mode.sparse else None
+                try:
+                    outputs[mode.name], seconds[mode.name] = [], []
+                    for i, prompt in enumerate(prompts):
+                        bar.set_postfix_str(mode.name)
+                        frames, s = run_pipeline(pipe, prompt, seed + i, pipe_kwargs)
+                        outputs[mode.name].append(frames)
+                        seconds[mode.name].append(s)
+                        bar.update()
+                    if installed is not None:
+                        sparsity[mode.name] = installed.sparsity_by_layer()
+                finally:
+                    if installed is not None:
+                        installed.detach(getattr(pipe, "transformer", pipe))
+    finally:
+        restore_progress()
 
     is_video = outputs[modes[0].name][0].shape[0] > 1
     samples = []

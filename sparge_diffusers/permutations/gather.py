@@ -14,6 +14,10 @@ import triton.language as tl
 
 from .._launch import cdiv, launch, next_power_of_2
 
+# Devices whose tensors take the Triton copy. The tests add "cpu" under TRITON_INTERPRET to run the dispatch below
+# (layouts, index strides, the fallbacks) without a GPU.
+_COPY_DEVICES: tuple[str, ...] = ("cuda",)
+
 
 @triton.jit
 def _gather_rows_kernel(X, INDEX, OUT, N, H,
@@ -39,8 +43,8 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, seq_dim: int) -> torch.Ten
     On CUDA the result has x's strides where x is dense (diffusers' (B, H, N, D) views of (B, N, H*D) projections
     stay so, and the caller's transpose back is free, as with SDPA's output), else it is contiguous. Where autograd
     records through x, torch's gather runs instead (the Triton copy has no backward pass)."""
-    if x.device.type != "cuda" or x.stride(-1) != 1 or torch.compiler.is_compiling() or _records_grad(x):
-        return x.index_select(seq_dim, index)  # (compiled: inductor generates its own gather)
+    if not _copy_applies(x, index):
+        return x.index_select(seq_dim, index)
     xh = x if seq_dim == 2 else x.transpose(1, 2)
     out = torch.empty_like(x)  # preserve_format: x's strides when x is dense and non-overlapping
     _launch_gather(xh, index, out if seq_dim == 2 else out.transpose(1, 2), (0, 0))
@@ -52,16 +56,18 @@ def gather_rows_per_head(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     positions in [0, N) (not checked: the caller builds it), i.e. ``torch.gather`` along N with the index
     expanded over D. On CUDA (last dims dense, not compiling, no autograd through x) one Triton launch; elsewhere
     ``torch.gather``."""
-    if x.device.type != "cuda" or x.stride(-1) != 1 or index.stride(-1) != 1 or torch.compiler.is_compiling() \
-            or _records_grad(x):
+    if not _copy_applies(x, index):
         return torch.gather(x, 2, index.expand(x.shape[0], *index.shape[1:]).unsqueeze(-1).expand(x.shape))
     out = torch.empty_like(x)
     _launch_gather(x, index, out, (index.stride(0) if index.shape[0] > 1 else 0, index.stride(1)))
     return out
 
 
-def _records_grad(x: torch.Tensor) -> bool:
-    return x.requires_grad and torch.is_grad_enabled()
+def _copy_applies(x: torch.Tensor, index: torch.Tensor) -> bool:
+    """Whether the Triton copy may run: the kernel reads x's rows and the index as dense runs, and has no backward
+    pass (compiled, inductor generates its own gather)."""
+    return (x.device.type in _COPY_DEVICES and x.stride(-1) == 1 and index.stride(-1) == 1
+            and not torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()))
 
 
 def _launch_gather(xh: torch.Tensor, index: torch.Tensor, oh: torch.Tensor, index_strides: tuple[int, int]) -> None:

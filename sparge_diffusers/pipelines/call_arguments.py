@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 # Pipeline call arguments that generation.run_pipeline sets itself: from pipe_kwargs they would clash ("got multiple
 # values") or change what it reads back (return_dict=False returns a tuple), after the model has loaded.
@@ -34,3 +34,14 @@ def prompt_list(prompts: str | Sequence[str], caller: str) -> list[str]:
     if wrong:
         raise ValueError(f"{caller}: prompts must be strings; item {wrong[0]} is a {type(prompts[wrong[0]]).__name__}")
     return prompts
+
+
+def pipeline_progress_off(pipe: Any) -> Callable[[], None]:
+    """Turn off a diffusers pipeline's own progress bar, one per call (generate, evaluate and tune show one bar over
+    all their calls instead). Returns the function that gives the pipeline back the configuration it had."""
+    if not hasattr(pipe, "set_progress_bar_config"):
+        return lambda: None
+    # diffusers keeps set_progress_bar_config's arguments there; none set is the same as {}
+    saved = dict(getattr(pipe, "_progress_bar_config", None) or {})
+    pipe.set_progress_bar_config(disable=True)
+    return lambda: pipe.set_progress_bar_config(**saved)

@@ -112,10 +112,11 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _native_processor(attn: torch.nn.Module, called_without_text: bool = False):
+def _native_processor(attn: torch.nn.Module, called_without_text: bool = False, model_class: str | None = None):
     """The processor diffusers 0.42 gives this attention module by default (a small registry, by class, and for
     ``Attention`` by how the model calls it, where known: CogVideoX passes its text to a module without text
-    projections, SD3.5's image-only attention passes none)."""
+    projections, SD3.5's image-only attention passes none). ``detach`` has no call to go by and gives the
+    transformer's class instead."""
     from diffusers.models import attention_processor as ap
 
     name = type(attn).__name__
@@ -131,7 +132,7 @@ def _native_processor(attn: torch.nn.Module, called_without_text: bool = False):
         if getattr(attn, "is_cross_attention", False) is False and getattr(attn, "norm_q", None) is not None:
             # SD3.5 Medium's dual-attention layers add an image-only self-attention (attn2) with QK norms, called
             # without text, and JointAttnProcessor2_0 in diffusers; CogVideoX's attention gets its text
-            if called_without_text:
+            if called_without_text or model_class == "SD3Transformer2DModel":
                 return ap.JointAttnProcessor2_0()
             return ap.CogVideoXAttnProcessor2_0()
     raise ValueError(f"SpargeProcessor does not know the native processor of {name}; pass native=..., or use "
@@ -560,10 +561,12 @@ class SpargeProcessor:
 
     def detach(self, transformer: torch.nn.Module) -> None:
         """Undo :func:`apply`: give every attention module back the processor it had, remove the step hook."""
+        model_class = type(transformer).__name__
         for _, module in _attention_modules(transformer):
             if module.processor is self:
                 module._modules.pop(_KEPT_NATIVE, None)  # an IP-Adapter processor goes back to its own place
-                _set_processor(module, self._natives.get(id(module)) or _native_processor(module))
+                # a module never called since set_attn_processor: its native is known by class only
+                _set_processor(module, self._natives.get(id(module)) or _native_processor(module, False, model_class))
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from ..pipelines.call_arguments import check_pipe_kwargs
+from ..pipelines.call_arguments import check_pipe_kwargs, pipeline_progress_off
 from ..pipelines.processor import SpargeProcessor, SpargeSettings, install
 from ..pipelines.settings_file import LayerSettingsFile
 from .search import Aggregate, ThresholdGrid, ThresholdSearch
@@ -138,9 +138,8 @@ def tune(
     make_search = lambda: ThresholdSearch(l1=l1, l2=l2, grid=grid, per_head=per_head, aggregate=aggregate)  # noqa: E731
     make_search()  # checks the budget and aggregate before any model call
     processor = _CalibrationProcessor(settings=SpargeSettings(permutation=permutation), make_search=make_search)
-    if hasattr(pipe_or_transformer, "set_progress_bar_config"):
-        pipe_or_transformer.set_progress_bar_config(disable=True)
     install(transformer, processor)
+    restore_progress = pipeline_progress_off(pipe_or_transformer)  # one bar over all runs instead of one per call
     try:
         with torch.no_grad(), tqdm(total=2 * len(runs), desc="tune", unit="run", disable=not progress) as bar:
             for phase in (1, 2):
@@ -156,6 +155,7 @@ def tune(
                     for search in processor.searches.values():
                         search.finish_stage1()
     finally:
+        restore_progress()
         processor.detach(transformer)
     return _settings_file(transformer, processor.searches, l1, l2, per_head, aggregate, permutation, grid,
                           len(runs), pipe_kwargs)
