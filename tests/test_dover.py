@@ -36,6 +36,11 @@ def test_frame_indices_follow_dovers_sampler():
     assert torch.equal(a, b)
     for c in range(3):
         assert (a[c].diff() == 2).all() and 333 * c <= a[c, 0] and a[c, -1] < 333 * (c + 1)
+    # spans exactly as long as a chunk's reach (64 frames): no room for an offset, as in DOVER (span > reach)
+    assert torch.equal(chunk_frame_indices(192, 32, 3, 2, g), torch.arange(0, 192, 2))
+    assert torch.equal(chunk_frame_indices(1, 32, 3, 2, g), torch.zeros(96, dtype=torch.long))  # one frame
+    with pytest.raises(ValueError, match="at least one frame"):
+        chunk_frame_indices(0, 32, 3, 2, g)
 
 
 def test_technical_view_splices_one_fragment_per_grid_cell():
@@ -60,6 +65,25 @@ def test_technical_view_splices_one_fragment_per_grid_cell():
     small = torch.rand(3, 32, 112, 112) * 255
     assert torch.allclose(technical_view(small, torch.Generator()), F.interpolate(small, scale_factor=2.0,
                                                                                    mode="bilinear"))
+    # short on one side only (160 x 320): upscaled by 224 / 160, to 224 x 448, then cut as a frame of that size
+    wide = torch.rand(3, 32, 160, 320) * 255
+    upscaled = F.interpolate(wide, scale_factor=1.4, mode="bilinear")
+    assert upscaled.shape[-2:] == (224, 448)
+    assert torch.equal(technical_view(wide, torch.Generator().manual_seed(3)),
+                       technical_view(upscaled, torch.Generator().manual_seed(3)))
+
+
+def test_aesthetic_view_resizes_each_frame_with_antialiasing():
+    """Frames go to 224 x 224 whatever their aspect, antialiased as torchvision's Resize of a tensor (antialias=True
+    since torchvision 0.17): stripes one pixel bright in four, 896 px wide, average to a quarter, where a plain
+    bilinear resize would read only the dark pixels between them."""
+    from sparge_diffusers.eval.dover import aesthetic_view
+
+    stripes = (torch.arange(896) % 4 == 0).float().mul(255).expand(3, 2, 224, 896)
+    out = aesthetic_view(stripes)
+    assert out.shape == (3, 2, 224, 224)
+    inner = out[..., 1:-1]  # the edge columns' filters are cut by the frame's border
+    torch.testing.assert_close(inner, torch.full_like(inner, 255 / 4))
 
 
 def test_dover_views_shapes_and_normalisation():
