@@ -1315,6 +1315,12 @@ def test_a_non_causal_call_or_dropout_falls_back_to_sdpa():
     assert attention.sparse_calls == 0 and torch.equal(out, expected)
     with pytest.raises(ValueError, match="a non-causal attention module; strict=True forbids"):
         SpargeLLMAttention(strict=True)(encoder, q, k, v, None, scaling=0.125)
+    plain = torch.nn.Module()  # no is_causal: transformers' SDPA function takes it for causal, and so do we
+    plain.num_key_value_groups = 2
+    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None, strict=True, collect_stats=True)
+    out, _ = attention(plain, q, k, v, None, scaling=0.125)
+    expected, _ = sdpa_attention_forward(plain, q, k, v, None, scaling=0.125)
+    assert attention.sparse_calls == 1 and relative_l1(out, expected) < 1e-5
 
 
 def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():

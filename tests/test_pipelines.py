@@ -233,13 +233,21 @@ def test_key_padding_mask_shapes_against_sdpa_under_the_mask():
         assert processor.recorded_calls == calls
     empty = rows.clone()
     empty[1] = False
-    with pytest.warns(UserWarning, match="hides every key of a batch row"):
+    with pytest.warns(UserWarning, match="SpargeProcessor: falling back to native attention: a key-padding mask that "
+                                         "hides every key of a batch row"):
         out = processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=empty)
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=empty), equal_nan=True)
     additive = torch.zeros(2, 1, 1, 201).masked_fill(~rows, float("-inf"))
     with pytest.warns(UserWarning, match="an attention mask"):
         processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=additive)
     assert processor.recorded_calls == 2
+    # a layer with a token permutation, whose order covers all of the layer's tokens: SDPA under the mask, warned
+    permuting = SpargeProcessor(settings=dataclasses.replace(KEEP_ALL, permutation="rowmajor"))
+    permuting.grid = ((1, 13, 15), "after")  # 195 visual tokens, then 6 of text
+    with pytest.warns(UserWarning, match="falling back to native attention: a key-padding mask with a token perm"):
+        out = permuting._attention("layer", permuting.settings, F.scaled_dot_product_attention, k, k, v,
+                                   attn_mask=rows)
+    assert torch.equal(out, F.scaled_dot_product_attention(k, k, v, attn_mask=rows))
     three_rows = torch.ones(3, 1, 1, 201, dtype=torch.bool)  # for a batch of 2: SDPA raises, and so must the seam
     with pytest.raises(RuntimeError, match="must match the size"):  # not read as a key-padding mask (two rows of it)
         processor._attention("layer", KEEP_ALL, F.scaled_dot_product_attention, q, k, v, attn_mask=three_rows)
@@ -387,12 +395,16 @@ def test_what_runs_unpermuted_or_dense_says_why():
     native = run(model, inputs)
     processor = SpargeProcessor(settings=dataclasses.replace(KEEP_ALL, permutation="hilbert"), collect_stats=True)
     model.set_attn_processor(processor)
-    with pytest.warns(UserWarning, match=r"no token grid for permutation \(use apply\(\) or bind\(\)"):
+    with pytest.warns(UserWarning, match=r"SpargeProcessor: falling back to no token permutation: no token grid for "
+                                         r"permutation \(use apply\(\) or bind\(\)"):
         out = run(model, inputs)
     assert relative_l1(out, native) < 1e-5 and processor.stats
     q = torch.randn(1, 2, 64, 64)
     assert processor.fallback_reason(q, q, q, None, 0.1) == "dropout"
     assert processor.fallback_reason(q, q, q, None, 0.0) is None
+    assert processor.fallback_reason(q, q[:, :, :32], q[:, :, :32]) is None  # not causal unless asked
+    assert "is_causal=True with 64 queries and 32 keys" in processor.fallback_reason(q, q[:, :, :32], q[:, :, :32],
+                                                                                     is_causal=True)
     with pytest.raises(ValueError, match="Linear has no attention modules with a processor"):
         apply(torch.nn.Linear(4, 4))
 
