@@ -1383,6 +1383,12 @@ def test_packed_sequences_given_only_by_cu_seq_lens_run_each_alone(monkeypatch):
     assert reads == [1] and relative_l1(moved, out) > 1e-3
     monkeypatch.setattr(llm, "packed_segments", read)
     packed[1] = 60
+    # a window shorter than the longer sequence (70) but not the shorter (60): it hides keys in the longer one only
+    windowed, _ = attention(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=packed, cu_seq_lens_k=packed,
+                            sliding_window=65)
+    parts = [attention(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None, scaling=0.125, sliding_window=65)[0]
+             for s, e in ((0, 60), (60, 130))]
+    assert relative_l1(windowed, torch.cat(parts, 1)) < 1e-6 and relative_l1(windowed, out) > 1e-4
     for bad, message in ((dict(cu_seq_lens_q=packed, cu_seq_lens_k=torch.tensor([0, 70, 130])), "the same for both"),
                          (dict(cu_seq_lens_q=torch.tensor([0, 60, 120])), "from 0 to its 130"),
                          (dict(cu_seq_lens_q=torch.tensor([0, 60, 60, 130])), "increasing offsets")):

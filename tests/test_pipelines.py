@@ -307,6 +307,9 @@ def test_statistics_are_off_by_default_and_reading_none_warns(monkeypatch):
     assert processor.recorded_calls == len(model.attn_processors) and any(asked)
     processor.reset_stats()
     assert processor.recorded_calls == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # collection is on, nothing ran since: no records, and nothing to warn of
+        assert processor.stats == [] and processor.sparsity_by_layer() == {}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -724,6 +727,7 @@ def test_a_training_step_falls_back_to_sdpa_with_its_gradients():
 
 
 @pytest.mark.parametrize("name,grid", [("flux", ((1, 16, 16), "before")), ("sd3", ((1, 16, 16), "after")),
+                                       ("sd35_medium", ((1, 16, 16), "after")),  # attn2: image tokens, no text
                                        ("cogvideox", ((3, 8, 8), "before")), ("mochi", ((3, 8, 8), "after"))])
 def test_token_grid_is_inferred_and_permutation_keeps_native_results(name, grid):
     torch.manual_seed(4)
