@@ -385,6 +385,11 @@ def test_evaluate_image_pipeline(tmp_path, tiny_clip):
         progress=False)
     s = report["summary"]
     assert report["kind"] == "image" and set(s) == {"dense", "keep-all", "aggressive"}
+    samples = report["samples"]
+    assert [r["seed"] for r in samples if r["mode"] == "aggressive"] == [0, 1, 2]  # prompt i with seed + i
+    assert all(r["seconds_per_step"] == r["seconds"] / 2 for r in samples)
+    layers = report["sparsity_by_layer"]["aggressive"]
+    assert s["aggressive"]["sparsity"] == pytest.approx(sum(layers.values()) / len(layers))
     assert s["dense"]["psnr"] == math.inf and s["dense"]["lpips"] == 0 and abs(s["dense"]["fid_vs_dense"]) < 1e-3
     assert s["keep-all"]["sparsity"] == 0 and s["aggressive"]["sparsity"] > 0.2
     assert all(v["fid_vs_real"] > 0 for v in s.values())

@@ -4,9 +4,11 @@ pipeline saved locally and loaded through DiffusionPipeline.from_pretrained; a s
 import importlib.util
 import json
 import math
+import time
 
 import numpy as np
 import pytest
+from PIL import Image
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -48,8 +50,10 @@ def gif_frames(path):
 
 def test_generate_command_saves_videos_and_reports_sparsity(video_model, tmp_path, capsys):
     out = tmp_path / "out"
+    start = time.perf_counter()
     assert main(["generate", "--model", video_model, "--prompt", "a cat walks on the moon", "--prompt", "a red car",
                  "--out", str(out), "--seed", "5", "--fps", "4"] + VIDEO_ARGS) == 0
+    elapsed = time.perf_counter() - start
     printed = capsys.readouterr().out
     assert "CogVideoXTransformer3DModel on cpu, attention sparge" in printed and "prompt_1.gif" in printed
     report = json.loads((out / "generate.json").read_text())
@@ -58,9 +62,12 @@ def test_generate_command_saves_videos_and_reports_sparsity(video_model, tmp_pat
     for i, r in enumerate(report["outputs"]):
         assert r["frames"] == 9 and (r["height"], r["width"]) == (64, 64)
         assert set(r["sparsity_by_layer"]) == LAYERS and 0 <= r["sparsity"] <= 1
-        assert r["seconds"] > 0 and r["seconds_per_step"] == pytest.approx(r["seconds"] / 2)
+        assert r["sparsity"] == pytest.approx(sum(r["sparsity_by_layer"].values()) / len(LAYERS))  # the layers' mean
+        assert 0 < r["seconds"] < elapsed and r["seconds_per_step"] == pytest.approx(r["seconds"] / 2)
         frames = gif_frames(out / f"prompt_{i}.gif")
         assert frames.shape == (9, 64, 64, 3)
+        with Image.open(out / f"prompt_{i}.gif") as gif:
+            assert gif.info["duration"] == 250  # ms per frame at --fps 4
     if not (importlib.util.find_spec("imageio") and importlib.util.find_spec("imageio_ffmpeg")):
         assert any("imageio-ffmpeg" in n for n in report["notes"]) and "MP4 not written" in printed
     else:
