@@ -5,7 +5,9 @@ import csv
 import math
 import sys
 import types
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -380,9 +382,12 @@ def test_evaluate_image_pipeline(tmp_path, tiny_clip):
     with pytest.raises(ValueError, match="real_images: expected float"):  # before generating anything
         evaluate(pipe, ["a cat"], modes, tmp_path / "bad", real_images=(real * 255).byte(), progress=False)
     assert not (tmp_path / "bad").exists()
-    report = evaluate(pipe, ["a cat", "a red car", "the moon"], modes, tmp_path / "out", pipe_kwargs={
-        "num_inference_steps": 2}, clip=tiny_clip, lpips=LPIPS(), fid_feature=SmallFeatures(), real_images=real,
-        progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = evaluate(pipe, ["a cat", "a red car", "the moon"], modes, tmp_path / "out", pipe_kwargs={
+            "num_inference_steps": 2}, clip=tiny_clip, lpips=LPIPS(), fid_feature=SmallFeatures(), real_images=real,
+            progress=False)
+    assert not [w for w in caught if "skipped" in str(w.message)]  # every metric asked for applies to images
     s = report["summary"]
     assert report["kind"] == "image" and set(s) == {"dense", "keep-all", "aggressive"}
     samples = report["samples"]
@@ -493,9 +498,13 @@ def test_evaluate_refuses_metrics_it_could_not_compute_and_warns_of_skipped_ones
         with pytest.raises(ValueError, match=message):
             evaluate(pipe, out_dir=tmp_path / "e", progress=False, **kwargs)
     assert calls == []  # refused before generating
-    with pytest.warns(UserWarning, match="DOVER"):
-        report = evaluate(pipe, ["a cat"], [dense], tmp_path / "e", dover=object(), progress=False)
-    assert report["kind"] == "image"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = evaluate(pipe, ["a cat", "a dog"], [dense], tmp_path / "e", dover=object(), progress=False,
+                          fid_feature=SmallFeatures())
+    assert [str(w.message) for w in caught if "skipped" in str(w.message)] == [
+        "evaluate: DOVER (a video metric) skipped for these images"]  # FID is not: two prompts are enough
+    assert report["kind"] == "image" and abs(report["summary"]["dense"]["fid_vs_dense"]) < 1e-3
 
     class VideoPipeline:  # three random frames per call
         transformer = torch.nn.Linear(1, 1)
@@ -503,7 +512,57 @@ def test_evaluate_refuses_metrics_it_could_not_compute_and_warns_of_skipped_ones
         def __call__(self, prompt, generator, output_type):
             return type("Output", (), {"frames": torch.rand(1, 3, 3, 16, 16, generator=generator)})()
 
-    with pytest.warns(UserWarning, match="FID"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         report = evaluate(VideoPipeline(), ["a cat", "a dog"], [dense], tmp_path / "v", fid_feature=torch.nn.Identity(),
                           progress=False)
+    assert [str(w.message) for w in caught if "skipped" in str(w.message)] == [
+        "evaluate: FID (an image metric) skipped for these videos"]
     assert report["kind"] == "video" and "fid_vs_dense" not in report["summary"]["dense"]
+
+
+def test_evaluate_video_grid_shows_eight_evenly_spaced_frames_and_the_bar_counts_samples(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A video of 11 frames: the grid shows frames round(j * 10 / 7), j = 0..7, of each mode side by side in rows;
+    prompt i runs with seed + i; the progress bar counts modes x prompts, and progress=False shows none. The plot
+    draws dense as a vertical line at its time per step and a mode identical to it at 100 dB; without the dense
+    mode it has no quality metric to draw."""
+    import matplotlib.figure
+    from PIL import Image
+
+    from sparge_diffusers.eval import AttentionMode, evaluate
+
+    class RampVideoPipeline:  # frame f of every call is flat grey at f / 10
+        transformer = torch.nn.Linear(1, 1)
+        seeds: list = []
+
+        def __call__(self, prompt, generator, output_type, num_inference_steps=1):
+            self.seeds.append(generator.initial_seed())
+            ramp = torch.linspace(0, 1, 11)[:, None, None, None].expand(11, 3, 8, 8)
+            return type("Output", (), {"frames": ramp[None].clone()})()
+
+    pipe = RampVideoPipeline()
+    modes = [AttentionMode("dense", False), AttentionMode("again", False)]
+    figures = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig),
+                                                                                      savefig(fig, *a, **k)))
+    report = evaluate(pipe, ["a cat", "a dog"], modes, tmp_path / "v", seed=7, pipe_kwargs={"num_inference_steps": 2})
+    final = capsys.readouterr().err.strip().split("\r")[-1]
+    assert "eval: 100%" in final and "4/4" in final
+    assert pipe.seeds == [7, 8, 7, 8] and report["kind"] == "video"
+    with Image.open(tmp_path / "v" / "grid_1.png") as image:
+        grid = np.asarray(image)
+    assert grid.shape == (2 * 8, 8 * 8, 3)  # two modes' rows of eight 8 x 8 frames
+    picks = [0, 1, 3, 4, 6, 7, 9, 10]
+    assert grid[::8, ::8, 0].tolist() == [[round(f / 10 * 255) for f in picks]] * 2
+    ax, = figures[0].axes
+    assert ax.get_xlabel() == "seconds per denoising step" and ax.get_ylabel().startswith("PSNR vs dense")
+    assert [t.get_text() for t in ax.texts] == ["dense", "again, identical to dense"]
+    dense_line, = ax.lines
+    assert list(dense_line.get_xdata()) == [report["summary"]["dense"]["seconds_per_step"]] * 2
+    assert ax.collections[0].get_offsets().tolist() == [[report["summary"]["again"]["seconds_per_step"], 100.0]]
+    evaluate(pipe, ["a cat"], modes[1:], tmp_path / "quiet", progress=False)  # no dense mode: no PSNR
+    assert "eval" not in capsys.readouterr().err
+    assert figures[1].axes[0].get_ylabel() == "(no quality metric)"
+    assert figures[1].axes[0].get_xlabel() == "seconds per sample"

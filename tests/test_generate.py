@@ -106,6 +106,40 @@ def test_several_images_per_prompt_are_all_saved(tmp_path):
     assert not (tmp_path / "prompt_0.png").exists()
 
 
+def test_generate_counts_the_pipelines_default_steps_and_runs_one_without_them(tmp_path, capsys):
+    """Without num_inference_steps in pipe_kwargs the pipeline's own default counts the steps (the progress bar's
+    total, seconds per step); a pipeline whose call takes no num_inference_steps is counted per output. The output
+    folder is made with its parents."""
+
+    class ThreeStepPipeline(TinyImagePipeline):  # with diffusers' step callback, called after each step
+        seeds: list = []
+
+        def __call__(self, prompt, generator, output_type, num_inference_steps=3, callback_on_step_end=None):
+            self.seeds.append(generator.initial_seed())
+            out = super().__call__(prompt, generator, output_type, num_inference_steps)
+            for step in range(num_inference_steps):
+                callback_on_step_end(self, step, 0, {})
+            return out
+
+    class StepFreePipeline(TinyImagePipeline):
+        def __call__(self, prompt, generator, output_type):
+            return super().__call__(prompt, generator, output_type, 2)
+
+    pipe = ThreeStepPipeline()
+    report = generate(pipe, ["a cat", "a dog"], tmp_path / "new" / "three", sparse=False, seed=5)  # folder made
+    final = capsys.readouterr().err.strip().split("\r")[-1]  # the bar's last state
+    assert "6/6" in final and "step" in final
+    assert pipe.seeds == [5, 6]  # prompt i with seed + i
+    assert report["notes"] == []  # images: no MP4 to miss
+    assert [row["seconds_per_step"] for row in report["outputs"]] == [
+        pytest.approx(row["seconds"] / 3) for row in report["outputs"]]
+    report = generate(StepFreePipeline(), ["a cat", "a dog"], tmp_path / "free", sparse=False)
+    final = capsys.readouterr().err.strip().split("\r")[-1]
+    assert "2/2" in final and "output" in final
+    assert not any("seconds_per_step" in row for row in report["outputs"])
+    assert all((tmp_path / "free" / f"prompt_{i}.png").is_file() for i in range(2))
+
+
 def test_dense_steps_reach_the_processor(video_model, tmp_path):
     """With every step dense no sparse call is recorded; with one of two, the sparse step is."""
     prompts = tmp_path / "prompts.txt"

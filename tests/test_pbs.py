@@ -118,6 +118,22 @@ def test_importance_of_a_chunk_ranks_by_its_last_queries_at_their_positions():
         last_block_key_importance(q[:, :, 150:], k, causal_variant="bottom")
 
 
+def test_importance_arguments_that_gave_nan_or_a_reversed_ranking_raise():
+    """queries=0 averaged over no rows (NaN importance for every key), a NaN scale gave NaN, and a scale <= 0 ranked
+    the keys by reversed scores (the Triton passes also take the raw scores' max for the scaled one, which only a
+    positive scale keeps). A single query ranks by its own softmax."""
+    q, k, _ = make_qkv(1, 2, 2, 100, 32, torch.float32, seed=5)
+    for queries in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match=f"queries must be a positive int, got {queries!r}"):
+            last_block_key_importance(q, k, queries=queries)
+    for scale in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            last_block_key_importance(q, k, scale=scale)
+    got = last_block_key_importance(q, k, queries=1, scale=0.5)
+    expected = (0.5 * q[:, :, -1:] @ k.transpose(-1, -2)).softmax(-1)[:, :, 0]  # the last row sees every key
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("B,H,HK,NQ,N,D,dtype,variant", [
     (1, 4, 2, 300, 300, 64, torch.float16, None), (2, 2, 1, 1500, 1500, 32, torch.bfloat16, None),
     (1, 3, 3, 70, 70, 128, torch.float16, None),
@@ -137,6 +153,20 @@ def test_importance_kernels_match_the_pytorch_path(B, H, HK, NQ, N, D, dtype, va
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-3)
     torch.testing.assert_close(got.sum(-1), torch.ones(B, HK), atol=1e-4, rtol=0)
+
+
+def test_importance_kernels_take_power_of_two_head_dims_from_16_with_unit_stride():
+    """D = 16 runs the Triton passes; 8, 24 and a strided last dim are refused there (backend="auto" takes the
+    PyTorch path for them, on the CPU always)."""
+    q, k, _ = make_qkv(1, 2, 1, 70, 16, torch.float16, seed=3)
+    torch.testing.assert_close(last_block_key_importance(q, k, backend="triton"),
+                               last_block_key_importance(q, k, backend="torch"), atol=2e-6, rtol=2e-3)
+    wide = make_qkv(1, 2, 1, 70, 32, torch.float16, seed=4)
+    for q, k in [make_qkv(1, 2, 1, 70, D, torch.float16, seed=D)[:2] for D in (8, 24)] + [
+            (wide[0][..., ::2], wide[1][..., ::2]), (wide[0][..., :16], wide[1][..., ::2])]:
+        with pytest.raises(ValueError, match="power-of-two head dim >= 16 with unit stride"):
+            last_block_key_importance(q, k, backend="triton")
+        torch.testing.assert_close(last_block_key_importance(q, k), last_block_key_importance(q, k, backend="torch"))
 
 
 def test_permuted_keys_are_checked():

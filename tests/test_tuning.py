@@ -471,6 +471,7 @@ def test_tune_generate_and_evaluate_refuse_a_model_that_already_runs_a_processor
     (dict(dense_steps=-1), "dense_steps must be an int >= 0, got -1"),  # ran no warm-up without a word
     (dict(dense_steps="2"), "dense_steps must be an int >= 0, got '2'"),  # failed at the first step
     (dict(dense_steps=1.5), "dense_steps must be an int"),
+    (dict(dense_steps=True), "dense_steps must be an int >= 0, got True"),  # a bool is an int to Python
     (dict(layer_settings={"transformer_blocks.0.attn": {"cdfthreshd": 0.9}}), "must be SpargeSettings"),
 ])
 def test_processor_options_are_checked_when_made(options, message):

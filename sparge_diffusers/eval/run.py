@@ -263,8 +263,11 @@ def _plot(path: Path, report: dict) -> None:
 
     summary = report["summary"]
     x_key = "seconds_per_step" if any(s.get("seconds_per_step") for s in summary.values()) else "seconds"
+    # the first metric some mode can be drawn by; PSNR also where every mode is identical to dense (drawn at 100),
+    # dense's own excepted (its line marks the reference)
     y_key = next((k for k in ("psnr", "clip_score", "clipsim")
-                  if any(s.get(k) is not None and math.isfinite(s[k]) for s in summary.values())), None)
+                  if any(s.get(k) is not None and not math.isnan(s[k]) for name, s in summary.items()
+                         if not (k == "psnr" and name == "dense"))), None)
     fig, ax = plt.subplots(figsize=(5, 4))
     for name, s in summary.items():
         if name == "dense" and y_key == "psnr":  # the reference itself: a vertical line at its time

@@ -222,7 +222,8 @@ def last_block_key_importance(q: torch.Tensor, k: torch.Tensor, *, scale: float 
 
     Args:
         q: (B, H, Nq, D) queries; k: (B, H_kv, Nkv, D) keys (H_kv divides H, Nq <= Nkv).
-        scale: softmax scale, default 1/sqrt(D).
+        scale: softmax scale, positive and finite; default 1/sqrt(D).
+        queries: how many of the last queries rank the keys, a positive int (all of them where there are fewer).
         backend: "auto" (Triton on CUDA where the head dim is a power of two >= 16 and the last dims are dense,
             PyTorch float32 elsewhere), "triton" or "torch".
         causal_variant: where the queries sit when Nq < Nkv: "lower_right" (the last Nq positions: a chunk of a
@@ -240,8 +241,12 @@ def last_block_key_importance(q: torch.Tensor, k: torch.Tensor, *, scale: float 
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if not isinstance(queries, int) or isinstance(queries, bool) or queries <= 0:  # 0: a mean over no rows, NaN
+        raise ValueError(f"queries must be a positive int, got {queries!r}")
     q_offset = _importance_query_offset(q.shape[2], k.shape[2], causal_variant)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale) or scale <= 0:  # <= 0 reverses the ranking; the Triton passes also assume > 0
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
     rows = min(queries, q.shape[2])
     d = q.shape[-1]
     if backend == "triton" or (backend == "auto" and q.is_cuda and d >= 16 and not d & (d - 1)
