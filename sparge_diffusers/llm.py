@@ -49,7 +49,8 @@ from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_at
 from .kernels.api import new_output
 from .kernels.mask_rows import mask_row_extents
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
-from .permutations import gather_keys, last_block_key_importance, segmented_key_order
+from .permutations import last_block_key_importance, segmented_key_order
+from .permutations.gather import gather_rows_per_head
 
 
 class ScoreTerms(NamedTuple):
@@ -127,7 +128,9 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
                                            backend="auto" if chosen == "triton" else "torch")
     order = segmented_key_order(importance, segment)
     positions = order.to(torch.int32)
-    return sparge_attention(q, gather_keys(k, order), gather_keys(v, order), is_causal=True, scale=scale,
+    # gather_keys without its range check (a read-back): the order is segmented_key_order's own
+    k, v = gather_rows_per_head(k, order), gather_rows_per_head(v, order)
+    return sparge_attention(q, k, v, is_causal=True, scale=scale,
                             permuted_keys=PermutedKeys(positions, segment), return_sparsity=return_sparsity,
                             causal_variant=causal_variant, **sparge_settings)
 

@@ -169,6 +169,23 @@ def test_importance_kernels_take_power_of_two_head_dims_from_16_with_unit_stride
         torch.testing.assert_close(last_block_key_importance(q, k), last_block_key_importance(q, k, backend="torch"))
 
 
+def test_gather_keys_checks_the_order_it_is_given():
+    """gather_keys is public: an order of the wrong shape or dtype, on another device, or with positions outside
+    [0, N) raises (the Triton gather reads wherever an index points); a batch-1 order serves every batch row."""
+    x = torch.randn(2, 3, 50, 16)
+    order = random_segment_order(2, 3, 50, 16, seed=1)
+    assert torch.equal(gather_keys(x, order), torch.gather(x, 2, order[..., None].expand(x.shape)))
+    assert torch.equal(gather_keys(x, order[:1]), torch.gather(x, 2, order[:1, ..., None].expand(x.shape)))
+    cases = [(order[..., :40], r"order \(B or 1, H_kv, N\) expected, got \(2, 3, 50, 16\) and \(2, 3, 40\)"),
+             (order[None], "expected"), (order[:, :2], "expected"),
+             (order.float(), "integer positions, got torch.float32"),
+             (order.bool(), "integer positions"), (order.to("meta"), "order is on meta, x on cpu"),
+             (order + 1, r"positions from 1 to 50, outside \[0, 50\)"), (order - 1, "from -1 to 48")]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            gather_keys(x, bad)
+
+
 def test_permuted_keys_are_checked():
     q, k, v = make_qkv(1, 2, 2, 300, 64, torch.float32, seed=2)
     order = random_segment_order(1, 2, 300, 128, seed=3)

@@ -147,6 +147,14 @@ def test_permutation_errors():
         (lambda: visual_token_permutation((2, 0, 2), "hilbert"), r"grid must be three positive sizes \(T, H, W\)"),
         (lambda: visual_token_permutation((2, 2), "hilbert"), "grid must be three positive sizes"),
         (lambda: visual_token_permutation((2, 2, 2), "hilbert", text_before=-1), "text_before and text_after"),
+        # int() truncated these, silently: a (2, 4, 4) grid, two text tokens, seed 1
+        (lambda: visual_token_permutation((2, 4.7, 4), "hilbert"),
+         r"three positive sizes \(T, H, W\) as ints, got \(2, 4.7, 4\)"),
+        (lambda: visual_token_permutation((2, True, 4), "hilbert"), "three positive sizes"),
+        (lambda: visual_token_permutation((2, 4, 4), "hilbert", text_before=2.5), "ints >= 0, got 2.5 and 0"),
+        (lambda: visual_token_permutation((2, 4, 4), "random", seed=1.5), "seed must be an int, got 1.5"),
+        (lambda: p.apply(x[0]), r"expected a 4-D tensor \(\(B, H, N, D\) in layout HND\), got shape \(1, 8, 16\)"),
+        (lambda: p.restore(x[0], "NHD"), r"\(B, N, H, D\) in layout NHD"),
         (lambda: p.apply(x, "BHSD"), "tensor_layout must be 'HND' or 'NHD', got 'BHSD'"),
         (lambda: p.restore(x.to("meta")), "permutation indices are on cpu, tensor on meta"),
         (lambda: block_self_similarity(x, 4, "BHSD"), "tensor_layout must be 'HND' or 'NHD'"),
@@ -159,6 +167,12 @@ def test_permutation_errors():
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+    import numpy as np
+
+    as_ints = visual_token_permutation((2, 4, 4), "random", text_before=3, seed=5)
+    other_ints = visual_token_permutation((np.int64(2), torch.tensor(4), 4), "random", text_before=np.int32(3),
+                                          seed=torch.tensor(5))
+    assert torch.equal(other_ints.perm, as_ints.perm) and torch.equal(other_ints.inverse, as_ints.inverse)
 
 
 @pytest.mark.parametrize("block", [1, 7, 64, 128])

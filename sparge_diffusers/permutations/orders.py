@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -69,10 +70,22 @@ ORDERS: dict[str, Callable[[Grid, int], np.ndarray]] = {
 }
 
 
+def _whole(value: Any) -> int | None:
+    """``value`` as an int where it is one (Python or NumPy ints, 0-dim integer tensors), else None: int() made
+    a grid of (2, 4.7, 4) sizes (2, 4, 4) and text_before=2.5 two tokens, silently."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _grid_sizes(grid: Grid) -> tuple[int, int, int]:
-    if len(grid) != 3 or any(int(n) < 1 for n in grid):
-        raise ValueError(f"grid must be three positive sizes (T, H, W), got {grid}")
-    t, h, w = (int(n) for n in grid)
+    sizes = tuple(_whole(n) for n in grid)
+    if len(sizes) != 3 or any(n is None or n < 1 for n in sizes):
+        raise ValueError(f"grid must be three positive sizes (T, H, W) as ints, got {grid}")
+    t, h, w = cast("tuple[int, int, int]", sizes)
     return t, h, w
 
 
@@ -97,6 +110,9 @@ class TokenPermutation:
         dim = {"HND": 2, "NHD": 1}.get(tensor_layout)
         if dim is None:
             raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
+        if x.dim() != 4:  # the Triton copy reads rows of (B, H, N, D) views; index_select would take any shape
+            raise ValueError(f"expected a 4-D tensor ({'(B, H, N, D)' if dim == 2 else '(B, N, H, D)'} in layout "
+                             f"{tensor_layout}), got shape {tuple(x.shape)}")
         if x.shape[dim] != index.numel():
             raise ValueError(f"sequence length {x.shape[dim]} does not match the permutation's {index.numel()} "
                              f"tokens (layout {tensor_layout})")
@@ -167,9 +183,12 @@ def visual_token_permutation(grid: Grid, order: str, *, text_before: int = 0, te
         grid: (T, H, W) sizes of the visual tokens, stored row-major (W fastest).
         order: "hilbert", "rowmajor" (identity), "colmajor", "timemajor" or "random" (seeded).
     """
-    if text_before < 0 or text_after < 0:
-        raise ValueError("text_before and text_after must be >= 0")
-    return _cached(_grid_sizes(grid), order, int(text_before), int(text_after), str(torch.device(device)), int(seed))
+    before, after, whole_seed = _whole(text_before), _whole(text_after), _whole(seed)
+    if before is None or after is None or before < 0 or after < 0:
+        raise ValueError(f"text_before and text_after must be ints >= 0, got {text_before!r} and {text_after!r}")
+    if whole_seed is None:
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    return _cached(_grid_sizes(grid), order, before, after, str(torch.device(device)), whole_seed)
 
 
 def permuted(attention_fn: Callable, permutation: TokenPermutation) -> Callable:

@@ -312,5 +312,21 @@ def segmented_key_order(importance: torch.Tensor, segment: int) -> torch.Tensor:
 
 def gather_keys(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """x (B, H_kv, N, D) with its tokens reordered per head: out[b, h, r] = x[b, h, order[b, h, r]] (``order``
-    (B or 1, H_kv, N), from :func:`segmented_key_order`; one Triton row gather on CUDA)."""
+    (B or 1, H_kv, N) of positions in [0, N), from :func:`segmented_key_order`; one Triton row gather on CUDA).
+
+    Checks its arguments, the positions' range included (one read-back of their min and max): the Triton gather
+    reads wherever an index points. ``pbs_sparge_attention`` gathers with :func:`segmented_key_order`'s own order
+    and skips the read-back."""
+    if (x.dim() != 4 or order.dim() != 3 or order.shape[0] not in (1, x.shape[0])
+            or tuple(order.shape[1:]) != tuple(x.shape[1:3])):
+        raise ValueError(f"x (B, H_kv, N, D) and order (B or 1, H_kv, N) expected, got {tuple(x.shape)} and "
+                         f"{tuple(order.shape)}")
+    if order.dtype.is_floating_point or order.dtype.is_complex or order.dtype == torch.bool:
+        raise ValueError(f"order must hold integer positions, got {order.dtype}")
+    if order.device != x.device:
+        raise ValueError(f"order is on {order.device}, x on {x.device}")
+    if order.numel():
+        low, high = torch.stack(torch.aminmax(order)).tolist()
+        if low < 0 or high >= x.shape[2]:
+            raise ValueError(f"order holds positions from {low} to {high}, outside [0, {x.shape[2]})")
     return gather_rows_per_head(x, order)
