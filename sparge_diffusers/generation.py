@@ -41,7 +41,7 @@ def _takes_step_callback(pipe: Any) -> bool:
     return "callback_on_step_end" in _call_parameters(pipe)
 
 
-def _default_steps(pipe: Any) -> int | None:
+def default_steps(pipe: Any) -> int | None:
     """The pipeline's default ``num_inference_steps`` (from its call signature), if it has one."""
     p = _call_parameters(pipe).get("num_inference_steps")
     return p.default if p is not None and isinstance(p.default, int) else None
@@ -177,7 +177,7 @@ def generate(pipe: Any, prompts: str | Sequence[str], out_dir: str | Path, *, sp
             run_pipeline(pipe, prompts[0], seed, {**pipe_kwargs, "num_inference_steps": warmup_steps})
             if processor is not None:
                 processor.reset_stats()
-        steps = pipe_kwargs.get("num_inference_steps", _default_steps(pipe))
+        steps = pipe_kwargs.get("num_inference_steps", default_steps(pipe))
         bar = tqdm(total=len(prompts) * steps if steps else len(prompts), desc="generate",
                    unit="step" if steps else "output", disable=not progress)
         with bar:

@@ -562,7 +562,16 @@ def test_evaluate_video_grid_shows_eight_evenly_spaced_frames_and_the_bar_counts
     dense_line, = ax.lines
     assert list(dense_line.get_xdata()) == [report["summary"]["dense"]["seconds_per_step"]] * 2
     assert ax.collections[0].get_offsets().tolist() == [[report["summary"]["again"]["seconds_per_step"], 100.0]]
-    evaluate(pipe, ["a cat"], modes[1:], tmp_path / "quiet", progress=False)  # no dense mode: no PSNR
+    # no dense mode: no PSNR; no num_inference_steps: the pipeline's default (1) counts the steps, as in generate
+    report = evaluate(pipe, ["a cat"], modes[1:], tmp_path / "quiet", progress=False)
     assert "eval" not in capsys.readouterr().err
     assert figures[1].axes[0].get_ylabel() == "(no quality metric)"
-    assert figures[1].axes[0].get_xlabel() == "seconds per sample"
+    assert report["samples"][0]["seconds_per_step"] == report["samples"][0]["seconds"]
+
+    class NoStepsPipeline(RampVideoPipeline):
+        def __call__(self, prompt, generator, output_type):
+            return super().__call__(prompt, generator, output_type)
+
+    report = evaluate(NoStepsPipeline(), ["a cat"], modes[1:], tmp_path / "no-steps", progress=False)
+    assert "seconds_per_step" not in report["samples"][0]
+    assert figures[2].axes[0].get_xlabel() == "seconds per sample"

@@ -283,6 +283,10 @@ def test_mask_check_accepts_only_the_left_padded_lower_right_pattern():
     assert check(torch.ones(1, 1, 100, 300, dtype=torch.bool).tril(), 100, 300) == layout(100, [0])
     assert check(pattern(100, 300).float(), 100, 300) is None  # additive masks are not read
     assert check(pattern(100, 300).expand(2, 4, 100, 300), 100, 300) is None  # per-head masks
+    assert check(pattern(100, 300), 100, 301) is None  # fewer keys than the call has
+    assert check(pattern(100, 300), 99, 300) is None  # other query rows
+    assert check(pattern(100, 300)[:, :, :0], 0, 300) is None  # no query
+    assert check(pattern(100, 300)[0], 100, 300) is None  # not (B, 1, Nq, Nkv)
     # a sliding window of 64 keys (the query at position p sees p - 63 .. p), as transformers masks a local layer
     def windowed(m, nq, used, window=64):
         positions = torch.arange(nq)[:, None] + used - nq

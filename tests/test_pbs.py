@@ -90,6 +90,9 @@ def test_last_block_key_importance_matches_the_softmax_it_averages(monkeypatch):
     assert last_block_key_importance(q[:, :, :50], k[:, :, :50]).shape == (2, 2, 50)  # shorter than a block
     with pytest.raises(ValueError, match="H_kv"):
         last_block_key_importance(q, torch.randn(2, 3, 300, 32))  # 3 key heads for 4 query heads
+    for bad_q, bad_k in [(q[0], k), (q, k[0]), (q[:1], k), (q[..., :16], k), (q[:, :, :0], k), (q, k[:, :0])]:
+        with pytest.raises(ValueError, match=r"q \(B, H, Nq, D\) and k \(B, H_kv, Nkv, D\) with H_kv dividing H"):
+            last_block_key_importance(bad_q, bad_k)
 
 
 def test_importance_of_a_chunk_ranks_by_its_last_queries_at_their_positions():
@@ -389,6 +392,8 @@ def test_gpu_importance_and_key_gather(D, start):
         assert torch.equal(segmented_key_order(ties, segment).cpu(), segmented_key_order(ties.cpu(), segment))
     for x in (k, v):
         assert torch.equal(gather_keys(x, order), torch.gather(x, 2, order.unsqueeze(-1).expand(x.shape)))
+    with pytest.raises(ValueError, match=f"positions from 1 to {k.shape[2]}, outside"):  # read back on the GPU
+        gather_keys(k, order + 1)
 
 
 @pytest.mark.gpu

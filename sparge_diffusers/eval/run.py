@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .._json import write_json
-from ..generation import device_name, run_pipeline, to_uint8
+from ..generation import default_steps, device_name, run_pipeline, to_uint8
 from ..pipelines.call_arguments import check_pipe_kwargs, pipeline_progress_off, prompt_list
 from ._images import check_unit_images
 from .clip import ClipModel, clip_score, clip_temp, clipsim
@@ -143,7 +143,7 @@ def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionM
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pipe_kwargs = dict(pipe_kwargs or {})
-    steps = pipe_kwargs.get("num_inference_steps")
+    steps = pipe_kwargs.get("num_inference_steps", default_steps(pipe))  # for seconds per step, as generate
     outputs: dict[str, list[torch.Tensor]] = {}
     seconds: dict[str, list[float]] = {}
     sparsity: dict[str, dict[str, float]] = {}
