@@ -397,6 +397,31 @@ def test_gpu_importance_and_key_gather(D, start):
 
 
 @pytest.mark.gpu
+def test_gpu_auto_backends_take_triton_where_it_runs_and_pytorch_elsewhere(monkeypatch):
+    """On CUDA, backend="auto" ranks keys with the Triton passes for power-of-two head dims >= 16 with dense last
+    dims, and with PyTorch otherwise; the Triton sort takes float32 scores in segments of up to 1024 positions. Each
+    path gives the other's result."""
+    launched = []
+    real_launch = segmented_module.launch
+    monkeypatch.setattr(segmented_module, "launch", lambda kernel, *a, **k: (launched.append(kernel.__name__),
+                                                                              real_launch(kernel, *a, **k))[1])
+    for D, strided, triton_expected in ((64, False, True), (24, False, False), (16, False, True), (64, True, False)):
+        q, k, _ = make_qkv(1, 4, 2, 300, 2 * D if strided else D, torch.float16, seed=D)
+        q, k = (t.cuda()[..., ::2] if strided else t.cuda() for t in (q, k))
+        launched.clear()
+        got = last_block_key_importance(q, k)
+        assert ("_key_importance_kernel" in launched) == triton_expected, (D, strided)
+        torch.testing.assert_close(got, last_block_key_importance(q, k, backend="torch"), atol=2e-6, rtol=2e-3)
+    scores = torch.rand(2, 3, 3000, device="cuda")
+    for segment, dtype, sorted_by_triton in ((1024, torch.float32, True), (1025, torch.float32, False),
+                                             (256, torch.float64, False), (256, torch.float16, False)):
+        launched.clear()
+        order = segmented_key_order(scores.to(dtype), segment)
+        assert ("_segment_argsort_kernel" in launched) == sorted_by_triton, (segment, dtype)
+        assert torch.equal(order.cpu(), segmented_key_order(scores.to(dtype).cpu(), segment))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("pvthreshd", [8, None])  # None: the Hopper kernel on an sm90 GPU, else the Triton kernel
