@@ -375,6 +375,14 @@ def test_evaluate_image_pipeline(tmp_path, tiny_clip):
         Image.fromarray((images(1, 32, seed=i)[0].permute(1, 2, 0) * 255).byte().numpy()).save(real_dir / f"{i}.png")
     real = load_images(real_dir, (16, 16))
     assert real.shape == (3, 3, 16, 16) and 0 <= real.min() and real.max() <= 1
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    for i in range(2):
+        (real_dir / f"{i}.png").rename(pair / f"{i}.png")
+    assert torch.equal(load_images(pair, (16, 16)), real[:2])  # two images are enough for FID
+    (pair / "1.png").unlink()
+    with pytest.raises(ValueError, match="at least two images"):
+        load_images(pair, (16, 16))
     with pytest.raises(ValueError, match="distinct names"):  # outputs are kept by name: the second overwrote
         evaluate(pipe, ["a cat"], [modes[1], AttentionMode("keep-all", True)], tmp_path / "bad", progress=False)
     with pytest.raises(ValueError, match="at least one prompt"):
