@@ -590,9 +590,9 @@ class SpargeLLMAttention:
         for name in ("min_padded_tokens", "min_predicted_window", "min_segment_queries"):
             if not isinstance(options[name], int) or isinstance(options[name], bool) or options[name] < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {options[name]!r}")
-        if not isinstance(options["top_k"], int) or options["top_k"] < 1:
-            raise ValueError(f"top_k must be a positive int, got {options['top_k']!r}")
-        if options["block_size"] not in (32, 64, 128):
+        if not isinstance(options["top_k"], int) or isinstance(options["top_k"], bool) or options["top_k"] < 1:
+            raise ValueError(f"top_k must be a positive int, got {options['top_k']!r}")  # (True read as 1)
+        if type(options["block_size"]) is not int or options["block_size"] not in (32, 64, 128):  # (64.0 passed)
             raise ValueError(f"block_size must be 32, 64 or 128, got {options['block_size']!r}")
         for name in THRESHOLD_RANGES:
             check_threshold_values(name, options[name])

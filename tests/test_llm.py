@@ -2037,6 +2037,9 @@ def test_register_refuses_a_function_and_settings_together():
     ("min_padded_tokens", -5, "min_padded_tokens must be an int >= 0"),  # acted as 0 without a word
     ("pbs_segment", 100, "positive multiple of 64"),
     ("block_size", 48, "block_size must be 32, 64 or 128"),
+    ("block_size", 64.0, "block_size must be 32, 64 or 128, got 64.0"),
+    ("top_k", True, "top_k must be a positive int, got True"),
+    ("top_k", 0, "top_k must be a positive int"),
 ])
 def test_options_set_later_are_checked(name, value, message):
     attention = SpargeLLMAttention()
