@@ -571,7 +571,7 @@ def test_evaluate_video_grid_shows_eight_evenly_spaced_frames_and_the_bar_counts
     assert list(dense_line.get_xdata()) == [report["summary"]["dense"]["seconds_per_step"]] * 2
     assert ax.collections[0].get_offsets().tolist() == [[report["summary"]["again"]["seconds_per_step"], 100.0]]
     # no dense mode: no PSNR; no num_inference_steps: the pipeline's default (1) counts the steps, as in generate
-    report = evaluate(pipe, ["a cat"], modes[1:], tmp_path / "quiet", progress=False)
+    report = evaluate(pipe, ["a cat"], modes[1:], tmp_path / "made" / "quiet", progress=False)  # parents made
     assert "eval" not in capsys.readouterr().err
     assert figures[1].axes[0].get_ylabel() == "(no quality metric)"
     assert report["samples"][0]["seconds_per_step"] == report["samples"][0]["seconds"]
