@@ -140,7 +140,7 @@ def test_permutation_errors():
     with pytest.raises(ValueError, match="causal"):
         permuted(sparge_attention, p)(*[torch.randn(1, 1, 8, 64)] * 3, is_causal=True)
     # the rest ran in no test before session 84
-    from sparge_diffusers.permutations import block_self_similarity, last_block_key_importance
+    from sparge_diffusers.permutations import block_self_similarity, last_block_key_importance, segmented_key_order
 
     x = torch.randn(1, 1, 8, 16)
     cases = [
@@ -161,6 +161,8 @@ def test_permutation_errors():
         (lambda: block_self_similarity(x[0], 4), r"expected a 4-D tensor and block_size >= 1, got shape \(1, 8, 16\)"),
         (lambda: block_self_similarity(x, 0), "block_size >= 1"),
         (lambda: last_block_key_importance(x, x, backend="cuda"), "backend must be 'auto', 'triton' or 'torch'"),
+        (lambda: segmented_key_order(x[:, :, :, 0], True), "segment must be a positive int, got True"),
+        (lambda: segmented_key_order(x[:, :, :, 0], 4.0), "segment must be a positive int, got 4.0"),
         (lambda: last_block_key_importance(x[..., :12], x[..., :12], backend="triton"),
          "power-of-two head dim >= 16 .* got D = 12"),
     ]
