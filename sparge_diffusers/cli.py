@@ -241,8 +241,10 @@ def generate_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     mode = modes[0]
-    sparse_only = [f"--{k.replace('_', '-')}" for k in ("simthreshd1", "cdfthreshd", "pvthreshd", "permutation",
-                                                        "dense_steps", "strict") if getattr(args, k)]
+    # set, not truthy: --simthreshd1 0 with --attention dense was ignored without a word
+    sparse_only = [f"--{k.replace('_', '-')}" for k, unset in (("simthreshd1", None), ("cdfthreshd", None),
+                   ("pvthreshd", None), ("permutation", None), ("dense_steps", 0), ("strict", False))
+                   if getattr(args, k) != unset]
     if not mode.sparse and sparse_only:
         print(f"{', '.join(sparse_only)} apply to sparge attention, not --attention dense", file=sys.stderr)
         return 2

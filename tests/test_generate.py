@@ -209,6 +209,8 @@ def test_generate_compiled_restores_the_transformer(tmp_path):
     (["--prompt", "a cat", "--attention", "dense,sparge"], "generate runs one mode"),
     (["--prompt", "a cat", "--attention", "dense", "--cdfthreshd", "0.9"], "--cdfthreshd apply to sparge attention"),
     (["--prompt", "a cat", "--attention", "dense", "--dense-steps", "2"], "--dense-steps apply to sparge"),
+    (["--prompt", "a cat", "--attention", "dense", "--simthreshd1", "0"], "--simthreshd1 apply to sparge"),  # 0 is set
+    (["--prompt", "a cat", "--attention", "dense", "--strict"], "--strict apply to sparge"),
     (["--prompt", "a cat", "--cdfthreshd", "1.5"], "cdfthreshd values must lie in [0.0, 1.0]"),  # before loading
     (["--prompt", "a cat", "--pvthreshd", "0"], "pvthreshd values must lie in (0, inf]"),
 ])
