@@ -470,6 +470,8 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         (lambda: sparge_attention(q, k, v, pvthreshd=0.0), "pvthreshd must be positive"),
         (lambda: sparge_attention(q, k, v, tensor_layout="BHSD"), "tensor_layout"),
         (lambda: sparge_attention(q, k, v, scale=float("nan")), "scale"),
+        (lambda: sparge_attention(q, k, v, scale=0.0), "scale must be a positive finite number, got 0.0"),
+        (lambda: block_sparse_attention(q, k, v, None, scale=-0.125), "scale must be a positive finite number"),
         (lambda: sparge_attention(q.float(), k.float(), v.float(), backend="triton"), "float16 or torch.bfloat16"),
         (lambda: sparge_attention(q[..., :60], k[..., :60], v[..., :60]), "head dim 60"),
         (lambda: sparge_attention(q, k[:, :, :90], v[:, :, :90], is_causal=True), "causal_variant"),
@@ -806,6 +808,30 @@ def test_every_entry_point_refuses_a_gpu_older_than_ampere_and_the_seams_fall_ba
             call()
         assert call(backend="reference") is not None, name
     assert "compute capability 7.5" in _inputs.unsupported_reason(q, k, v)
+
+
+def test_unsupported_reason_names_what_the_kernels_refuse_and_passes_the_rest():
+    """The seams' test (diffusers and transformers fall back to SDPA where it names a reason): head dims 16-256 in
+    steps of 8, non-empty 4-D inputs of one batch size, k and v alike, causal with unequal lengths only with a
+    variant, no autograd; None where the kernels run, non-causal calls by default."""
+    from sparge_diffusers.kernels._inputs import unsupported_reason
+
+    def qkv(D=64, nq=100, nkv=100, B=(1, 1)):
+        return torch.randn(B[0], 4, nq, D), torch.randn(B[1], 2, nkv, D), torch.randn(B[1], 2, nkv, D)
+
+    for D in (16, 24, 256):
+        assert unsupported_reason(*qkv(D)) is None, D
+    for D in (8, 20, 264):
+        assert unsupported_reason(*qkv(D)) == f"head dim {D}"
+    q, k, v = qkv(nq=60)
+    assert unsupported_reason(q, k, v) is None  # non-causal by default: unequal lengths are fine
+    assert "causal_variant" in unsupported_reason(q, k, v, is_causal=True)
+    assert unsupported_reason(q, k, v, is_causal=True, causal_variant="lower_right") is None
+    assert "empty input" in unsupported_reason(*qkv(nq=0))
+    assert "batch sizes differ" in unsupported_reason(*qkv(B=(2, 1)))
+    assert "must be 4-D" in unsupported_reason(q[0], k[0], v[0])
+    assert "k and v shapes differ" in unsupported_reason(q, k, v[:, :, :50])
+    assert "requires grad" in unsupported_reason(q.requires_grad_(), k, v)
 
 
 def test_cpu_float32_runs_the_reference():
