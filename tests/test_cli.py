@@ -73,9 +73,13 @@ def test_tune_command_on_a_locally_saved_pipeline(tmp_path, capsys):
     assert main(["tune", "--model", model, "--prompts", str(prompts), "--out", str(out), "--steps", "2",
                  "--height", "64", "--width", "64", "--num-frames", "9", "--pipe-arg", "guidance_scale=1.0",
                  "--no-stage2", "--quiet"]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "transformer_blocks.1.attn1" in printed and "wrote" in printed
+    assert "tune:" not in captured.err  # --quiet: no progress bar of ours (loading the model shows its own)
     tuned = LayerSettingsFile.load(out)
+    mean = sum(m["sparsity"] for m in tuned.measured.values()) / 2
+    assert f"2 layers, mean sparsity {mean:.3f} on the calibration prompts" in printed
     assert tuned.model_class == "CogVideoXTransformer3DModel"
     assert set(tuned.layers) == {"transformer_blocks.0.attn1", "transformer_blocks.1.attn1"}
     # 2 prompts x 2 steps (no classifier-free guidance) per layer, both within the budget
@@ -90,6 +94,25 @@ def test_tune_command_on_a_locally_saved_pipeline(tmp_path, capsys):
     pipe.set_progress_bar_config(disable=True)
     pipe("a dog", num_inference_steps=2, height=64, width=64, num_frames=9, guidance_scale=1.0, output_type="np")
     assert set(processor.sparsity_by_layer()) == set(tuned.layers)
+
+
+def test_generation_options_reach_the_pipeline_and_the_number_checks_take_their_bounds():
+    """pipeline_kwargs passes each generation option that was given, and only those (--pipe-arg values as JSON);
+    a count takes its lower bound itself; a positive float refuses 0, inf and NaN."""
+    from sparge_diffusers.cli import _int_at_least, _positive_float, pipeline_kwargs
+
+    generate = subcommands()["generate"]
+    args = generate.parse_args(["--model", "m", "--out", "o", "--prompt", "p", "--height", "64",
+                                "--guidance-scale", "1.5", "--pipe-arg", "max_sequence_length=77"])
+    assert pipeline_kwargs(args) == {"height": 64, "guidance_scale": 1.5, "max_sequence_length": 77}
+    args = generate.parse_args(["--model", "m", "--out", "o", "--prompt", "p", "--steps", "3", "--num-frames", "9"])
+    assert pipeline_kwargs(args) == {"num_inference_steps": 3, "num_frames": 9}
+    assert _int_at_least(1)("1") == 1
+    assert _positive_float("1e-3") == 1e-3
+    for parse, text in ((_int_at_least(1), "0"), (_positive_float, "0"), (_positive_float, "inf"),
+                        (_positive_float, "nan")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
 
 
 def test_tune_command_rejects_empty_prompt_file(tmp_path, capsys):

@@ -54,9 +54,12 @@ def test_generate_command_saves_videos_and_reports_sparsity(video_model, tmp_pat
     assert main(["generate", "--model", video_model, "--prompt", "a cat walks on the moon", "--prompt", "a red car",
                  "--out", str(out), "--seed", "5", "--fps", "4"] + VIDEO_ARGS) == 0
     elapsed = time.perf_counter() - start
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "CogVideoXTransformer3DModel on cpu, attention sparge" in printed and "prompt_1.gif" in printed
+    assert "generate:" not in captured.err  # --quiet (VIDEO_ARGS): no bar of ours
     report = json.loads((out / "generate.json").read_text())
+    assert all(f"{r['sparsity']:8.3f}" in printed for r in report["outputs"])  # the table's sparsity column
     assert report["attention"] == "sparge" and report["sparge"]["settings"]["cdfthreshd"] == 0.98
     assert [r["seed"] for r in report["outputs"]] == [5, 6]
     for i, r in enumerate(report["outputs"]):
