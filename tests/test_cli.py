@@ -172,6 +172,24 @@ def test_commands_check_their_arguments_before_loading_the_model(tmp_path, capsy
     assert "must hold at least two images" in _error_of(evaluate + fid + ["--fid-real", str(one_image)], capsys)
     (one_image / "b.png").write_bytes(b"not a png")  # was read after the pipeline had loaded, and raised there
     assert "cannot identify image file" in _error_of(evaluate + fid + ["--fid-real", str(one_image)], capsys)
+    import sparge_diffusers.eval.run as eval_run
+
+    sizes = []
+
+    def record_size(folder, size):  # the real images are resized to the generated ones' size, 1024 px by default
+        sizes.append(size)
+        raise OSError("stop before the model loads")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eval_run, "load_images", record_size)
+        for sizing in ([], ["--height", "64", "--width", "48"]):
+            assert "stop before" in _error_of(evaluate + fid + ["--fid-real", str(one_image)] + sizing, capsys)
+    assert sizes == [(1024, 1024), (64, 48)]
+    for argv, missing in ((generate[:1] + generate[3:], "--model"), (generate[:3] + generate[5:], "--out"),
+                          (evaluate[:5], "--prompts"), (evaluate[:3] + evaluate[5:], "--out"),
+                          (["tune"] + generate[1:5], "--prompts"),
+                          (["tune", "--model", model, "--prompts", str(prompts)], "--out"), ([], "command")):
+        assert f"the following arguments are required: {missing}" in _error_of(argv, capsys), argv
     prompts.write_text("a cat\n")
     assert "pipe_kwargs sets output_type" in _error_of(evaluate + ["--pipe-arg", "output_type=np"], capsys)
     assert "CLIP model spec" in _error_of(evaluate + ["--clip", "clip-vit"], capsys)  # was loaded after the pipeline
