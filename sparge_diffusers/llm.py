@@ -592,7 +592,7 @@ class SpargeLLMAttention:
                 raise ValueError(f"{name} must be an int >= 0, got {options[name]!r}")
         if not isinstance(options["top_k"], int) or isinstance(options["top_k"], bool) or options["top_k"] < 1:
             raise ValueError(f"top_k must be a positive int, got {options['top_k']!r}")  # (True read as 1)
-        if type(options["block_size"]) is not int or options["block_size"] not in (32, 64, 128):  # (64.0 passed)
+        if not isinstance(options["block_size"], int) or options["block_size"] not in (32, 64, 128):  # (64.0 passed)
             raise ValueError(f"block_size must be 32, 64 or 128, got {options['block_size']!r}")
         for name in THRESHOLD_RANGES:
             check_threshold_values(name, options[name])
