@@ -106,6 +106,10 @@ def test_fusion_is_dovers_formula():
     assert fuse_dover_scores(0.3, 0.1) == pytest.approx(1 / (1 + math.exp(-x)))
     assert fuse_dover_scores(0.2, 0.0) > fuse_dover_scores(0.1, 0.0)
     assert fuse_dover_scores(0.1, 0.1) > fuse_dover_scores(0.1, 0.0)
+    # far from DOVER's range the fused score saturates; 1 / (1 + exp(-x)) raised OverflowError below x = -709
+    assert 0.0 <= fuse_dover_scores(-100.0, 0.0) < 1e-300 and fuse_dover_scores(100.0, 0.0) == 1.0
+    assert fuse_dover_scores(-0.2, -0.1) == pytest.approx(1 / (1 + math.exp(-((-0.2 - 0.1107) / 0.07355 * 0.6104
+                                                                              + (-0.1 + 0.08285) / 0.03774 * 0.3896))))
 
 
 STAND_IN = {

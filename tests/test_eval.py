@@ -59,6 +59,37 @@ def test_fidelity_rejects_mismatched_inputs():
         ssim(torch.rand(2, 1, 8, 8), torch.rand(2, 1, 8, 8))
 
 
+def test_metrics_refuse_empty_inputs_and_batches_that_skip_images():
+    """Each gave a number or a stray error: LPIPS with batch=-1 visited no image and returned 0.0 (a perfect score);
+    zero images gave PSNR NaN, LPIPS ZeroDivisionError and SSIM an IndexError inside torchmetrics; sharpness of
+    3 x 3 frames took the variance of one Laplacian value, NaN."""
+    x, y = images(3), images(3, seed=1)
+    lpips = LPIPS()
+    want = lpips.distance(x, y)
+    assert lpips.distance(x, y, batch=1) == pytest.approx(want)
+    assert lpips.distance(x, y, batch=100) == pytest.approx(want)
+    for batch in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="batch must be a positive int"):
+            lpips.distance(x, y, batch=batch)
+    empty = torch.rand(0, 3, 32, 32)
+    for metric in (psnr, ssim, lpips.distance):
+        with pytest.raises(ValueError, match="no pixels"):
+            metric(empty, empty)
+    with pytest.raises(ValueError, match="no pixels"):
+        psnr(torch.rand(2, 3, 0, 8), torch.rand(2, 3, 0, 8))
+    with pytest.raises(ValueError, match="no pixels"):
+        sharpness(torch.rand(0, 3, 8, 8))
+    with pytest.raises(ValueError, match="at least 3 x 4"):
+        sharpness(torch.rand(2, 3, 3, 3))
+    assert math.isfinite(sharpness(torch.rand(2, 3, 3, 4))) and math.isfinite(sharpness(torch.rand(2, 3, 4, 3)))
+    model = ClipModel(encode_image_fn=lambda t: t.flatten(1), encode_text_fn=lambda t: torch.ones(len(t), 1),
+                      image_size=4)
+    assert model.encode_images(x, batch=2).shape == (3, 48)
+    for batch in (0, -2, 2.0):
+        with pytest.raises(ValueError, match="batch must be a positive int"):
+            model.encode_images(x, batch=batch)
+
+
 @pytest.mark.parametrize("data, message", [
     (lambda x: (x * 255).round().to(torch.uint8), "uint8"),  # what PIL / numpy images give
     (lambda x: x * 2 - 1, r"values span \[-0\.\d+, 0\.\d+\], not \[0, 1\]"),  # a VAE decoder's [-1, 1] output

@@ -134,7 +134,9 @@ def fuse_dover_scores(technical: float, aesthetic: float) -> float:
     """DOVER's overall score in (0, 1) from the two raw scores (its inference script's fusion)."""
     x = sum((score + shift) / spread * weight
             for score, (shift, spread, weight) in zip((technical, aesthetic), FUSION.values()))
-    return 1.0 / (1.0 + math.exp(-x))
+    # the logistic written so that exp() never overflows: 1 / (1 + exp(-x)) raised OverflowError below x = -709
+    z = math.exp(-abs(x))
+    return 1.0 / (1.0 + z) if x >= 0 else z / (1.0 + z)
 
 
 def _import_dover():

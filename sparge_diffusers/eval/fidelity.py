@@ -128,6 +128,10 @@ class LPIPS(nn.Module):
                             for a, b, w in zip(fx, fr, self.lins)]).sum(0)
 
     def distance(self, x: torch.Tensor, ref: torch.Tensor, batch: int = 16) -> float:
-        """Mean distance over images/frames, in batches."""
+        """Mean distance over images/frames, ``batch`` at a time."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            # range() with a negative step visits nothing: the mean became 0.0, a perfect score
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        _check_pair(x, ref)  # here too: an empty pair has no mean
         total = sum(float(self(x[i:i + batch], ref[i:i + batch]).sum()) for i in range(0, len(x), batch))
         return total / len(x)

@@ -32,5 +32,7 @@ def temporal_flicker(frames: torch.Tensor) -> float:
 def sharpness(frames: torch.Tensor) -> float:
     """Variance of the luma Laplacian, averaged over frames (0 for flat frames; blur lowers it)."""
     check_unit_images(frames, "frames")
+    if (frames.shape[-2] - 2) * (frames.shape[-1] - 2) < 2:  # var() of fewer than two values is NaN
+        raise ValueError(f"sharpness needs frames of at least 3 x 4 or 4 x 3 pixels, got {tuple(frames.shape[-2:])}")
     lap = F.conv2d(_luma(frames.float()), _LAPLACIAN)
     return float(lap.flatten(1).var(1).mean())
