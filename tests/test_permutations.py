@@ -139,6 +139,16 @@ def test_permutation_errors():
         visual_token_permutation((2, 2, 2), "zigzag")
     with pytest.raises(ValueError, match="causal"):
         permuted(sparge_attention, p)(*[torch.randn(1, 1, 8, 64)] * 3, is_causal=True)
+    # an out= buffer ends in the original order, the one the returned tensor has (it held the permuted rows)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    want = F.scaled_dot_product_attention(q, k, v)
+    for return_sparsity in (False, True):
+        buf = torch.full_like(q, float("nan"))
+        got = permuted(sparge_attention, p)(q, k, v, out=buf, backend="reference", cdfthreshd=1.0, pvthreshd=None,
+                                            return_sparsity=return_sparsity)
+        got = got[0] if return_sparsity else got
+        assert got is buf
+        torch.testing.assert_close(buf, want, atol=1e-5, rtol=1e-5)
     # the rest ran in no test before session 84
     from sparge_diffusers.permutations import block_self_similarity, last_block_key_importance, segmented_key_order
 

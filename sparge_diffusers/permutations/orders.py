@@ -193,7 +193,8 @@ def visual_token_permutation(grid: Grid, order: str, *, text_before: int = 0, te
 
 def permuted(attention_fn: Callable, permutation: TokenPermutation) -> Callable:
     """Wrap an attention function ``f(q, k, v, *, tensor_layout=..., **kw)``: permute q, k, v, call it, and
-    put its output (or the first element of a returned tuple) back in the original order.
+    put its output (or the first element of a returned tuple) back in the original order. An ``out=`` buffer
+    receives the output in the original order too.
 
     Not for causal attention: reordering tokens changes which keys a query may see.
     """
@@ -204,8 +205,12 @@ def permuted(attention_fn: Callable, permutation: TokenPermutation) -> Callable:
             raise ValueError("a token permutation cannot be combined with causal attention")
         result = attention_fn(permutation.apply(q, tensor_layout), permutation.apply(k, tensor_layout),
                               permutation.apply(v, tensor_layout), *args, tensor_layout=tensor_layout, **kwargs)
-        if isinstance(result, tuple):
-            return (permutation.restore(result[0], tensor_layout),) + result[1:]
-        return permutation.restore(result, tensor_layout)
+        first = result[0] if isinstance(result, tuple) else result
+        restored = permutation.restore(first, tensor_layout)
+        if kwargs.get("out") is not None:
+            # the attention wrote the permuted output into out (after checking it); restoring returned a new tensor
+            # and left out in the permuted order, where a caller reading out found its rows shuffled
+            restored = kwargs["out"].copy_(restored)
+        return (restored,) + result[1:] if isinstance(result, tuple) else restored
 
     return wrapped
