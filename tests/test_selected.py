@@ -261,6 +261,33 @@ def test_selection_sparsity_counts_the_pairs_a_selection_covers(is_causal, nq, v
         selection_sparsity(sel, heads=4, kv_len=n + 1, block_size=block)
 
 
+def test_selection_sparsity_and_index_refuse_sizes_and_indices_that_gave_a_figure():
+    """selection_sparsity gave kv_len=0 NaN, kv_len=-5 and block_size=-64 fractions of 1 and 3, kv_len=64.5 and
+    block_size=32.5 fractions of blocks, and float indices were truncated (0.7 read as block 0); heads=0 gave an
+    empty result. build_selection_index truncated float indices too, into an index the kernel then ran."""
+    sel = torch.zeros(1, 2, 8, 2, dtype=torch.long)
+    want = selection_sparsity(sel, heads=2, kv_len=64, block_size=32, is_causal=False).sparsity
+    assert want == pytest.approx(0.5)
+    for bad in (dict(kv_len=0), dict(kv_len=-5), dict(kv_len=64.5), dict(heads=0), dict(heads=2.0),
+                dict(block_size=0), dict(block_size=-64), dict(block_size=32.5), dict(block_size=True)):
+        kwargs = dict(heads=2, kv_len=64, block_size=32, is_causal=False)
+        kwargs.update(bad)
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a positive int"):
+            selection_sparsity(sel, **kwargs)
+    for tensor, match in ((sel.float() + 0.7, "integer"), (sel[0], "shape"), (sel[..., :0], "shape"),
+                          (sel.tolist(), "torch.Tensor")):
+        with pytest.raises(ValueError, match=match):
+            selection_sparsity(tensor, heads=2, kv_len=64, block_size=32, is_causal=False)
+        with pytest.raises(ValueError, match=match):
+            build_selection_index(tensor, q_len=8, kv_len=64, block_size=32, is_causal=False)
+    for bad, match in ((dict(kv_len=0), "kv_len"), (dict(q_len=8.0), "q_len"), (dict(block_size=48), "block_size"),
+                       (dict(block_size=0), "block_size"), (dict(q_start=0.5), "outside")):
+        kwargs = dict(q_len=8, kv_len=64, block_size=32, is_causal=False)
+        kwargs.update(bad)
+        with pytest.raises(ValueError, match=match):
+            build_selection_index(sel, **kwargs)
+
+
 def test_cpu_auto_runs_reference_and_fp32_only_there():
     q, k, v = make_qkv(1, 2, 1, 70, 70, 16, torch.float32, "HND", seed=2)
     idx = random_selection(1, 1, 70, 3, 2, seed=2)

@@ -110,6 +110,14 @@ def size_or_one(size: int) -> str:
     return "1" if size == 1 else f"{size} or 1"
 
 
+def check_positive_int(value: Any, name: str) -> int:
+    """``value`` where it is an int >= 1 (not a bool), else ValueError naming ``name``: sizes and counts that a
+    float would silently truncate or a bool pass as 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def check_layout(layout: str) -> None:
     if layout not in ("HND", "NHD"):
         raise ValueError(f"tensor_layout must be 'HND' (B, H, N, D) or 'NHD' (B, N, H, D), got {layout!r}")

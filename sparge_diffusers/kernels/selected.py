@@ -57,6 +57,7 @@ from ._inputs import (
     causal_offset,
     check_attention_inputs,
     check_kernel_dtype,
+    check_positive_int,
     check_sink_logits,
     pick_backend,
     resolve_scale,
@@ -109,17 +110,23 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be one of {SELECT_BLOCK_SIZES}, got {block_size!r}")
 
 
+def _check_selection_tensor(block_indices: torch.Tensor, expected: tuple[int, ...] | None = None) -> None:
+    """A (B, H_kv, Nq, top_k) integer tensor (with ``expected`` = (B, H_kv, Nq) where the call fixes those): float
+    indices were truncated toward zero, block 0.7 read as block 0."""
+    if not isinstance(block_indices, torch.Tensor):
+        raise ValueError(f"block_indices must be a torch.Tensor, got {type(block_indices).__name__}")
+    if block_indices.dim() != 4 or block_indices.shape[3] == 0 or (
+            expected is not None and tuple(block_indices.shape[:3]) != expected):
+        want = "" if expected is None else f" = ({expected[0]}, {expected[1]}, {expected[2]}, top_k >= 1)"
+        raise ValueError(f"block_indices must have shape (B, H_kv, Nq, top_k){want}, got {tuple(block_indices.shape)}")
+    if block_indices.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"block_indices must be an integer tensor (int16/int32/int64), got {block_indices.dtype}")
+
+
 def check_block_indices(block_indices: torch.Tensor, shape: AttentionShape, block_size: int, device: torch.device,
                         *, validate: bool) -> None:
     """Shape, dtype and device of a selection; with ``validate`` also its range (reads it back: a device sync)."""
-    if not isinstance(block_indices, torch.Tensor):
-        raise ValueError(f"block_indices must be a torch.Tensor, got {type(block_indices).__name__}")
-    expected = (shape.batch, shape.kv_heads, shape.q_len)
-    if block_indices.dim() != 4 or tuple(block_indices.shape[:3]) != expected or block_indices.shape[3] == 0:
-        raise ValueError(f"block_indices must have shape (B, H_kv, Nq, top_k) = ({expected[0]}, {expected[1]}, "
-                         f"{expected[2]}, top_k >= 1), got {tuple(block_indices.shape)}")
-    if block_indices.dtype not in (torch.int16, torch.int32, torch.int64):
-        raise ValueError(f"block_indices must be an integer tensor (int16/int32/int64), got {block_indices.dtype}")
+    _check_selection_tensor(block_indices, (shape.batch, shape.kv_heads, shape.q_len))
     if block_indices.device != device:
         raise ValueError(f"block_indices is on {block_indices.device}, q on {device}")
     if validate:
@@ -141,8 +148,12 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
         causal_offset: query row i sits at key position i + causal_offset under causal masking (lower-right
             alignment of fewer queries than keys: Nkv - Nq; see ``_inputs.causal_offset``).
     """
+    _check_selection_tensor(block_indices)
+    _check_block_size(block_size)
+    check_positive_int(q_len, "q_len")
+    check_positive_int(kv_len, "kv_len")
     B, HK, Nq, T = block_indices.shape
-    if not 0 <= q_start or q_start + Nq > q_len:
+    if isinstance(q_start, bool) or not isinstance(q_start, int) or not 0 <= q_start or q_start + Nq > q_len:
         raise ValueError(f"queries {q_start}..{q_start + Nq - 1} of the selection lie outside the {q_len} queries")
     device = block_indices.device
     n_blocks = math.ceil(kv_len / block_size)
@@ -380,8 +391,7 @@ def selected_block_attention(
     chosen = pick_backend(backend, q.device, q.shape[-1])
     _check_out(out, q, k, v)
     sink_logits = check_sink_logits(sink_logits, shape, q.device)
-    if not isinstance(max_partial_bytes, int) or isinstance(max_partial_bytes, bool) or max_partial_bytes <= 0:
-        raise ValueError(f"max_partial_bytes must be a positive int, got {max_partial_bytes!r}")
+    check_positive_int(max_partial_bytes, "max_partial_bytes")
     index: SelectionIndex | None
     if isinstance(block_indices, SelectionIndex):
         index = block_indices
@@ -450,6 +460,11 @@ def selection_sparsity(block_indices: torch.Tensor, *, heads: int, kv_len: int, 
         block_indices: (B, H_kv, Nq, top_k) as for :func:`selected_block_attention`.
         heads: query heads (a multiple of H_kv; each KV head's figures hold for its group).
     """
+    # each gave a figure: kv_len=0 NaN, a negative kv_len or block size fractions of 1 to 3, float sizes and
+    # float indices fractions of blocks that no kernel computes
+    _check_selection_tensor(block_indices)
+    for value, name in ((heads, "heads"), (kv_len, "kv_len"), (block_size, "block_size")):
+        check_positive_int(value, name)
     B, HK, Nq, T = block_indices.shape
     if heads % HK:
         raise ValueError(f"heads ({heads}) must be a multiple of the selection's KV heads ({HK})")
