@@ -104,7 +104,8 @@ def ranked_ascending(order: VisitOrder) -> VisitOrder:
     pos = torch.arange(index.shape[-1], device=index.device)
     big = index.shape[-1] * 4
     key = torch.where(pos < n_forced[..., None], pos - big, torch.where(pos < count[..., None], index, big + pos))
-    return VisitOrder((torch.gather(index, -1, key.argsort(-1)).contiguous(), n_unmasked, n_forced, count))
+    return VisitOrder((torch.gather(index, -1, key.argsort(-1)).contiguous(), n_unmasked, n_forced, count),
+                      order.shape, order.is_causal)  # the record of its call: s2o_attention then reads nothing back
 
 
 @contextlib.contextmanager

@@ -157,6 +157,40 @@ def test_s2o_errors():
         s2o_attention(q.float(), k.float(), v.float(), backend="triton")
 
 
+def test_a_reused_order_is_checked_against_the_call():
+    """s2o_attention loaded key blocks through any order it was given: one built without causal masking let a
+    causal call's queries see later keys (its ranked blocks are unmasked), and one of another shape or out of range
+    read outside the keys on a GPU."""
+    import copy
+
+    q, k, v = llm_like_qkv(300, heads=2, kv_heads=1, head_dim=32)
+    _, causal_order, _ = order_for(q, k, True)
+    _, plain_order, _ = order_for(q, k, False)
+    kw = dict(is_causal=True, segment=256, backend="reference")
+    want = s2o_attention(q, k, v, **kw)
+    assert torch.equal(s2o_attention(q, k, v, order=causal_order, **kw), want)
+    assert torch.equal(s2o_attention(q, k, v, order=tuple(causal_order), **kw), want)  # by hand: range-checked
+    with pytest.raises(ValueError, match="built for .* is_causal=False"):
+        s2o_attention(q, k, v, order=plain_order, **kw)
+    with pytest.raises(ValueError, match="built for"):
+        s2o_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), order=plain_order, **dict(kw, backend="triton"))
+    with pytest.raises(ValueError, match="order has shapes"):
+        s2o_attention(q[:, :, :200], k[:, :, :200], v[:, :, :200], order=causal_order, **kw)
+    index, n_unmasked, n_forced, count = causal_order
+    for bad, match in (((index.long(), n_unmasked, n_forced, count), "int32"),
+                       ((index + 100, n_unmasked, n_forced, count), "outside"),
+                       ((index - 1, n_unmasked, n_forced, count), "outside"),
+                       ((index, n_unmasked, count + 1, count), "n_forced <= count"),
+                       ((index, n_forced + 1, n_forced, count), "n_unmasked <= n_forced"),
+                       ((index, n_unmasked, n_forced, count + 100), "count <="),
+                       ((index, n_unmasked, n_forced), "VisitOrder"),
+                       ([index, n_unmasked, n_forced, count], "VisitOrder")):
+        with pytest.raises(ValueError, match=match):
+            s2o_attention(q, k, v, order=bad, **kw)
+    for moved in (causal_order.to("cpu"), copy.deepcopy(causal_order)):  # keep the record of their call
+        assert (moved.shape, moved.is_causal) == (causal_order.shape, True)
+
+
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_custom_op_matches_s2o_attention_and_passes_opcheck(layout):
     """s2o_attention_op: s2o_attention's output through torch.ops.sparge_diffusers.s2o_attention (q's layout and

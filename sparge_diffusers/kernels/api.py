@@ -44,7 +44,7 @@ from .reference import (
     reference_ordered_attention,
     reference_predict_block_mask,
 )
-from .s2o import CHECK_EVERY, VisitOrder, ordered_attention_triton, s2o_visit_order
+from .s2o import CHECK_EVERY, VisitOrder, check_visit_order, ordered_attention_triton, s2o_visit_order
 from .stats import SparsityStats, sparsity_stats
 
 
@@ -566,8 +566,10 @@ def s2o_attention(
         segment: tokens per causal segment whose key blocks are computed densely (a multiple of 128).
         check_every: ranked tiles between two stop tests (1 = after every tile; larger is faster).
         simthreshd1, attention_sink, pvthreshd: as in :func:`sparge_attention` (pvthreshd off by default).
-        order: a visiting order from :func:`s2o_visit_order` to reuse (tests, benchmarks); built for the same
-            shape and causal variant.
+        order: a visiting order from :func:`s2o_visit_order` to reuse (tests, benchmarks), built for the same
+            shape, causality and causal variant (checked: ValueError otherwise). An order assembled by hand is
+            checked for range only, with one read-back; its first ``n_unmasked`` blocks must be whole visible
+            blocks, as :func:`s2o_visit_order` lists them.
         causal_variant: as in :func:`sparge_attention` (a chunk of queries against a KV cache: "lower_right").
             The causal segment is then the one of each query block's first position (row + Nkv - Nq).
         sink_logits: learned attention sinks, as in :func:`block_sparse_attention`; added to each row's normaliser
@@ -590,7 +592,9 @@ def s2o_attention(
     if chosen == "triton":
         check_kernel_dtype(q.dtype)
     qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
-    if order is None:
+    if order is not None:
+        check_visit_order(order, shape, is_causal, q.device)
+    else:
         if chosen == "reference":
             q_stats, k_stats = reference_block_statistics(qh, BLOCK_Q), reference_block_statistics(kh, BLOCK_K)
         else:

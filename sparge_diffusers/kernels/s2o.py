@@ -39,6 +39,8 @@ Departures from the paper, each for a reason:
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 import torch
 import triton
 import triton.language as tl
@@ -151,7 +153,52 @@ def _ordered_attention_kernel(
 class VisitOrder(tuple):
     """(index (B, H, nq, nk) int32, n_unmasked, n_forced, count (B, H, nq) int32): per query block, the key
     blocks in visiting order; the first n_forced are always visited (the first n_unmasked of those need no
-    element masking); entries past count are unused (invisible under causal masking)."""
+    element masking); entries past count are unused (invisible under causal masking).
+
+    ``shape`` and ``is_causal`` record the call :func:`s2o_visit_order` built it for (None for an order assembled
+    by hand), which :func:`~sparge_diffusers.s2o_attention` checks before the kernel loads key blocks through it.
+    """
+
+    shape: AttentionShape | None
+    is_causal: bool | None
+
+    def __new__(cls, tensors: Iterable[torch.Tensor], shape: AttentionShape | None = None,
+                is_causal: bool | None = None) -> "VisitOrder":
+        order = super().__new__(cls, tensors)
+        order.shape, order.is_causal = shape, is_causal
+        return order
+
+    def to(self, device: str | torch.device) -> "VisitOrder":
+        """The same order with its tensors on ``device``."""
+        return VisitOrder((t.to(device) for t in self), self.shape, self.is_causal)
+
+
+def check_visit_order(order: Any, shape: AttentionShape, is_causal: bool, device: torch.device) -> None:
+    """Raise ValueError unless ``order`` can drive this call's walk, which loads key blocks through its indices
+    unchecked (an order of another shape read outside the keys on a GPU). An order that records its call must
+    record this one: built without causal masking, its unmasked blocks would let queries see later keys. One
+    assembled by hand is checked for range, with one read-back (a device sync)."""
+    if not isinstance(order, tuple) or len(order) != 4 or not all(isinstance(t, torch.Tensor) for t in order):
+        raise ValueError("order must be a VisitOrder from s2o_visit_order: (index, n_unmasked, n_forced, count)")
+    index, counts = order[0], order[1:]
+    rows = (shape.batch, shape.heads, shape.q_blocks)
+    if tuple(index.shape) != rows + (shape.k_blocks,) or any(tuple(t.shape) != rows for t in counts):
+        raise ValueError(f"order has shapes {[tuple(t.shape) for t in order]}; this call needs index "
+                         f"{rows + (shape.k_blocks,)} and counts {rows} (B, H, query blocks[, key blocks])")
+    if any(t.dtype != torch.int32 or t.device != device for t in order):
+        raise ValueError(f"order's tensors must be int32 on {device}, got {[(t.dtype, str(t.device)) for t in order]}")
+    built, built_causal = getattr(order, "shape", None), getattr(order, "is_causal", None)
+    if built is not None:
+        if built != shape or built_causal != is_causal:
+            raise ValueError(f"order was built for {built} with is_causal={built_causal}; this call is {shape} "
+                             f"with is_causal={is_causal}")
+        return
+    n_unmasked, n_forced, count = counts
+    bad = ((index < 0) | (index >= shape.k_blocks)).any() | (n_unmasked < 0).any() | (n_unmasked > n_forced).any() \
+        | (n_forced > count).any() | (count > shape.k_blocks).any()
+    if bool(bad):
+        raise ValueError(f"order holds a block index outside 0..{shape.k_blocks - 1} or counts not ordered as "
+                         f"0 <= n_unmasked <= n_forced <= count <= {shape.k_blocks}")
 
 
 # Visiting orders are sorted in one Triton program per row up to this many key blocks (N = 1M tokens); longer
@@ -248,7 +295,7 @@ def _visit_order_triton(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.
         count, H, H // shape.kv_heads, nq, nk, shape.kv_len, shape.causal_offset, shape.last_row_position, segment,
         NK_PAD=nk_pad, IS_CAUSAL=is_causal, SINK=attention_sink, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K,
         COLUMN_BITS=_COLUMN_BITS, num_warps=4 if nk_pad <= 2048 else 8)
-    return VisitOrder((index, n_unmasked, n_forced, count))
+    return VisitOrder((index, n_unmasked, n_forced, count), shape, is_causal)
 
 
 def _visit_order_torch(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor, shape: AttentionShape, *,
@@ -287,7 +334,7 @@ def _visit_order_torch(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.T
     n_forced = forced.sum(-1).to(torch.int32)
     n_unmasked = (forced & ~needs_masking).sum(-1).to(torch.int32)
     return VisitOrder((order.to(torch.int32).contiguous(), n_unmasked.contiguous(), n_forced.contiguous(),
-                       count.contiguous()))
+                       count.contiguous()), shape, is_causal)
 
 
 def _launch_config(head_dim: int) -> dict:
