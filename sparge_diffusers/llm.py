@@ -48,7 +48,7 @@ from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_at
                               unsupported_reason)
 from .kernels.api import new_output
 from .kernels.mask_rows import mask_row_extents
-from .kernels.library import CUDAGRAPH_UNSAFE, _as_list
+from .kernels.library import CUDAGRAPH_UNSAFE, _as_int, _as_list
 from .permutations import last_block_key_importance, segmented_key_order
 from .permutations.gather import gather_rows_per_head
 
@@ -168,7 +168,7 @@ def pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     the compiled graph holds as constants. Free of device syncs on CUDA (the permutation is not read back), so it
     may sit inside a CUDA graph."""
     return torch.ops.sparge_diffusers.pbs_sparge_attention(
-        q, k, v, int(segment), resolve_scale(scale, q.shape[-1]), _as_list(simthreshd1, "simthreshd1"),
+        q, k, v, _as_int(segment, "segment"), resolve_scale(scale, q.shape[-1]), _as_list(simthreshd1, "simthreshd1"),
         _as_list(cdfthreshd, "cdfthreshd"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), causal_variant,
         sink_logits, None if softcap is None else float(softcap))
 

@@ -19,6 +19,37 @@ from test_pipelines import MODELS, run  # noqa: E402
 SPARSE = SpargeSettings(simthreshd1=-1.0, cdfthreshd=0.9, pvthreshd=None, permutation="hilbert")
 
 
+def test_operator_wrappers_refuse_what_int_truncated():
+    """The *_op wrappers passed their int arguments through int(): segment=256.5, check_every=2.5, top_k=2.7 and
+    the like ran as 256, 2 and 2 where the eager functions refuse them. NumPy ints still convert."""
+    import numpy as np
+
+    from sparge_diffusers import s2o_attention_op, select_key_blocks_op, selected_block_attention_op
+    from sparge_diffusers.llm import pbs_sparge_attention_op
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 200, 16, generator=g) for _ in range(3))
+    idx = torch.zeros(1, 2, 200, 1, dtype=torch.int32)
+    calls = {
+        "segment": lambda x: s2o_attention_op(q, k, v, segment=x),
+        "check_every": lambda x: s2o_attention_op(q, k, v, check_every=x),
+        "block_size": lambda x: selected_block_attention_op(q, k, v, idx, block_size=x),
+        "max_partial_bytes": lambda x: selected_block_attention_op(q, k, v, idx, max_partial_bytes=x),
+        "top_k": lambda x: select_key_blocks_op(q, k, top_k=x),
+        "sink_blocks": lambda x: select_key_blocks_op(q, k, top_k=2, sink_blocks=x),
+        "local_blocks": lambda x: select_key_blocks_op(q, k, top_k=2, local_blocks=x),
+        "pbs segment": lambda x: pbs_sparge_attention_op(q, k, v, segment=x),
+    }
+    good = {"segment": 256, "check_every": 2, "block_size": 32, "max_partial_bytes": 1 << 20, "top_k": 2,
+            "sink_blocks": 1, "local_blocks": 1, "pbs segment": 128}
+    for name, call in calls.items():
+        want = call(good[name])
+        assert torch.equal(call(np.int64(good[name])), want)
+        for bad in (good[name] + 0.5, float(good[name]), True):
+            with pytest.raises(ValueError, match=f"{name.split()[-1]} must be"):
+                call(bad)
+
+
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_custom_op_matches_sparge_attention_and_passes_opcheck(layout):
     torch.manual_seed(0)

@@ -151,8 +151,9 @@ def test_s2o_errors():
         s2o_attention(q, k, v, tau=-0.1)
     with pytest.raises(ValueError, match="tau"):
         s2o_attention(q, k, v, tau=float("nan"))
-    with pytest.raises(ValueError, match="check_every"):
-        s2o_attention(q, k, v, check_every=0)
+    for check_every in (0, True, 2.0):  # True was taken as 1
+        with pytest.raises(ValueError, match="check_every"):
+            s2o_attention(q, k, v, check_every=check_every)
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
         s2o_attention(q.float(), k.float(), v.float(), backend="triton")
 

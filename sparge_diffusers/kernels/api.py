@@ -22,6 +22,7 @@ from ._inputs import (
     PermutedKeys,
     TensorLayout,
     check_attention_inputs,
+    check_positive_int,
     check_permuted_keys,
     check_kernel_dtype,
     check_sink_logits,
@@ -581,8 +582,7 @@ def s2o_attention(
     scale = resolve_scale(scale, shape.head_dim)
     if not isinstance(segment, int) or segment <= 0 or segment % 128:
         raise ValueError(f"segment must be a positive multiple of 128 tokens, got {segment!r}")
-    if not isinstance(check_every, int) or check_every < 1:
-        raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+    check_positive_int(check_every, "check_every")
     chosen = pick_backend(backend, q.device, q.shape[-1])
     theta = per_head(simthreshd1, shape.heads, "simthreshd1", q.device, low=-1.0, high=1.0)
     tau_t = None if tau is None else per_head(tau, shape.heads, "tau", q.device, low=0.0)

@@ -10,7 +10,8 @@ it, so a compiled model keeps a single graph around every attention call. Eager 
 
 from __future__ import annotations
 
-from typing import cast
+import operator
+from typing import Any, cast
 
 import torch
 
@@ -103,6 +104,17 @@ def _(q, k, v, dense, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, atte
     _check_dense_flag(dense)
     check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, causal_variant=causal_variant)
     return new_output(q)
+
+
+def _as_int(value: Any, name: str) -> int:
+    """An int argument as the operator's schema takes it (NumPy ints and 0-dim integer tensors convert). A float
+    or bool raises: int() truncated 2.5 to 2 (segment=2048.5, top_k=2.7) where the eager function refuses it."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be an int, got {value!r}")
 
 
 def _as_list(value: PerHead | None, name: str) -> list[float] | None:
@@ -205,7 +217,8 @@ def s2o_attention_op(
     thresholds become lists of floats, which the compiled graph holds as constants."""
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.s2o_attention(
-        q, k, v, bool(is_causal), scale, _as_list(tau, "tau"), int(segment), int(check_every),
+        q, k, v, bool(is_causal), scale, _as_list(tau, "tau"), _as_int(segment, "segment"),
+        _as_int(check_every, "check_every"),
         _as_list(simthreshd1, "simthreshd1"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout,
         causal_variant, sink_logits)
 
@@ -253,8 +266,8 @@ def selected_block_attention_op(
     ``validate=False``: the range check reads the indices back."""
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.selected_block_attention(
-        q, k, v, block_indices, int(block_size), bool(is_causal), scale, tensor_layout, bool(validate),
-        int(max_partial_bytes), causal_variant, sink_logits)
+        q, k, v, block_indices, _as_int(block_size, "block_size"), bool(is_causal), scale, tensor_layout,
+        bool(validate), _as_int(max_partial_bytes, "max_partial_bytes"), causal_variant, sink_logits)
 
 
 @torch.library.custom_op("sparge_diffusers::select_key_blocks", mutates_args=())
@@ -291,6 +304,6 @@ def select_key_blocks_op(
     """:func:`~sparge_diffusers.kernels.block_selection.select_key_blocks` through its custom operator, for code
     compiled with ``torch.compile``: the same arguments (backend "auto") and output."""
     scale = resolve_scale(scale, q.shape[-1])
-    return torch.ops.sparge_diffusers.select_key_blocks(q, k, int(top_k), int(block_size), bool(is_causal), scale,
-                                                        int(sink_blocks), int(local_blocks), tensor_layout,
-                                                        causal_variant)
+    return torch.ops.sparge_diffusers.select_key_blocks(
+        q, k, _as_int(top_k, "top_k"), _as_int(block_size, "block_size"), bool(is_causal), scale,
+        _as_int(sink_blocks, "sink_blocks"), _as_int(local_blocks, "local_blocks"), tensor_layout, causal_variant)
