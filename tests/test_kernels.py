@@ -649,6 +649,13 @@ def test_wide_offsets_rule_and_its_int64_row_path(monkeypatch):
 
     assert not _inputs.wide_offsets(q_view(524_288)) and _inputs.wide_offsets(q_view(524_289))
     assert not _inputs.wide_offsets(q_view(524_289).contiguous())
+    last = _inputs.INT32_OFFSET_MAX  # a view whose last element lies exactly there is not wide, one past it is
+
+    def strided(stride_n, stride_d, n):
+        return torch.empty(1, device="meta").as_strided((1, 1, n, 128), (0, 0, stride_n, stride_d))
+
+    assert not _inputs.wide_offsets(strided(last - 127, 1, 2)) and _inputs.wide_offsets(strided(last - 126, 1, 2))
+    assert not _inputs.wide_offsets(strided(1, last // 127, 1)) and _inputs.wide_offsets(strided(1, last // 127 + 1, 1))
     q, k, v = make_qkv(1, 4, 2, 200, 200, 64, torch.bfloat16, "NHD", seed=12)
     calls = _every_triton_entry_point("NHD", dict(backend="triton"))
     narrow = {name: call(q, k, v) for name, call in calls.items()}
@@ -761,7 +768,8 @@ def test_the_capability_test_traces_without_a_graph_break_or_warning(monkeypatch
 
 
 @pytest.mark.parametrize("shared,head_dim,refused", [(101376, 256, True), (101376, 128, False), (101376, 136, True),
-                                                    (166912, 256, False), (232448, 256, False)])
+                                                    (166912, 256, False), (232448, 256, False),
+                                                    (147456, 256, False), (147455, 256, True)])  # the bound
 def test_head_dims_above_128_need_the_shared_memory_of_an_a100_or_h100(monkeypatch, shared, head_dim, refused):
     """Compiled for sm89 at D = 256 the mask walk needs 112 KB with one stage, more than the 99 KB per block of GPUs
     of compute capability 8.6 / 8.9 / 12.0: there such head dims raise (naming both sizes) and ``unsupported_reason``
@@ -780,6 +788,34 @@ def test_head_dims_above_128_need_the_shared_memory_of_an_a100_or_h100(monkeypat
     assert (_inputs.gpu_reason(gpu, head_dim) is not None) == refused
     assert _inputs.gpu_reason(gpu) is None  # no head dim given: the device alone
     assert _inputs.pick_backend("reference", gpu, head_dim) == "reference"
+
+
+def test_threshold_ranges_are_closed_in_every_form_a_threshold_takes():
+    """per_head (every call's check, Python and tensor paths) and check_threshold_values (settings, tuning grids,
+    the LLM function's options) take both ends of each range and refuse values past them."""
+    from sparge_diffusers.kernels._inputs import check_threshold_values, per_head
+
+    for name, (low, high) in (("simthreshd1", (-1.0, 1.0)), ("cdfthreshd", (0.0, 1.0))):
+        for value in (low, high, [low, high], torch.tensor([low, high]), torch.tensor(high)):
+            assert per_head(value, 2, name, "cpu", low=low, high=high).tolist() in ([low, high], [low] * 2,
+                                                                                    [high] * 2)
+        for value in (low, high, [low, high], (high,)):
+            check_threshold_values(name, value)
+        for bad in (low - 0.5, high + 0.5, math.nan):
+            for form in (bad, [low, bad], torch.tensor([low, bad])):
+                with pytest.raises(ValueError, match=name):
+                    per_head(form, 2, name, "cpu", low=low, high=high)
+            for form in (bad, [low, bad]):
+                with pytest.raises(ValueError, match=name):
+                    check_threshold_values(name, form)
+        for form in (None, [], "0.5", [None], True):
+            with pytest.raises(ValueError, match=name):
+                check_threshold_values(name, form)
+    for value in (None, math.inf, 1e-3, [50.0, math.inf]):
+        check_threshold_values("pvthreshd", value)
+    for bad in (0, 0.0, -1.0, [1.0, 0.0], math.nan, [None]):
+        with pytest.raises(ValueError, match="pvthreshd"):
+            check_threshold_values("pvthreshd", bad)
 
 
 @pytest.mark.gpu
