@@ -168,8 +168,14 @@ def test_permutation_errors():
         (lambda: p.apply(x, "BHSD"), "tensor_layout must be 'HND' or 'NHD', got 'BHSD'"),
         (lambda: p.restore(x.to("meta")), "permutation indices are on cpu, tensor on meta"),
         (lambda: block_self_similarity(x, 4, "BHSD"), "tensor_layout must be 'HND' or 'NHD'"),
-        (lambda: block_self_similarity(x[0], 4), r"expected a 4-D tensor and block_size >= 1, got shape \(1, 8, 16\)"),
+        (lambda: block_self_similarity(x[0], 4), r"4-D tensor and an int block_size >= 1, got shape \(1, 8, 16\)"),
         (lambda: block_self_similarity(x, 0), "block_size >= 1"),
+        # True read as block size 1, 4.0 failed inside F.pad, an empty sequence raised an IndexError and zero
+        # channels gave a similarity of 0
+        (lambda: block_self_similarity(x, True), "int block_size >= 1, got .*, True"),
+        (lambda: block_self_similarity(x, 4.0), "int block_size >= 1, got .*, 4.0"),
+        (lambda: block_self_similarity(x[:, :, :0], 4), "tokens with channels"),
+        (lambda: block_self_similarity(x[..., :0], 4), "tokens with channels"),
         (lambda: last_block_key_importance(x, x, backend="cuda"), "backend must be 'auto', 'triton' or 'torch'"),
         (lambda: segmented_key_order(x[:, :, :, 0], True), "segment must be a positive int, got True"),
         (lambda: segmented_key_order(x[:, :, :, 0], 4.0), "segment must be a positive int, got 4.0"),

@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .orders import _whole
+
 
 def block_self_similarity(x: torch.Tensor, block_size: int, tensor_layout: str = "HND") -> torch.Tensor:
     """Mean pairwise cosine similarity of the tokens inside each block, per head.
@@ -20,9 +22,14 @@ def block_self_similarity(x: torch.Tensor, block_size: int, tensor_layout: str =
     """
     if tensor_layout not in ("HND", "NHD"):
         raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
-    if x.dim() != 4 or block_size < 1:
-        raise ValueError(f"expected a 4-D tensor and block_size >= 1, got shape {tuple(x.shape)}, {block_size}")
+    size = _whole(block_size)  # True read as 1, 64.0 failed inside F.pad
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or size is None or size < 1:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"expected a 4-D tensor and an int block_size >= 1, got shape {shape}, {block_size!r}")
+    block_size = size
     xh = x if tensor_layout == "HND" else x.transpose(1, 2)
+    if not xh.shape[2] or not xh.shape[3]:  # no tokens: an IndexError; no channels: a similarity of 0
+        raise ValueError(f"block_self_similarity needs tokens with channels, got shape {tuple(x.shape)}")
     B, H, N, D = xh.shape
     nb = math.ceil(N / block_size)
     unit = F.normalize(xh.float(), dim=-1)
