@@ -133,6 +133,10 @@ def test_search_errors():
     search.observe(q, k, v)
     with pytest.raises(ValueError, match="heads"):
         search.observe(q[:, :1], k[:, :1], v[:, :1])
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(q.dtype)
+    for broadcasting in (exact[:, :, :1], exact[:, :1], exact[..., :1]):  # tallied against the wrong elements
+        with pytest.raises(ValueError, match="reference must have the call's output shape"):
+            search.observe(q, k, v, broadcasting)
     with pytest.raises(RuntimeError, match="finish_stage1 needs phase 1 with at least one observed call"):
         ThresholdSearch().finish_stage1()
     search.finish_stage1()

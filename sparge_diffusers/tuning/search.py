@@ -170,6 +170,10 @@ class ThresholdSearch:
         """
         if reference is None:
             reference = _dense(q, k, v, is_causal, scale, tensor_layout)
+        elif tuple(reference.shape) != tuple(q.shape[:-1]) + (v.shape[-1],):
+            # the error is out - reference: one that broadcasts (a single token, one head) compared other elements
+            raise ValueError(f"reference must have the call's output shape {tuple(q.shape[:-1]) + (v.shape[-1],)}, "
+                             f"got {tuple(reference.shape)}")
         head_dim = 1 if tensor_layout == "HND" else 2
         reduce = tuple(d for d in range(4) if d != head_dim)
         ref = reference.float()
