@@ -178,7 +178,11 @@ def test_a_reused_order_is_checked_against_the_call():
     with pytest.raises(ValueError, match="order has shapes"):
         s2o_attention(q[:, :, :200], k[:, :, :200], v[:, :, :200], order=causal_order, **kw)
     index, n_unmasked, n_forced, count = causal_order
+    past_the_end = index.clone()
+    past_the_end[0, 0, 0, 0] = index.shape[-1]
     for bad, match in (((index.long(), n_unmasked, n_forced, count), "int32"),
+                       ((index, n_unmasked[..., :-1], n_forced, count), "order has shapes"),
+                       ((past_the_end, n_unmasked, n_forced, count), "outside"),
                        ((index + 100, n_unmasked, n_forced, count), "outside"),
                        ((index - 1, n_unmasked, n_forced, count), "outside"),
                        ((index, n_unmasked, count + 1, count), "n_forced <= count"),
@@ -188,6 +192,12 @@ def test_a_reused_order_is_checked_against_the_call():
                        ([index, n_unmasked, n_forced, count], "VisitOrder")):
         with pytest.raises(ValueError, match=match):
             s2o_attention(q, k, v, order=bad, **kw)
+    # whole blocks only (256 keys): every forced block is unmasked, n_unmasked == n_forced, a valid order
+    q, k, v = q[:, :, :256], k[:, :, :256], v[:, :, :256]
+    _, whole_blocks, _ = order_for(q, k, False, theta=1.0)
+    assert torch.equal(whole_blocks[1], whole_blocks[2])
+    kw = dict(segment=256, simthreshd1=1.0, backend="reference")  # the order s2o_attention builds itself
+    assert torch.equal(s2o_attention(q, k, v, order=tuple(whole_blocks), **kw), s2o_attention(q, k, v, **kw))
     for moved in (causal_order.to("cpu"), copy.deepcopy(causal_order)):  # keep the record of their call
         assert (moved.shape, moved.is_causal) == (causal_order.shape, True)
 
