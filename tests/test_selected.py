@@ -194,6 +194,7 @@ def test_selection_index_lists_each_blocks_queries_once_in_order():
     (lambda q, k, v, i: dict(block_indices=i[:, :, :-1]), "shape"),
     (lambda q, k, v, i: dict(block_indices=i.float()), "integer"),
     (lambda q, k, v, i: dict(block_indices=i + 100), r"block index >= 5"),
+    (lambda q, k, v, i: dict(block_indices=torch.where(i == i.max(), 5, i)), r"block index >= 5"),  # one past
     (lambda q, k, v, i: dict(block_indices=i, block_size=48), "block_size"),
     (lambda q, k, v, i: dict(block_indices=i, max_partial_bytes=0), "max_partial_bytes"),
     (lambda q, k, v, i: dict(block_indices=i, out=q[:, :1]), "out must match"),
@@ -281,11 +282,14 @@ def test_selection_sparsity_and_index_refuse_sizes_and_indices_that_gave_a_figur
         with pytest.raises(ValueError, match=match):
             build_selection_index(tensor, q_len=8, kv_len=64, block_size=32, is_causal=False)
     for bad, match in ((dict(kv_len=0), "kv_len"), (dict(q_len=8.0), "q_len"), (dict(block_size=48), "block_size"),
-                       (dict(block_size=0), "block_size"), (dict(q_start=0.5), "outside")):
+                       (dict(block_size=0), "block_size"), (dict(block_size=64.0), "block_size"),
+                       (dict(q_start=0.5), "outside"), (dict(q_start=True), "outside"), (dict(q_start=1), "outside")):
         kwargs = dict(q_len=8, kv_len=64, block_size=32, is_causal=False)
         kwargs.update(bad)
         with pytest.raises(ValueError, match=match):
             build_selection_index(sel, **kwargs)
+    with pytest.raises(ValueError, match="outside"):  # a chunk of the queries, placed by a bool
+        build_selection_index(sel[:, :, :4], q_len=8, kv_len=64, block_size=32, is_causal=False, q_start=True)
 
 
 def test_cpu_auto_runs_reference_and_fp32_only_there():
