@@ -57,6 +57,18 @@ def test_fidelity_rejects_mismatched_inputs():
         psnr(images(2), images(3))
     with pytest.raises(ValueError, match="3, H, W"):
         ssim(torch.rand(2, 1, 8, 8), torch.rand(2, 1, 8, 8))
+    with pytest.raises(ValueError, match="3, H, W"):  # one (3, H, W) image without its batch dimension, H = 3
+        psnr(torch.rand(3, 3, 8), torch.rand(3, 3, 8))
+    # the range check's tolerance is inclusive: a decoder output exactly 0.01 outside [0, 1] passes
+    from sparge_diffusers.eval._images import RANGE_TOLERANCE, check_unit_images
+
+    edge = images(2).double()
+    edge[0, 0, 0, 0], edge[1, 2, 3, 4] = -RANGE_TOLERANCE, 1 + RANGE_TOLERANCE
+    check_unit_images(edge)
+    for outside in (-RANGE_TOLERANCE - 1e-9, 1 + RANGE_TOLERANCE + 1e-9):
+        edge[0, 0, 0, 0] = outside
+        with pytest.raises(ValueError, match="values span"):
+            check_unit_images(edge)
 
 
 def test_metrics_refuse_empty_inputs_and_batches_that_skip_images():
