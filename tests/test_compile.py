@@ -195,6 +195,14 @@ def test_custom_op_dense_flag_switches_to_exact_attention():
     for bad in (torch.tensor([True, False]), torch.tensor(1), torch.tensor(True, device="meta")):
         with pytest.raises(ValueError, match="one-element bool tensor on the CPU"):
             sparge_attention_op(q, k, v, dense=bad)
+    # the dense step checks what the sparse one does: these ran SDPA's upper-left mask, or failed inside SDPA
+    for dense in (True, False):
+        flag.fill_(dense)
+        for bad, match in ((dict(is_causal=True), "pass causal_variant"),
+                           (dict(is_causal=True, causal_variant="lower-right"), "causal_variant"),
+                           (dict(tensor_layout="BHSD"), "tensor_layout")):
+            with pytest.raises(ValueError, match=match):
+                sparge_attention_op(q[:, :, 100:], k, v, dense=flag, **kw, **bad)
 
 
 def test_compiling_flux_before_any_eager_step_warns_that_it_has_no_token_grid():

@@ -92,7 +92,10 @@ def _sparge_attention_or_exact_op(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   causal_variant: str | None = None) -> torch.Tensor:
     _check_dense_flag(dense)
     if bool(dense):
+        # the sparse path's checks, which the exact one skipped: a causal call with Nq != Nkv and no variant, or a
+        # misspelt variant, ran SDPA's upper-left mask where the sparse step raised
         layout, variant = _typed(tensor_layout, causal_variant)
+        check_attention_inputs(q, k, v, tensor_layout=layout, is_causal=is_causal, causal_variant=variant)
         return exact_attention(q, k, v, is_causal=is_causal, scale=scale, tensor_layout=layout, causal_variant=variant)
     return _sparge_attention_op(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink,
                                 tensor_layout, causal_variant)
