@@ -408,7 +408,9 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if dropout:
             probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
         parts.append(probs.to(value.dtype) @ values)
-    out = torch.cat(parts, dim=3).reshape(batch, heads, q_len, head_dim)
+    # value's head dim, which may differ from the query's (MLA: DeepSeek's 128 against 192); reshaping to the
+    # query's failed there
+    out = torch.cat(parts, dim=3).reshape(batch, heads, q_len, value.shape[-1])
     return out.transpose(1, 2).contiguous()
 
 

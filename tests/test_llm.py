@@ -1526,6 +1526,21 @@ def test_every_method_takes_sinks_and_a_method_without_falls_back_to_their_exact
     assert torch.equal(out[0, 7], torch.zeros_like(out[0, 7])) and torch.isfinite(out).all()
 
 
+def test_eager_attention_takes_values_of_another_head_dim():
+    """Multi-head latent attention (DeepSeek) has value heads narrower than query heads: the output reshaped to the
+    query's head dim failed."""
+    from sparge_diffusers.llm import eager_attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 20, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g), \
+        torch.randn(1, 2, 20, 8, generator=g)
+    scores = 2.0 * torch.tanh(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25 / 2.0)
+    scores = scores.masked_fill(~torch.ones(20, 20, dtype=torch.bool).tril(), -float("inf"))
+    expected = (torch.softmax(scores, -1) @ v.repeat_interleave(2, 1)).transpose(1, 2)
+    out = eager_attention(q, k, v, None, softcap=2.0, scale=0.25, is_causal=True, max_scores=4 * 20 * 7)
+    assert out.shape == (1, 20, 4, 8) and relative_l1(out, expected) < 1e-6
+
+
 def gemma2_with_cap(path) -> None:
     """A tiny Gemma 2 saved at ``path``: logit cap 1.0 (so that it matters on random weights), a sliding-window (100
     keys) layer and a global one, Q/K projections scaled so that scores reach a few units."""
