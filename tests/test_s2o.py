@@ -158,6 +158,27 @@ def test_s2o_errors():
         s2o_attention(q.float(), k.float(), v.float(), backend="triton")
 
 
+def test_visit_order_checks_the_statistics_against_the_shape():
+    """s2o_visit_order sized its Triton passes by ``shape`` alone: statistics of other sizes were read past their end,
+    and strided means (a view) were read as contiguous. Now they raise, and views are copied first."""
+    q, k, _ = llm_like_qkv(300, heads=2, kv_heads=1, head_dim=32)
+    shape, want, (qm, km, qs, ks) = order_for(q, k, True, backend="triton")
+    theta = torch.full((2,), 0.6)
+    kw = dict(is_causal=True, scale=32 ** -0.5, simthreshd1=theta, segment=256, attention_sink=False, backend="triton")
+    strided = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (qm, km)]
+    assert not strided[0].is_contiguous()
+    got = s2o_visit_order(*strided, qs, ks, shape, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for i, name in enumerate(("q_means", "k_means", "q_sim", "k_sim")):
+        for bad in ((qm, km, qs, ks)[i][..., :-1], (qm, km, qs, ks)[i].long(), (qm, km, qs, ks)[i].tolist()):
+            args = [qm, km, qs, ks]
+            args[i] = bad
+            with pytest.raises(ValueError, match=f"{name} must be a float tensor of shape"):
+                s2o_visit_order(*args, shape, **kw)
+    with pytest.raises(ValueError, match="simthreshd1 must be a float tensor of shape \\(2,\\)"):
+        s2o_visit_order(qm, km, qs, ks, shape, **dict(kw, simthreshd1=theta[:1]))
+
+
 def test_a_reused_order_is_checked_against_the_call():
     """s2o_attention loaded key blocks through any order it was given: one built without causal masking let a
     causal call's queries see later keys (its ranked blocks are unmasked), and one of another shape or out of range

@@ -270,7 +270,11 @@ def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.T
     Triton: three launches instead of about forty PyTorch ops (the host time that dominated S2O at Flux's
     size); "reference" (or "auto" on CPU tensors) uses PyTorch. Both give the same order from the same scores;
     the Triton scores (tf32x3 products, scaled by log2 e) may break near-ties differently.
+
+    ``shape`` sizes everything the kernels read, so the statistics must match it (ValueError otherwise): the
+    Triton passes read past smaller tensors and, given a strided view of the means, read other elements.
     """
+    _check_block_statistics(q_means, k_means, q_sim, k_sim, simthreshd1, shape)
     use_triton = backend == "triton" or (backend == "auto" and q_means.is_cuda)
     if not use_triton or next_power_of_2(shape.k_blocks) > MAX_SORTED_BLOCKS:
         group = shape.heads // shape.kv_heads
@@ -278,9 +282,26 @@ def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.T
         scores = (q_means.float() @ km.float().transpose(-1, -2)) * scale  # (B, H, nq, nk)
         return _visit_order_torch(scores, q_sim, k_sim, shape, is_causal=is_causal, simthreshd1=simthreshd1,
                                   segment=segment, attention_sink=attention_sink)
-    return _visit_order_triton(compressed_scores_triton(q_means, k_means, shape, scale), q_sim, k_sim, shape,
+    return _visit_order_triton(compressed_scores_triton(q_means.contiguous(), k_means.contiguous(), shape, scale),
+                               q_sim, k_sim, shape,
                                is_causal=is_causal, simthreshd1=simthreshd1, segment=segment,
                                attention_sink=attention_sink)
+
+
+def _check_block_statistics(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor,
+                            simthreshd1: torch.Tensor, shape: AttentionShape) -> None:
+    q_rows = (shape.batch, shape.heads, shape.q_blocks)
+    k_rows = (shape.batch, shape.kv_heads, shape.k_blocks)
+    expected = {"q_means": q_rows + (shape.head_dim,), "k_means": k_rows + (shape.head_dim,), "q_sim": q_rows,
+                "k_sim": k_rows, "simthreshd1": (shape.heads,)}
+    given = {"q_means": q_means, "k_means": k_means, "q_sim": q_sim, "k_sim": k_sim, "simthreshd1": simthreshd1}
+    device = q_means.device if isinstance(q_means, torch.Tensor) else None
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected[name] or not t.is_floating_point() \
+                or t.device != device:
+            what = (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"s2o_visit_order: {name} must be a float tensor of shape {expected[name]} on one "
+                             f"device with the others, for this shape; got {what}")
 
 
 def _visit_order_triton(scores: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor, shape: AttentionShape, *,
