@@ -237,6 +237,12 @@ def test_selection_index_reuse_is_checked():
         selected_block_attention(q, k, v, index, block_size=64, backend="triton")
     with pytest.raises(ValueError, match="built for"):
         selected_block_attention(q, k, v, index, block_size=32, is_causal=False, backend="triton")
+    # batch x KV heads = 2 x 1 against a call of 1 x 2: the same B * H_kv, each row's picks another's
+    two_rows = build_selection_index(torch.cat([idx, idx.flip(2)]), q_len=140, kv_len=140, block_size=32,
+                                     is_causal=True)
+    q2, k2, v2 = make_qkv(1, 2, 2, 140, 140, 16, torch.float16, "HND", seed=1)
+    with pytest.raises(ValueError, match=r"built for .* \(B, H_kv\) = \(2, 1\)"):
+        selected_block_attention(q2, k2, v2, two_rows, block_size=32, backend="triton")
 
 
 @pytest.mark.parametrize("is_causal, nq, variant", [(True, 150, None), (False, 150, None), (True, 60, "lower_right"),

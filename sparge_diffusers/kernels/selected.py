@@ -92,6 +92,8 @@ class SelectionIndex:
         chunk_block, chunk_begin: (BH, C) int32: work item c covers ``query_list[chunk_begin : chunk_begin +
             QUERY_CHUNK]`` clipped to block ``chunk_block``'s list; -1 marks an unused item (C is an upper bound,
             ceil(P / QUERY_CHUNK) + NB, so the grid needs no host sync).
+        batch, kv_heads: B and H_kv of the selection it was built from (None: not recorded), which a call checks:
+            BH alone let an index of 2 batch rows x 1 KV head drive a call of 1 x 2, each row's picks another's.
     """
 
     query_list: torch.Tensor
@@ -103,6 +105,8 @@ class SelectionIndex:
     is_causal: bool
     q_start: int = 0
     causal_offset: int = 0
+    batch: int | None = None
+    kv_heads: int | None = None
 
 
 def _check_block_size(block_size: int) -> None:
@@ -195,7 +199,7 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     chunk_block = torch.where(block < n_blocks, safe, -1).to(torch.int32)
     return SelectionIndex(query_list.contiguous(), block_start, slot.contiguous(), chunk_block.contiguous(),
                           chunk_begin.to(torch.int32).contiguous(), block_size, is_causal, q_start,
-                          causal_offset if is_causal else 0)
+                          causal_offset if is_causal else 0, B, HK)
 
 
 @triton.jit
@@ -401,11 +405,13 @@ def selected_block_attention(
             raise ValueError("a SelectionIndex of a query chunk (q_start > 0) covers only part of the output")
         if (index.block_size, index.is_causal, index.causal_offset) != (block_size, is_causal, shape.causal_offset) \
                 or index.slot.shape != (shape.batch * shape.kv_heads, shape.q_len, index.slot.shape[-1]) \
+                or (index.batch is not None and (index.batch, index.kv_heads) != (shape.batch, shape.kv_heads)) \
                 or index.slot.device != q.device:
             raise ValueError(f"the SelectionIndex was built for block_size={index.block_size}, "
-                             f"is_causal={index.is_causal}, causal_offset={index.causal_offset}, slot shape "
-                             f"{tuple(index.slot.shape)} on {index.slot.device}; this call has "
-                             f"block_size={block_size}, is_causal={is_causal}, causal_offset={shape.causal_offset}, "
+                             f"is_causal={index.is_causal}, causal_offset={index.causal_offset}, (B, H_kv) = "
+                             f"({index.batch}, {index.kv_heads}), slot shape {tuple(index.slot.shape)} on "
+                             f"{index.slot.device}; this call has block_size={block_size}, is_causal={is_causal}, "
+                             f"causal_offset={shape.causal_offset}, (B, H_kv) = ({shape.batch}, {shape.kv_heads}), "
                              f"(B*H_kv, Nq) = ({shape.batch * shape.kv_heads}, {shape.q_len}) on {q.device}")
         if index.block_start.shape[1] - 1 != math.ceil(shape.kv_len / block_size):
             raise ValueError("the SelectionIndex was built for a different key length")
