@@ -649,7 +649,7 @@ def test_wide_offsets_rule_and_its_int64_row_path(monkeypatch):
 
     assert not _inputs.wide_offsets(q_view(524_288)) and _inputs.wide_offsets(q_view(524_289))
     assert not _inputs.wide_offsets(q_view(524_289).contiguous())
-    last = _inputs.INT32_OFFSET_MAX  # a view whose last element lies exactly there is not wide, one past it is
+    last = 2**31 - 1  # int32's largest offset: a view whose last element lies exactly there is not wide, one past it is
 
     def strided(stride_n, stride_d, n):
         return torch.empty(1, device="meta").as_strided((1, 1, n, 128), (0, 0, stride_n, stride_d))
