@@ -192,8 +192,13 @@ def test_gather_keys_checks_the_order_it_is_given():
 def test_permuted_keys_are_checked():
     q, k, v = make_qkv(1, 2, 2, 300, 64, torch.float32, seed=2)
     order = random_segment_order(1, 2, 300, 128, seed=3)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        PermutedKeys(order, 100)
+    for segment in (100, 0, -64, True, 128.0):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            PermutedKeys(order, segment)
+    past_the_end = order.clone()
+    past_the_end[..., -1] = 300  # in the last slot's segment (256-383) but past the 300 keys
+    with pytest.raises(ValueError, match=r"out of its segment .*\[0, 300\)"):
+        PermutedKeys(past_the_end, 128).verify()
     with pytest.raises(ValueError, match="3-D"):
         PermutedKeys(order[0], 128)
     with pytest.raises(ValueError, match="is_causal=True"):
