@@ -45,7 +45,7 @@ from .reference import (
     reference_ordered_attention,
     reference_predict_block_mask,
 )
-from .s2o import CHECK_EVERY, VisitOrder, check_visit_order, ordered_attention_triton, s2o_visit_order
+from .s2o import CHECK_EVERY, VisitOrder, check_visit_order, ordered_attention_triton, visit_order_of_checked
 from .stats import SparsityStats, sparsity_stats
 
 
@@ -600,9 +600,9 @@ def s2o_attention(
         else:
             q_stats, k_stats = qk_block_statistics_triton(qh, kh)
         (q_means, q_sim), (k_means, k_sim) = q_stats, k_stats
-        order = s2o_visit_order(q_means, k_means, q_sim, k_sim, shape, is_causal=is_causal, scale=scale,
-                                simthreshd1=theta, segment=segment, attention_sink=attention_sink,
-                                backend=chosen)
+        order = visit_order_of_checked(q_means, k_means, q_sim, k_sim, shape, is_causal=is_causal, scale=scale,
+                                       simthreshd1=theta, segment=segment, attention_sink=attention_sink,
+                                       backend=chosen)
     if chosen == "reference":
         result, visited, pv_count = reference_ordered_attention(qh, kh, vh, order, shape=shape, is_causal=is_causal,
                                                                 scale=scale, tau=tau_t, pvthreshd=thr,

@@ -275,6 +275,16 @@ def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.T
     Triton passes read past smaller tensors and, given a strided view of the means, read other elements.
     """
     _check_block_statistics(q_means, k_means, q_sim, k_sim, simthreshd1, shape)
+    return visit_order_of_checked(q_means, k_means, q_sim, k_sim, shape, is_causal=is_causal, scale=scale,
+                                  simthreshd1=simthreshd1, segment=segment, attention_sink=attention_sink,
+                                  backend=backend)
+
+
+def visit_order_of_checked(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor,
+                           shape: AttentionShape, *, is_causal: bool, scale: float, simthreshd1: torch.Tensor,
+                           segment: int, attention_sink: bool, backend: str = "auto") -> VisitOrder:
+    """:func:`s2o_visit_order` on statistics known to match ``shape`` (``s2o_attention``'s own, of its checked
+    inputs): the check costs ~7 us of host time per call, which S2O's calls do not repeat."""
     use_triton = backend == "triton" or (backend == "auto" and q_means.is_cuda)
     if not use_triton or next_power_of_2(shape.k_blocks) > MAX_SORTED_BLOCKS:
         group = shape.heads // shape.kv_heads
