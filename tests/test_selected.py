@@ -303,6 +303,8 @@ def test_cpu_auto_runs_reference_and_fp32_only_there():
     idx = random_selection(1, 1, 70, 3, 2, seed=2)
     out = selected_block_attention(q, k, v, idx, block_size=32)  # auto on CPU: the reference takes fp32
     assert out.dtype == torch.float32
+    with pytest.raises(ValueError, match="block index >= 3"):  # the reference checks the range even unasked
+        selected_block_attention(q, k, v, idx + 3, block_size=32, validate=False)
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
         selected_block_attention(q, k, v, idx, block_size=32, backend="triton")
 
