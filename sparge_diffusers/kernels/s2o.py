@@ -292,10 +292,10 @@ def visit_order_of_checked(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: 
         scores = (q_means.float() @ km.float().transpose(-1, -2)) * scale  # (B, H, nq, nk)
         return _visit_order_torch(scores, q_sim, k_sim, shape, is_causal=is_causal, simthreshd1=simthreshd1,
                                   segment=segment, attention_sink=attention_sink)
-    return _visit_order_triton(compressed_scores_triton(q_means.contiguous(), k_means.contiguous(), shape, scale),
-                               q_sim, k_sim, shape,
-                               is_causal=is_causal, simthreshd1=simthreshd1, segment=segment,
-                               attention_sink=attention_sink)
+    # the scores' kernel reads the means as contiguous (a no-op for s2o_attention's own)
+    scores = compressed_scores_triton(q_means.contiguous(), k_means.contiguous(), shape, scale)
+    return _visit_order_triton(scores, q_sim, k_sim, shape, is_causal=is_causal, simthreshd1=simthreshd1,
+                               segment=segment, attention_sink=attention_sink)
 
 
 def _check_block_statistics(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor,
