@@ -27,7 +27,12 @@ def write_json(path: str | os.PathLike, doc: Any, *, other_types_as_null: bool =
     """Write ``doc`` as strict JSON, non-finite floats as null, indented one space per level.
 
     Objects JSON cannot hold (tensors, callables) raise TypeError, or with ``other_types_as_null`` (reports
-    that echo whatever the caller passed) are written as null."""
+    that echo whatever the caller passed) are written as null. The text is built first and replaces the file in
+    one step: ``json.dump`` straight into the file left it cut off at such an object, and a settings file saved
+    over a good one lost both."""
     default = (lambda v: None) if other_types_as_null else None
-    with open(path, "w") as f:
-        json.dump(finite_or_none(doc), f, indent=1, default=default, allow_nan=False)
+    text = json.dumps(finite_or_none(doc), indent=1, default=default, allow_nan=False)
+    partial = f"{os.fspath(path)}.partial"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
