@@ -44,8 +44,8 @@ from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
 from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_attention_inputs, check_no_grad,
-                              check_sink_logits, check_softcap, check_threshold_values, pick_backend, resolve_scale,
-                              unsupported_reason)
+                              check_positive_int, check_sink_logits, check_softcap, check_threshold_values,
+                              pick_backend, resolve_scale, unsupported_reason)
 from .kernels.api import new_output
 from .kernels.mask_rows import mask_row_extents
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_int, _as_list
@@ -592,8 +592,7 @@ class SpargeLLMAttention:
         for name in ("min_padded_tokens", "min_predicted_window", "min_segment_queries"):
             if not isinstance(options[name], int) or isinstance(options[name], bool) or options[name] < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {options[name]!r}")
-        if not isinstance(options["top_k"], int) or isinstance(options["top_k"], bool) or options["top_k"] < 1:
-            raise ValueError(f"top_k must be a positive int, got {options['top_k']!r}")  # (True read as 1)
+        check_positive_int(options["top_k"], "top_k")  # (True was read as 1)
         if not isinstance(options["block_size"], int) or options["block_size"] not in (32, 64, 128):  # (64.0 passed)
             raise ValueError(f"block_size must be 32, 64 or 128, got {options['block_size']!r}")
         for name in THRESHOLD_RANGES:

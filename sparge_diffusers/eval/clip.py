@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..kernels._inputs import check_positive_int
 from ._images import check_unit_images
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -55,8 +56,7 @@ class ClipModel:
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor, batch: int = 32) -> torch.Tensor:
         """(N, 3, H, W) images in [0, 1] -> (N, E) unit-norm float32 embeddings on the CPU, ``batch`` at a time."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        check_positive_int(batch, "batch")
         parts = [self.encode_image_fn(self.preprocess(images[i:i + batch])).float().cpu()
                  for i in range(0, len(images), batch)]
         return F.normalize(torch.cat(parts), dim=-1)

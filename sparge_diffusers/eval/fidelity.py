@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels._inputs import check_positive_int
 from ._images import check_unit_images
 
 
@@ -122,6 +123,9 @@ class LPIPS(nn.Module):
     def forward(self, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         """(N,) distances between images in [0, 1]."""
         _check_pair(x, ref)
+        return self._distances(x, ref)
+
+    def _distances(self, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         p = next(self.parameters())
         fx, fr = self._activations(x.to(p)), self._activations(ref.to(p))
         return torch.stack([F.conv2d((a - b) ** 2, w).mean((2, 3)).flatten()
@@ -129,9 +133,8 @@ class LPIPS(nn.Module):
 
     def distance(self, x: torch.Tensor, ref: torch.Tensor, batch: int = 16) -> float:
         """Mean distance over images/frames, ``batch`` at a time."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            # range() with a negative step visits nothing: the mean became 0.0, a perfect score
-            raise ValueError(f"batch must be a positive int, got {batch!r}")
-        _check_pair(x, ref)  # here too: an empty pair has no mean
-        total = sum(float(self(x[i:i + batch], ref[i:i + batch]).sum()) for i in range(0, len(x), batch))
+        # range() with a negative step visits nothing: the mean became 0.0, a perfect score
+        check_positive_int(batch, "batch")
+        _check_pair(x, ref)  # once for the whole pair (an empty one has no mean), not per batch
+        total = sum(float(self._distances(x[i:i + batch], ref[i:i + batch]).sum()) for i in range(0, len(x), batch))
         return total / len(x)

@@ -67,7 +67,10 @@ def _check_dense_flag(dense: torch.Tensor) -> None:
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
                     tensor_layout: TensorLayout, causal_variant: CausalVariant | None = None) -> torch.Tensor:
     """SDPA on sparge_attention's inputs (layouts, grouped-query heads, causal variants), written into an output
-    laid out as sparge_attention's (:func:`~sparge_diffusers.kernels.api.new_output`)."""
+    laid out as sparge_attention's (:func:`~sparge_diffusers.kernels.api.new_output`). The inputs are checked as
+    sparge_attention checks them: a causal call with Nq != Nkv and no variant, or a misspelt one, ran SDPA's
+    upper-left mask here where the sparse step raised."""
+    check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, causal_variant=causal_variant)
     qh, kh, vh = (to_hnd(x, tensor_layout) for x in (q, k, v))
     out = new_output(q)
     oh = to_hnd(out, tensor_layout)
@@ -92,10 +95,7 @@ def _sparge_attention_or_exact_op(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   causal_variant: str | None = None) -> torch.Tensor:
     _check_dense_flag(dense)
     if bool(dense):
-        # the sparse path's checks, which the exact one skipped: a causal call with Nq != Nkv and no variant, or a
-        # misspelt variant, ran SDPA's upper-left mask where the sparse step raised
         layout, variant = _typed(tensor_layout, causal_variant)
-        check_attention_inputs(q, k, v, tensor_layout=layout, is_causal=is_causal, causal_variant=variant)
         return exact_attention(q, k, v, is_causal=is_causal, scale=scale, tensor_layout=layout, causal_variant=variant)
     return _sparge_attention_op(q, k, v, is_causal, scale, simthreshd1, cdfthreshd, pvthreshd, attention_sink,
                                 tensor_layout, causal_variant)

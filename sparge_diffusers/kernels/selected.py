@@ -156,9 +156,18 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     _check_block_size(block_size)
     check_positive_int(q_len, "q_len")
     check_positive_int(kv_len, "kv_len")
-    B, HK, Nq, T = block_indices.shape
+    Nq = block_indices.shape[2]
     if isinstance(q_start, bool) or not isinstance(q_start, int) or not 0 <= q_start or q_start + Nq > q_len:
         raise ValueError(f"queries {q_start}..{q_start + Nq - 1} of the selection lie outside the {q_len} queries")
+    return _selection_index_of_checked(block_indices, kv_len=kv_len, block_size=block_size, is_causal=is_causal,
+                                       q_start=q_start, causal_offset=causal_offset)
+
+
+def _selection_index_of_checked(block_indices: torch.Tensor, *, kv_len: int, block_size: int, is_causal: bool,
+                                q_start: int, causal_offset: int) -> SelectionIndex:
+    """:func:`build_selection_index` on arguments already checked (``selected_block_attention``'s query chunks,
+    whose selection and sizes its own checks covered: no second check per chunk)."""
+    B, HK, Nq, T = block_indices.shape
     device = block_indices.device
     n_blocks = math.ceil(kv_len / block_size)
     none = n_blocks  # sorts after every real block
@@ -443,9 +452,9 @@ def selected_block_attention(
     pieces = math.ceil(shape.q_len * per_query / max_partial_bytes)
     rows = math.ceil(shape.q_len / pieces)
     for start in range(0, shape.q_len, rows):
-        index = build_selection_index(block_indices[:, :, start:start + rows], q_len=shape.q_len,
-                                      kv_len=shape.kv_len, block_size=block_size, is_causal=is_causal, q_start=start,
-                                      causal_offset=shape.causal_offset)
+        index = _selection_index_of_checked(block_indices[:, :, start:start + rows], kv_len=shape.kv_len,
+                                            block_size=block_size, is_causal=is_causal, q_start=start,
+                                            causal_offset=shape.causal_offset)
         selected_attention_triton(qh, kh, vh, out_h, shape, index, scale=scale, sink_logits=sink_logits)
     return out
 
