@@ -17,7 +17,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .kernels._inputs import TensorLayout, check_layout
+from .kernels._inputs import TensorLayout, check_layout, check_positive_int
+
+
+def _check_sizes(heads: int, kv_heads: int, **sizes: int) -> None:
+    """ValueError unless every size is a positive int and ``kv_heads`` divides ``heads``: a q with fewer heads
+    than k once came back with none (``heads // kv_heads`` = 0), and kv_heads=0 was read as "as many as q"."""
+    for name, value in dict(sizes, heads=heads, kv_heads=kv_heads).items():
+        check_positive_int(value, name)
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
 
 
 def _rotary_features(positions: torch.Tensor, pairs: int, min_wavelength: float, max_wavelength: float
@@ -64,8 +73,13 @@ def video_like_qkv(
         (q, k, v) in ``tensor_layout``; k and v have ``kv_heads`` heads (default ``heads``).
     """
     check_layout(tensor_layout)
-    kv_heads = kv_heads or heads
+    kv_heads = heads if kv_heads is None else kv_heads
+    if not isinstance(grid, (tuple, list)) or len(grid) != 3:
+        raise ValueError(f"grid must be (T, H, W), got {grid!r}")
     T, Hh, W = grid
+    _check_sizes(heads, kv_heads, T=T, H=Hh, W=W, batch=batch, head_dim=head_dim)
+    if isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 0:
+        raise ValueError(f"text_tokens must be an int >= 0, got {text_tokens!r}")
     n_vis = T * Hh * W
     gen = torch.Generator(device=device).manual_seed(seed)
     dev = torch.device(device)
@@ -74,12 +88,12 @@ def video_like_qkv(
         return torch.randn(*shape, generator=gen, device=dev)
 
     pos_dim = head_dim // 2
-    content_dim = head_dim - pos_dim
     pairs = [pos_dim // 6, pos_dim // 6, pos_dim // 2 - 2 * (pos_dim // 6)]  # t, y, x
     t, y, x = torch.meshgrid(torch.arange(T, device=dev), torch.arange(Hh, device=dev),
                              torch.arange(W, device=dev), indexing="ij")
     pos = torch.cat([_rotary_features(c.flatten(), n, 4.0, 4.0 * max(T, Hh, W))
-                     for c, n in zip((t, y, x), pairs)], dim=-1)  # [N, pos_dim]
+                     for c, n in zip((t, y, x), pairs)], dim=-1)  # [N, pos_dim rounded down to even]
+    content_dim = head_dim - pos.shape[1]  # the rest: an odd pos_dim (head_dim 6, 10) left one channel unfilled
     peak = torch.logspace(math.log10(locality[0]), math.log10(locality[1]), kv_heads, device=dev)
     amp_pos = (peak * math.sqrt(head_dim) / pos.shape[1]).sqrt()  # a^2 * pairs_total / sqrt(D) = peak
 
@@ -132,8 +146,7 @@ def llm_like_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal-LM-like q, k, v: attention sink, rotary local window and scattered vertical stripes."""
     check_layout(tensor_layout)
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    _check_sizes(heads, kv_heads, seq_len=seq_len, batch=batch, head_dim=head_dim)
     gen = torch.Generator(device=device).manual_seed(seed)
     dev = torch.device(device)
 
@@ -141,8 +154,8 @@ def llm_like_qkv(
         return torch.randn(*shape, generator=gen, device=dev)
 
     group = heads // kv_heads
-    pos_dim = head_dim // 2
-    pos = _rotary_features(torch.arange(seq_len, device=dev), pos_dim // 2, 4.0, 4.0 * seq_len)
+    pos = _rotary_features(torch.arange(seq_len, device=dev), head_dim // 4, 4.0, 4.0 * seq_len)
+    pos_dim = pos.shape[1]  # head_dim // 2 rounded down to even; the content dims take the rest
     window = torch.logspace(math.log10(12.0), math.log10(4.0), kv_heads, device=dev)  # peak logits
     amp = (window * math.sqrt(head_dim) / pos_dim).sqrt()
     content_dim = head_dim - pos_dim

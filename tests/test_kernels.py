@@ -445,6 +445,40 @@ def test_structured_generators_take_sequences_of_a_few_tokens(n):
     assert q.shape == (1, 2, n, 64) and all(torch.isfinite(t).all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("head_dim", [3, 6, 10, 18])
+def test_structured_generators_take_head_dims_whose_half_is_odd(head_dim):
+    """Until session 89 both generators raised a RuntimeError from inside torch at head dims 3, 6, 10, 18: the
+    rotary half was rounded down to even and no channel took up the one left over."""
+    q, k, v = llm_like_qkv(70, heads=4, kv_heads=2, head_dim=head_dim, seed=1)
+    assert q.shape == (1, 4, 70, head_dim) and k.shape == v.shape == (1, 2, 70, head_dim)
+    q, k, v = video_like_qkv((2, 3, 5), heads=2, head_dim=head_dim, text_tokens=4, seed=1)
+    assert q.shape == k.shape == v.shape == (1, 2, 34, head_dim)
+    assert all(torch.isfinite(t).all() for t in (q, k, v))
+
+
+def test_structured_generators_refuse_sizes_they_cannot_build():
+    """Until session 89 video_like_qkv(heads=1, kv_heads=2) returned a q with no heads (heads // kv_heads = 0) and
+    kv_heads=0 was read as kv_heads=heads; zero or float sizes failed inside torch."""
+    cases = [
+        (lambda: video_like_qkv((1, 4, 4), heads=1, kv_heads=2), "multiple of kv_heads"),
+        (lambda: video_like_qkv((1, 4, 4), heads=4, kv_heads=3), "multiple of kv_heads"),
+        (lambda: video_like_qkv((1, 4, 4), heads=2, kv_heads=0), "kv_heads must be a positive int"),
+        (lambda: video_like_qkv((0, 4, 4)), "T must be a positive int"),
+        (lambda: video_like_qkv((1, 2.5, 4)), "H must be a positive int"),
+        (lambda: video_like_qkv((4, 4)), "grid must be"),
+        (lambda: video_like_qkv((1, 4, 4), batch=0), "batch must be a positive int"),
+        (lambda: video_like_qkv((1, 4, 4), head_dim=0), "head_dim must be a positive int"),
+        (lambda: video_like_qkv((1, 4, 4), text_tokens=-1), "text_tokens must be"),
+        (lambda: llm_like_qkv(0), "seq_len must be a positive int"),
+        (lambda: llm_like_qkv(16, kv_heads=0), "kv_heads must be a positive int"),
+        (lambda: llm_like_qkv(16, batch=0), "batch must be a positive int"),
+        (lambda: llm_like_qkv(16, heads=True, kv_heads=1), "heads must be a positive int"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 def test_sparsity_stats_count_causal_blocks():
     q, k, v = make_qkv(1, 2, 2, 512, 512, 64, torch.float16, "HND", seed=2)
     # dense causal: query block i (128 rows) sees key blocks 0..2i+1 (64 keys each) -> 2+4+6+8 = 20 blocks
