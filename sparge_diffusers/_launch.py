@@ -219,8 +219,24 @@ def launch_fitting(fn, grid: tuple[int, ...], args: tuple, kwargs: dict):
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET set), where Gluon kernels and inline PTX do
-    not run."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    not run. Read as Triton reads it ("1", "true", "on", "yes" in any case; "false" or "2" are off), through its
+    knobs where this Triton has them."""
+    if _knobs is not None:
+        return bool(_knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")  # pragma: no cover
+
+
+def triton_launch_reason(device: torch.device) -> str | None:
+    """Why this process cannot launch Triton kernels on tensors of ``device``, None where it can: compiled kernels
+    run on CUDA tensors, the interpreter (TRITON_INTERPRET) on CPU tensors. (Elsewhere Triton's own error was
+    "0 active drivers ([]). There should only be one.")"""
+    interpret = interpreting()
+    if device.type == ("cpu" if interpret else "cuda"):
+        return None
+    if interpret:
+        return f"Triton's interpreter (TRITON_INTERPRET is set) runs on CPU tensors, got tensors on {device}"
+    return (f"the Triton kernels run on CUDA tensors (on CPU tensors only under TRITON_INTERPRET=1, Triton's "
+            f"interpreter), got tensors on {device}")
 
 
 def cdiv(a: int, b: int) -> int:

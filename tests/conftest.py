@@ -50,9 +50,11 @@ def share_threads_among_workers(workers: int | None, environ: MutableMapping[str
 
 
 def runs_in_interpreter() -> bool:
-    """TRITON_INTERPRET read as ``sparge_diffusers._launch.interpreting`` reads it (not imported here: importing the
-    package decorates the kernels)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """TRITON_INTERPRET read as Triton and ``sparge_diffusers._launch.interpreting`` read it (the package is not
+    imported here: importing it decorates the kernels)."""
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
 
 
 def _patch_interpreter_bf16_dot() -> None:

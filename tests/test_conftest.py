@@ -64,7 +64,7 @@ def test_gpu_tests_skip_with_a_reason_where_they_cannot_run(monkeypatch, cuda, i
 def test_the_interpreter_setting_is_read_as_the_package_reads_it(monkeypatch):
     from sparge_diffusers import _launch
 
-    for value in ("", "0", "1", "true"):
+    for value in ("", "0", "1", "true", "TRUE", "yes", "false", "off", "2"):
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert runs_in_interpreter() is _launch.interpreting()
 

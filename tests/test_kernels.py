@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, relative_l1
-from sparge_diffusers import compact_block_mask, sparge_attention
+from sparge_diffusers import compact_block_mask, s2o_attention, sparge_attention
 from sparge_diffusers.kernels._inputs import causal_offset
 from sparge_diffusers.kernels.predict import block_statistics_triton, qk_block_statistics_triton
 from sparge_diffusers.kernels.reference import reference_block_statistics, reference_prediction_details
@@ -780,6 +780,39 @@ def test_amd_gpus_are_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match=r"cuda:0 is an AMD GPU \(ROCm\); .*NVIDIA GPUs only.*backend='reference'"):
         _inputs.pick_backend("auto", torch.device("cuda", 0))
     assert _inputs.pick_backend("reference", torch.device("cuda", 0)) == "reference"
+
+
+@pytest.mark.parametrize("setting", ["0", "false", "off"])
+def test_backend_triton_refuses_tensors_it_cannot_launch_on(setting, monkeypatch):
+    """Until session 89 backend="triton" on CPU tensors without Triton's interpreter failed inside Triton with
+    "0 active drivers ([]). There should only be one.", and s2o_visit_order ran its PyTorch path for any backend
+    name. TRITON_INTERPRET is read as Triton reads it ("false" is off)."""
+    from sparge_diffusers import s2o_visit_order
+    from sparge_diffusers.kernels._inputs import AttentionShape
+    from sparge_diffusers.permutations import last_block_key_importance
+
+    q, k, v = make_qkv(1, 2, 1, 150, 150, 64, torch.float16, "HND", seed=0)
+    monkeypatch.setenv("TRITON_INTERPRET", setting)
+    launch = "backend='triton': the Triton kernels run on CUDA tensors"
+    for call in (lambda: sparge_attention(q, k, v, backend="triton"),
+                 lambda: predict_block_mask(q, k, backend="triton"),
+                 lambda: block_sparse_attention(q, k, v, None, backend="triton"),
+                 lambda: s2o_attention(q, k, v, backend="triton")):
+        with pytest.raises(ValueError, match=launch + r".*got tensors on cpu; use backend='reference'"):
+            call()
+    with pytest.raises(ValueError, match=launch + r".*use backend='torch'"):
+        last_block_key_importance(q, k, backend="triton")
+    shape = AttentionShape(1, 2, 1, 150, 150, 64)
+    stats = (torch.zeros(1, 2, 2, 64), torch.zeros(1, 1, 3, 64), torch.ones(1, 2, 2), torch.ones(1, 1, 3))
+    order_args = dict(is_causal=False, scale=0.125, simthreshd1=torch.full((2,), 0.6), segment=2048,
+                      attention_sink=False)
+    for backend, message in (("triton", launch), ("bogus", "backend must be 'auto', 'triton' or 'reference'")):
+        with pytest.raises(ValueError, match=message):
+            s2o_visit_order(*stats, shape, backend=backend, **order_args)
+    assert s2o_visit_order(*stats, shape, backend="reference", **order_args)[0].shape == (1, 2, 2, 3)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="Triton's interpreter .* runs on CPU tensors, got tensors on meta"):
+        sparge_attention(*(t.to("meta") for t in (q, k, v)), backend="triton")
 
 
 def test_the_capability_test_traces_without_a_graph_break_or_warning(monkeypatch):

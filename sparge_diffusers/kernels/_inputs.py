@@ -14,6 +14,8 @@ from typing import Any, Literal, Sequence, Union
 import torch
 from typing_extensions import TypeIs
 
+from .._launch import triton_launch_reason
+
 # Block sizes of the block mask, the same as upstream SpargeAttn (b_q = 128 query rows, b_k = 64 keys).
 # The attention kernel's tiles equal these, so one mask entry is exactly one Q.K^T tile product.
 BLOCK_Q = 128
@@ -458,6 +460,9 @@ def pick_backend(backend: Backend, device: torch.device, head_dim: int = 0) -> L
             raise ValueError(f"{reason}: use backend='reference' (float32, slow) or SDPA on this GPU")
         return "triton"
     if backend == "triton":  # CPU tensors under TRITON_INTERPRET (the tests)
+        reason = triton_launch_reason(device)
+        if reason is not None:
+            raise ValueError(f"backend='triton': {reason}; use backend='reference' or 'auto'")
         return backend
     if device.type == "cpu":
         return "reference"

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._inputs import BLOCK_K, BLOCK_Q, NO_WINDOW, AttentionShape, causal_block_visible, wide_offsets
+from ._inputs import (BLOCK_K, BLOCK_Q, NO_WINDOW, AttentionShape, Backend, causal_block_visible, pick_backend,
+                      wide_offsets)
 from .._launch import launch, next_power_of_2
 from . import attention, s2o_hopper
 from .attention import (LOG2E, _add_sink, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile,
@@ -263,7 +264,7 @@ def _visit_order_kernel(
 
 def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.Tensor, k_sim: torch.Tensor,
                     shape: AttentionShape, *, is_causal: bool, scale: float, simthreshd1: torch.Tensor,
-                    segment: int, attention_sink: bool, backend: str = "auto") -> VisitOrder:
+                    segment: int, attention_sink: bool, backend: Backend = "auto") -> VisitOrder:
     """Build the visiting order from stage 1's block statistics (means (B, H|H_kv, n, D), similarities).
 
     ``backend`` "triton" (or "auto" on CUDA tensors) computes the compressed scores and sorts each row in
@@ -275,6 +276,7 @@ def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.T
     Triton passes read past smaller tensors and, given a strided view of the means, read other elements.
     """
     _check_block_statistics(q_means, k_means, q_sim, k_sim, simthreshd1, shape)
+    backend = pick_backend(backend, q_means.device)  # ("bogus" ran the PyTorch path)
     return visit_order_of_checked(q_means, k_means, q_sim, k_sim, shape, is_causal=is_causal, scale=scale,
                                   simthreshd1=simthreshd1, segment=segment, attention_sink=attention_sink,
                                   backend=backend)

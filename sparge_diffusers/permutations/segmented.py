@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import cdiv, launch, next_power_of_2
+from .._launch import cdiv, launch, next_power_of_2, triton_launch_reason
 from .gather import gather_rows_per_head
 
 # Queries of the last block: PBS-Attn's proxy for every query's attention.
@@ -241,6 +241,9 @@ def last_block_key_importance(q: torch.Tensor, k: torch.Tensor, *, scale: float 
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    reason = triton_launch_reason(q.device) if backend == "triton" else None
+    if reason is not None:
+        raise ValueError(f"backend='triton': {reason}; use backend='torch' or 'auto'")
     if not isinstance(queries, int) or isinstance(queries, bool) or queries <= 0:  # 0: a mean over no rows, NaN
         raise ValueError(f"queries must be a positive int, got {queries!r}")
     q_offset = _importance_query_offset(q.shape[2], k.shape[2], causal_variant)
