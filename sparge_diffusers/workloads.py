@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from .kernels._inputs import check_positive_int
 from .testing import llm_like_qkv, video_like_qkv
 
 
@@ -93,6 +94,7 @@ def cudnn_attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def exact_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, causal: bool,
                          heads_per_chunk: int = 4) -> torch.Tensor:
     """Float32 attention of the query rows ``rows`` (HND), computed in head chunks: O(len(rows) * N) memory."""
+    check_positive_int(heads_per_chunk, "heads_per_chunk")
     N = k.shape[2]
     group = q.shape[1] // k.shape[1]
     out = []
@@ -117,6 +119,7 @@ def sampled_errors(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """
     if out.shape != q.shape[:3] + v.shape[3:]:  # an NHD output would be indexed along its heads
         raise ValueError(f"out must be (B, H, N, D) like q, got {tuple(out.shape)} for q {tuple(q.shape)}")
+    check_positive_int(rows, "rows")  # (0 gave NaN; -5 sampled all rows but 5, True one row)
     N = q.shape[2]
     g = torch.Generator(device=q.device).manual_seed(seed)
     idx = torch.randperm(N, generator=g, device=q.device)[:rows].sort().values

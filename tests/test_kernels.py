@@ -1095,3 +1095,6 @@ def test_sampled_relative_l1_matches_the_full_metric_and_wants_hnd():
     assert sampled_relative_l1(out, q, k, v, False, rows=100) == pytest.approx(relative_l1(out, exact), rel=1e-5)
     with pytest.raises(ValueError, match="out must be"):
         sampled_relative_l1(out.transpose(1, 2), q, k, v, False)
+    for rows in (0, -5, True, 2.5):  # until session 89: NaN, all rows but five, one row, a TypeError
+        with pytest.raises(ValueError, match="rows must be a positive int"):
+            sampled_relative_l1(out, q, k, v, False, rows=rows)
