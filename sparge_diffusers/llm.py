@@ -383,8 +383,15 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     0 x NaN in P.V made every real row NaN too (a tiny Gemma 2 on a left-padded batch of 300 tokens, session 55)."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"eager_attention: the query's {heads} heads must be a multiple of the key's {kv_heads}")
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"eager_attention: sinks must hold one logit per query head, shape ({heads},), got "
+                         f"{tuple(sinks.shape)}")
+    # as the kernels take them: softcap 0 made every score 0 (uniform weights), a NaN one NaN rows
+    softcap = check_softcap(softcap)
     group = heads // kv_heads
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, head_dim)
     grouped = query.reshape(batch, kv_heads, group, q_len, head_dim)
     keys_t, values = key[:, :, None].transpose(-1, -2), value[:, :, None]  # broadcast over each group's heads
     sink = None if sinks is None else sinks.float().view(1, kv_heads, group, 1, 1).to(query.device)

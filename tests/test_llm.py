@@ -1541,6 +1541,26 @@ def test_eager_attention_takes_values_of_another_head_dim():
     assert out.shape == (1, 20, 4, 8) and relative_l1(out, expected) < 1e-6
 
 
+def test_eager_attention_refuses_what_the_kernels_refuse():
+    """Until session 89 the fallback took softcap=0 (every score 0: uniform weights, where the sparse path of the same
+    layer raised), a NaN cap (NaN rows) and a negative scale, and failed inside torch for sinks of the wrong length
+    or heads that do not group."""
+    from sparge_diffusers.llm import eager_attention
+
+    q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    cases = [
+        (dict(softcap=0.0), "softcap must be a positive finite number"),
+        (dict(softcap=float("nan")), "softcap must be a positive finite number"),
+        (dict(scale=-1.0), "scale must be a positive finite number"),
+        (dict(sinks=torch.zeros(2)), r"sinks must hold one logit per query head, shape \(4,\)"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            eager_attention(q, k, v, None, is_causal=True, **kwargs)
+    with pytest.raises(ValueError, match="3 heads must be a multiple of the key's 2"):
+        eager_attention(q[:, :3], k, v, None)
+
+
 def gemma2_with_cap(path) -> None:
     """A tiny Gemma 2 saved at ``path``: logit cap 1.0 (so that it matters on random weights), a sliding-window (100
     keys) layer and a global one, Q/K projections scaled so that scores reach a few units."""
