@@ -347,14 +347,22 @@ def test_paired_tiles_cover_every_pairing(causal, dtype):
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_compact_block_mask_is_reusable_and_checked(backend):
+def test_compact_block_mask_is_reusable_and_checked(backend, monkeypatch):
+    from sparge_diffusers.kernels import api
+
     q, k, v = make_qkv(2, 4, 2, 300, 300, 128, torch.float16, "NHD", seed=4)
     mask = torch.rand(2, 1, 3, 5, generator=torch.Generator().manual_seed(2)) < 0.5
     mask[..., 0] = True
     compact = compact_block_mask(mask, q, k, is_causal=True, tensor_layout="NHD", backend=backend)
     assert (compact.index is None) == (backend == "reference")
+    assert (compact.kernel_walk is None) == (backend == "reference")
     kw = dict(is_causal=True, tensor_layout="NHD", backend=backend, return_sparsity=True)
     want, want_stats = block_sparse_attention(q, k, v, mask, **kw)
+
+    def compaction(*args, **kwargs):
+        raise AssertionError("a prebuilt walk was compacted again")
+
+    monkeypatch.setattr(api, "block_mask_to_index", compaction)  # the calls below read the walk built above
     for _ in range(2):
         got, stats = block_sparse_attention(q, k, v, compact, out=poisoned_like(q), **kw)
         assert torch.equal(got, want)
