@@ -391,6 +391,10 @@ def test_pv_filter_skips_tiles_far_below_the_running_max():
                                             backend=backend)
         assert stats.pv_skipped_stage2.item() == pytest.approx(0.5)
         assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < 2e-3
+        for form in ([10.0], (10.0,), torch.tensor(10.0), torch.tensor([10.0]), [torch.tensor(10.0)]):
+            got, stats = block_sparse_attention(q, k, v, None, pvthreshd=form, return_sparsity=True,
+                                                backend=backend)
+            assert torch.equal(got, out) and stats.pv_skipped_stage2.item() == pytest.approx(0.5), form
         _, stats = block_sparse_attention(q, k, v, None, pvthreshd=30.0, return_sparsity=True, backend=backend)
         assert stats.pv_skipped_stage2.item() == 0.0
     # 30 below: skipped under any pvthreshd up to 30, but from PV_TEST_LIMIT (24) on the Triton kernel leaves the
