@@ -521,6 +521,8 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         (lambda: sparge_attention(q, k, v, cdfthreshd=[0.9, 0.9]), "one per head"),
         (lambda: sparge_attention(q, k, v, cdfthreshd=[0.9, float("nan"), 0.9, 0.9]), "cdfthreshd contains NaN"),
         (lambda: sparge_attention(q, k, v, simthreshd1=[0.5, 0.5, 1.5, 0.5]), "must lie in"),
+        (lambda: sparge_attention(q, k, v, simthreshd1=-1.01), r"simthreshd1 .*must lie in \[-1"),
+        (lambda: predict_block_mask(q, k, cdfthreshd=-0.01), r"cdfthreshd .*must lie in \[0"),
         (lambda: sparge_attention(q, k, v, pvthreshd=0.0), "pvthreshd must be positive"),
         (lambda: sparge_attention(q, k, v, tensor_layout="BHSD"), "tensor_layout"),
         (lambda: sparge_attention(q, k, v, scale=float("nan")), "scale"),
