@@ -627,7 +627,9 @@ def test_an_out_buffer_that_aliases_the_inputs_raises(layout, device):
         with pytest.raises(ValueError, match="zero stride"):
             call(torch.empty(shape[0], 1, *shape[2:], dtype=q.dtype, device=device).expand(shape))
         spare.fill_(float("nan"))
-        assert call(spare) is spare and torch.isfinite(spare).all(), name
+        assert call(spare) is spare and torch.isfinite(spare).all(), name  # spare starts where v ends
+        before_k = workspace[0].fill_(float("nan"))  # q's first slot, ending where k starts
+        assert call(before_k) is before_k and torch.equal(before_k, spare), name
         # the same kernel on CPU; on the GPU another output layout may pick another kernel (bf16 rounding)
         assert relative_l1(spare, call(None)) <= (0 if device == "cpu" else 1e-2), name
         # a zero stride on a dimension of size 1 repeats no element: taken
