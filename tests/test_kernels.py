@@ -620,8 +620,9 @@ def test_an_out_buffer_that_aliases_the_inputs_raises(layout, device):
     }
     interleaved = torch.empty(*shape[:-1], 3, 64, dtype=torch.bfloat16, device=device)  # fused q, k and out slots
     straddling = workspace[1:3].flatten()[100:][: k.numel()].view(shape)  # k's end and v's start
+    last_of_k = workspace[1:3].flatten()[k.numel() - 1:][: k.numel()].view(shape)  # k's last element, then v
     for name, call in calls.items():
-        for alias, which in ((q, "q"), (k, "k"), (v, "v"), (straddling, "k")):
+        for alias, which in ((q, "q"), (k, "k"), (v, "v"), (straddling, "k"), (last_of_k, "k")):
             with pytest.raises(ValueError, match=f"out overlaps {which} in memory"):
                 call(alias)
         with pytest.raises(ValueError, match="zero stride"):
