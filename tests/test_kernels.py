@@ -637,6 +637,11 @@ def test_an_out_buffer_that_aliases_the_inputs_raises(layout, device):
         rows = torch.full(shape[1:], float("nan"), dtype=q.dtype, device=device)
         batch_view = rows.as_strided(shape, (0, *rows.stride()))
         assert batch_view.stride()[0] == 0 and call(batch_view) is batch_view and torch.equal(batch_view, spare), name
+    heads = 1 if layout == "HND" else 2  # two heads written through one zero stride: both onto the same rows
+    two = [t.narrow(heads, 0, 2) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="zero stride"):
+        sparge_attention(*two, out=torch.empty_like(two[0].narrow(heads, 0, 1)).expand(two[0].shape),
+                         tensor_layout=layout)
     fused_q, fused_k, fused_out = interleaved.unbind(-2)
     fused_q.copy_(q), fused_k.copy_(k)
     with pytest.raises(ValueError, match="out overlaps q in memory"):  # no shared element: the test is conservative
