@@ -407,6 +407,30 @@ def test_pv_filter_skips_tiles_far_below_the_running_max():
             assert stats.pv_skipped_stage2.item() == pytest.approx(skipped), (pvthreshd, backend)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_cdfthreshd_in_every_form_selects_the_same_blocks(backend, monkeypatch):
+    """Stage 1 is skipped only where cdfthreshd >= 1 is read from Python numbers (a tensor would cost a read-back):
+    a tensor or list of 0.5 must still run it, and at 1 every form keeps every block."""
+    from sparge_diffusers.kernels import api
+
+    stage_1_calls = []
+    predict = api._predict_checked
+    monkeypatch.setattr(api, "_predict_checked", lambda *a, **kw: stage_1_calls.append(1) or predict(*a, **kw))
+    q, k, v = video_like_qkv((2, 8, 8), heads=2, head_dim=64, seed=3)
+    for value in (0.5, 1.0):
+        stage_1_calls.clear()
+        want, want_stats = sparge_attention(q, k, v, cdfthreshd=value, return_sparsity=True, backend=backend)
+        assert (want_stats.sparsity > 0.05) == (value < 1), value
+        assert len(stage_1_calls) == (value < 1), value  # the number 1 runs the dense walk alone
+        for form in (torch.tensor(value), torch.tensor([value, value]), [value, value], (value, torch.tensor(value))):
+            stage_1_calls.clear()
+            got, stats = sparge_attention(q, k, v, cdfthreshd=form, return_sparsity=True, backend=backend)
+            assert stats.sparsity == want_stats.sparsity, (value, form)
+            assert len(stage_1_calls) == (value < 1 or not isinstance(form, list)), (value, form)
+            # at 1 the number takes the dense walk, whose tiles may be wider: the same blocks, rounded otherwise
+            assert torch.equal(got, want) if value < 1 else relative_l1(got, want) < 1e-3, (value, form)
+
+
 def test_empty_mask_rows_give_zeros_not_nan():
     q, k, v = make_qkv(1, 2, 2, 256, 256, 64, torch.float16, "HND", seed=5)
     mask = torch.ones(1, 2, 2, 4, dtype=torch.bool)
