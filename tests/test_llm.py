@@ -1327,7 +1327,7 @@ def test_a_non_causal_call_or_dropout_falls_back_to_sdpa():
     assert attention.sparse_calls == 1 and relative_l1(out, expected) < 1e-5
 
 
-def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
+def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise(monkeypatch):
     """Keyword arguments that change attention: a position bias goes to transformers' SDPA function, which adds it
     (a warning; strict raises); per-token sinks and model-chosen key indices raise on every call, decode steps
     included (SDPA's function would drop them)."""
@@ -1349,6 +1349,15 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
     else:  # transformers 4.x: its SDPA function would drop the bias, so nobody computes it
         with pytest.raises(ValueError, match="position bias.*does not add; upgrade transformers"):
             attention(module, q, k, v, None, scaling=0.125, position_bias=bias)
+    import sparge_diffusers.llm as llm
+
+    calls = attention.sparse_calls
+    monkeypatch.setattr(llm, "_sdpa_function_parameters", lambda: frozenset({"query", "key", "value"}))  # as 4.x
+    with pytest.raises(ValueError, match="position bias.*does not add; upgrade transformers"):
+        attention(module, q, k, v, None, scaling=0.125, position_bias=bias)
+    assert torch.equal(attention(module, q, k, v, None, scaling=0.125)[0], plain)  # without a bias: sparse
+    assert attention.sparse_calls == calls + 1
+    monkeypatch.undo()
 
     uncomputed = dict(sinks=torch.zeros(1, 4, 130, 1),
                       indices=torch.zeros(1, 130, 8, dtype=torch.int32),
@@ -1360,7 +1369,7 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise():
 
     one = torch.tensor([0, 130], dtype=torch.int32)
     out, _ = attention(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=one, cu_seq_lens_k=one)
-    assert attention.sparse_calls == 2 and torch.equal(out, plain), "one sequence: the plain causal call"
+    assert attention.sparse_calls == 3 and torch.equal(out, plain), "one sequence: the plain causal call"
 
 
 def test_packed_sequences_given_only_by_cu_seq_lens_run_each_alone(monkeypatch):
