@@ -1368,6 +1368,11 @@ def test_arguments_sdpa_computes_fall_back_and_those_nobody_computes_raise(monke
                 attention(module, q[:, :, :n], k, v, None, scaling=0.125, **{name: value})
 
     one = torch.tensor([0, 130], dtype=torch.int32)
+
+    def packed(*args):
+        raise AssertionError("one sequence read as packed ones (a read-back, and a compiled call raises there)")
+
+    monkeypatch.setattr(llm, "packed_segments", packed)
     out, _ = attention(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=one, cu_seq_lens_k=one)
     assert attention.sparse_calls == 3 and torch.equal(out, plain), "one sequence: the plain causal call"
 
