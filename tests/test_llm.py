@@ -1575,6 +1575,18 @@ def test_eager_attention_refuses_what_the_kernels_refuse():
         eager_attention(q[:, :3], k, v, None)
 
 
+def test_eager_attention_masks_two_queries_causally_and_drops_weights_as_asked():
+    """Without a mask, is_causal masks every call of more than one query (two as well: the first must not see the
+    second key), and dropout drops weights whenever asked (transformers passes 0 outside training)."""
+    from sparge_diffusers.llm import eager_attention
+
+    q, k, v = torch.randn(1, 2, 2, 8), torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8)
+    out = eager_attention(q, k, v, None, is_causal=True)
+    assert torch.allclose(out[0, 0], v[0, 0, 0].expand(2, 8))  # query 0 sees key 0 alone, in both heads
+    assert not torch.allclose(out[0, 1], v[0, 0, 0].expand(2, 8))
+    assert torch.equal(eager_attention(q, k, v, None, dropout=1.0), torch.zeros(1, 2, 2, 8))
+
+
 def gemma2_with_cap(path) -> None:
     """A tiny Gemma 2 saved at ``path``: logit cap 1.0 (so that it matters on random weights), a sliding-window (100
     keys) layer and a global one, Q/K projections scaled so that scores reach a few units."""
