@@ -845,12 +845,26 @@ def test_backend_triton_refuses_tensors_it_cannot_launch_on(setting, monkeypatch
     """Until session 89 backend="triton" on CPU tensors without Triton's interpreter failed inside Triton with
     "0 active drivers ([]). There should only be one.", and s2o_visit_order ran its PyTorch path for any backend
     name. TRITON_INTERPRET is read as Triton reads it ("false" is off)."""
-    from sparge_diffusers import s2o_visit_order
-    from sparge_diffusers.kernels._inputs import AttentionShape
+    from sparge_diffusers import _launch, s2o_visit_order
+    from sparge_diffusers.kernels._inputs import AttentionShape, pick_backend
     from sparge_diffusers.permutations import last_block_key_importance
+
+    class Driver:
+        def __init__(self, present: bool):
+            self.present = present
+
+        @property
+        def active(self):
+            if not self.present:
+                raise RuntimeError("0 active drivers ([]). There should only be one.")
+            return self
 
     q, k, v = make_qkv(1, 2, 1, 150, 150, 64, torch.float16, "HND", seed=0)
     monkeypatch.setenv("TRITON_INTERPRET", setting)
+    # a driver set by hand compiles for a target without a GPU (benchmarks/shared_memory.py): left to Triton
+    monkeypatch.setattr(_launch, "_driver", Driver(present=True))
+    assert pick_backend("triton", torch.device("cpu")) == "triton"
+    monkeypatch.setattr(_launch, "_driver", Driver(present=False))  # a machine without a GPU
     launch = "backend='triton': the Triton kernels run on CUDA tensors"
     for call in (lambda: sparge_attention(q, k, v, backend="triton"),
                  lambda: predict_block_mask(q, k, backend="triton"),
