@@ -447,7 +447,7 @@ PREFILL_METHODS: dict[str, PrefillMethod] = {
 
 
 _CHECKED_OPTIONS = ("method", "pbs_segment", "s2o_segment", "min_padded_tokens", "min_predicted_window",
-                    "min_segment_queries", "top_k", "block_size", *THRESHOLD_RANGES)
+                    "min_segment_queries", "top_k", "block_size", "tau", *THRESHOLD_RANGES)
 
 
 @dataclass
@@ -602,7 +602,7 @@ class SpargeLLMAttention:
         check_positive_int(options["top_k"], "top_k")  # (True was read as 1)
         if not isinstance(options["block_size"], int) or options["block_size"] not in (32, 64, 128):  # (64.0 passed)
             raise ValueError(f"block_size must be 32, 64 or 128, got {options['block_size']!r}")
-        for name in THRESHOLD_RANGES:
+        for name in (*THRESHOLD_RANGES, "tau"):  # (tau was first checked inside the model's forward)
             check_threshold_values(name, options[name])
 
     def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

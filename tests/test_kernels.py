@@ -955,6 +955,11 @@ def test_threshold_ranges_are_closed_in_every_form_a_threshold_takes():
     for bad in (0, 0.0, -1.0, [1.0, 0.0], math.nan, [None]):
         with pytest.raises(ValueError, match="pvthreshd"):
             check_threshold_values("pvthreshd", bad)
+    for value in (None, 0, 0.0, 5e-4, math.inf, [0.0, 1e-3]):  # S2O's tau, as s2o_attention's per_head takes it
+        check_threshold_values("tau", value)
+    for bad in (-1e-6, [0.1, -0.2], math.nan, [], "0.1", True):
+        with pytest.raises(ValueError, match="tau"):
+            check_threshold_values("tau", bad)
 
 
 @pytest.mark.gpu

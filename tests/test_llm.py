@@ -1234,6 +1234,14 @@ def test_s2o_chunk_against_a_cache_stops_early(tiny_llama):
     assert len(attention.stats) == 2 and all(s.dense_blocks == 23 + 24 and s.sparsity > 0 for s in attention.stats)
 
 
+def test_s2o_tau_takes_what_s2o_attention_takes():
+    """tau is checked with the other options, and every value s2o_attention takes is taken: None (no early stop), 0,
+    inf, one per head and a tensor (left to the call's own check)."""
+    for tau in (None, 0, 0.0, 5e-4, float("inf"), [0.0, 0.1], torch.tensor([0.0, 0.1])):
+        attention = SpargeLLMAttention(method="s2o", tau=tau)
+        attention.tau = tau
+
+
 def test_bad_settings_raise():
     for bad, message in ((dict(method="topk"), "method must be one of"), (dict(method="fsa", pbs_segment=256),
                          "pbs_segment pairs"), (dict(s2o_segment=100), "s2o_segment"), (dict(top_k=0), "top_k"),
@@ -1241,7 +1249,10 @@ def test_bad_settings_raise():
                          (dict(pvthreshd=0), r"pvthreshd values must lie in \(0, inf\]"),
                          (dict(min_predicted_window=-1), "min_predicted_window must be an int"),
                          (dict(min_segment_queries=1.5), "min_segment_queries must be an int"),
-                         (dict(simthreshd1=[0.5, float("nan")]), "simthreshd1 values")):  # not at the first prefill
+                         (dict(simthreshd1=[0.5, float("nan")]), "simthreshd1 values"),
+                         (dict(method="s2o", tau=-0.1), r"tau values must lie in \[0.0, inf\]"),  # was taken
+                         (dict(tau=[0.1, float("nan")]), "tau values"), (dict(tau="0.1"), "tau values")):
+        # (each was first refused at the model's first prefill, if at all)
         with pytest.raises(ValueError, match=message):
             SpargeLLMAttention(**bad)
 
@@ -2101,6 +2112,7 @@ def test_register_refuses_a_function_and_settings_together():
     ("block_size", 64.0, "block_size must be 32, 64 or 128, got 64.0"),
     ("top_k", True, "top_k must be a positive int, got True"),
     ("top_k", 0, "top_k must be a positive int"),
+    ("tau", -1.0, r"tau values must lie in \[0.0, inf\]"),  # was taken, then refused inside the forward
 ])
 def test_options_set_later_are_checked(name, value, message):
     attention = SpargeLLMAttention()

@@ -334,21 +334,25 @@ def per_head(value: PerHead, heads: int, name: str, device: torch.device | str, 
 
 
 THRESHOLD_RANGES = {"simthreshd1": (-1.0, 1.0), "cdfthreshd": (0.0, 1.0), "pvthreshd": (0.0, math.inf)}
+# what check_threshold_values takes: SpargeAttn's thresholds and S2O's early-stop tau (None: no early stop)
+_CHECKED_RANGES = {**THRESHOLD_RANGES, "tau": (0.0, math.inf)}
 
 
 def check_threshold_values(name: str, value: Any) -> None:
     """Raise ValueError unless ``value`` is a threshold the kernels take, whatever the head count: a number or a
-    non-empty sequence of numbers in ``name``'s range (pvthreshd: > 0, inf or None for stage 2 off). For callers
-    that hold thresholds before any call (settings, tuning grids); a tensor is left to the call's own check."""
-    if isinstance(value, torch.Tensor) or (name == "pvthreshd" and value is None):
+    non-empty sequence of numbers in ``name``'s range (pvthreshd: > 0, inf or None for stage 2 off; S2O's ``tau``:
+    >= 0 or None for no early stop). For callers that hold thresholds before any call (settings, tuning grids); a
+    tensor is left to the call's own check."""
+    if isinstance(value, torch.Tensor) or (name in ("pvthreshd", "tau") and value is None):
         return
     values = value if isinstance(value, (list, tuple)) else (value,)
-    low, high = THRESHOLD_RANGES[name]
+    low, high = _CHECKED_RANGES[name]
     if not values:
         raise ValueError(f"{name} must be a number or a non-empty list of numbers, got {value!r}")
     for x in values:
         if not (_is_number(x) and low <= x <= high) or (name == "pvthreshd" and x == 0):  # NaN fails the range
-            span = "(0, inf] (inf or None: stage 2 off)" if name == "pvthreshd" else f"[{low}, {high}]"
+            span = {"pvthreshd": "(0, inf] (inf or None: stage 2 off)",
+                    "tau": "[0.0, inf] (None: no early stop)"}.get(name, f"[{low}, {high}]")
             raise ValueError(f"{name} values must lie in {span}, got {x!r}")
 
 
