@@ -193,6 +193,42 @@ def test_permutation_errors():
     assert torch.equal(other_ints.perm, as_ints.perm) and torch.equal(other_ints.inverse, as_ints.inverse)
 
 
+def test_a_hand_made_token_permutation_is_checked_when_made():
+    """TokenPermutation is public: one built by hand that is no permutation, or whose inverse is not its inverse,
+    was taken as given. The output's rows then came back in wrong places (or, on CUDA, an index past N made the
+    Triton copy read other memory). A valid one made by hand permutes as a built one does."""
+    from sparge_diffusers.permutations import TokenPermutation
+
+    def long(*values):
+        return torch.tensor(values, dtype=torch.int64)
+
+    bad = [
+        ((long(0, 1, 2), long(0, 2, 1)), "permutation of 0..N-1 and inverse its inverse"),  # a wrong inverse
+        ((long(0, 0, 2), long(0, 1, 2)), "permutation of 0..N-1"),  # an index twice
+        ((long(0, 1, 3), long(0, 1, 2)), "permutation of 0..N-1"),  # past N
+        ((long(0, 1, -1), long(0, 1, 2)), "permutation of 0..N-1"),  # negative (index_select read it from the end)
+        ((long(0, 1), long(0, 1, 2)), "one length and device, got 2 on cpu and 3 on cpu"),
+        ((torch.tensor([0.0, 1.0]), long(0, 1)), r"perm must be a 1-D int64 tensor, got torch.float32 of shape \(2,\)"),
+        ((long(0, 1), long(0, 1).int()), "inverse must be a 1-D int64 tensor, got torch.int32"),
+        ((long(0, 1)[None], long(0, 1)), r"1-D int64 tensor, got torch.int64 of shape \(1, 2\)"),
+        (([0, 1], long(0, 1)), "1-D int64 tensor, got list"),
+    ]
+    for (perm, inverse), message in bad:
+        with pytest.raises(ValueError, match=message):
+            TokenPermutation(perm, inverse)
+    TokenPermutation(long(), long())  # no tokens
+    TokenPermutation(long(0, 1).to("meta"), long(0, 1).to("meta"))  # no values to check
+    built = visual_token_permutation((2, 3, 5), "hilbert", text_before=3)
+    by_hand = TokenPermutation(built.perm.clone(), built.inverse.clone())
+    reverse = TokenPermutation(torch.arange(32, -1, -1), torch.arange(32, -1, -1))
+    q, k, v = (torch.randn(1, 2, 33, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    want = F.scaled_dot_product_attention(q, k, v)
+    for p in (by_hand, reverse):
+        got = permuted(sparge_attention, p)(q, k, v, backend="reference", cdfthreshd=1.0, pvthreshd=None)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(by_hand.apply(q), built.apply(q))
+
+
 @pytest.mark.parametrize("block", [1, 7, 64, 128])
 def test_block_self_similarity_matches_gram_definition(block):
     x = torch.randn(2, 3, 300, 64) + 0.5

@@ -98,10 +98,34 @@ def grid_order(grid: Grid, order: str, seed: int = 0) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TokenPermutation:
-    """A permutation of the sequence dimension and its inverse, as int64 index tensors on one device."""
+    """A permutation of the sequence dimension and its inverse, as 1-D int64 index tensors on one device.
+
+    Checked when made (one read-back on a GPU; :func:`visual_token_permutation` caches what it builds): the indices
+    must be a permutation of 0..N-1 and ``inverse`` its inverse. Raises ValueError otherwise."""
 
     perm: torch.Tensor
     inverse: torch.Tensor
+
+    def __post_init__(self) -> None:
+        # a hand-made permutation was taken as given: the Triton copy reads its indices unchecked (one out of range
+        # reads other memory), and a duplicate or a wrong inverse put the output's rows in wrong places without a word
+        for name, t in (("perm", self.perm), ("inverse", self.inverse)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+                got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"TokenPermutation.{name} must be a 1-D int64 tensor, got {got}")
+        if self.perm.shape != self.inverse.shape or self.perm.device != self.inverse.device:
+            raise ValueError(f"TokenPermutation's perm and inverse must have one length and device, got "
+                             f"{self.perm.numel()} on {self.perm.device} and {self.inverse.numel()} on "
+                             f"{self.inverse.device}")
+        if torch.compiler.is_compiling() or self.perm.device.type == "meta":
+            return  # (inside a compiled graph: the constants _build made and checked; meta tensors hold no values)
+        n = self.perm.numel()
+        in_range = ((self.perm >= 0) & (self.perm < n)).all()
+        # inverse[perm] = 0..N-1 holds only for a permutation (no index twice) and its inverse
+        inverts = (self.inverse[self.perm.clamp(0, max(n - 1, 0))] == torch.arange(n, device=self.perm.device)).all()
+        if not bool(in_range & inverts):
+            raise ValueError("TokenPermutation's perm must be a permutation of 0..N-1 and inverse its inverse "
+                             "(inverse[perm[i]] == i)")
 
     def __len__(self) -> int:
         return self.perm.numel()
