@@ -59,6 +59,12 @@ def test_fidelity_rejects_mismatched_inputs():
         ssim(torch.rand(2, 1, 8, 8), torch.rand(2, 1, 8, 8))
     with pytest.raises(ValueError, match="3, H, W"):  # one (3, H, W) image without its batch dimension, H = 3
         psnr(torch.rand(3, 3, 8), torch.rand(3, 3, 8))
+    # SSIM's 11-px window is reflect-padded by 5: a 5-px side failed inside torch's padding without a word of why
+    for side in ((5, 8), (8, 5)):
+        with pytest.raises(ValueError, match="ssim needs images of at least 6 px a side") as error:
+            ssim(torch.rand(1, 3, *side), torch.rand(1, 3, *side))
+        assert str(error.value).endswith(f"got {side}")
+    assert -1 <= ssim(torch.rand(1, 3, 6, 6), torch.rand(1, 3, 6, 6)) <= 1  # from 6 px it is computed
     # the range check's tolerance is inclusive: a decoder output exactly 0.01 outside [0, 1] passes
     from sparge_diffusers.eval._images import RANGE_TOLERANCE, check_unit_images
 

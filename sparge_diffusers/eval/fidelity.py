@@ -34,10 +34,14 @@ def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def ssim(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Structural similarity (Gaussian window 11, sigma 1.5; torchmetrics), mean over images/frames."""
+    """Structural similarity (Gaussian window 11, sigma 1.5; torchmetrics), mean over images/frames. Images need 6 px
+    or more a side."""
     from torchmetrics.functional.image import structural_similarity_index_measure
 
     _check_pair(x, ref)
+    if min(x.shape[-2:]) < 6:  # torchmetrics reflect-pads by half the window: torch's padding error, unexplained
+        raise ValueError(f"ssim needs images of at least 6 px a side (its 11-px window is reflect-padded by 5), "
+                         f"got {tuple(x.shape[-2:])}")
     return float(cast(torch.Tensor, structural_similarity_index_measure(x.float(), ref.float(), data_range=1.0)))
 
 
