@@ -944,9 +944,13 @@ def test_chunked_attention_layers_run_each_chunk_sparse(tmp_path, monkeypatch):
     assert relative_l1(got, logits(load(path, "sdpa"), ids[:1])) < 1e-5
     assert seen == [(4, 64, 64), (1, 44, 44)] * 3 + [(1, 300, 300)], "one prompt: its full chunks as one batch"
     mask, positions = left_padded(ids, (0, 70))
+    seen.clear()
     got = logits(load(path, "sparge_test_chunked"), ids, attention_mask=mask, position_ids=positions)
     expected = logits(load(path, "sdpa"), ids, attention_mask=mask, position_ids=positions)
     assert relative_l1(got[mask.bool()], expected[mask.bool()]) < 1e-5
+    # rows with other padding run apart, each its full chunks as one batch (the second row's too: it was run chunk
+    # by chunk without a test noticing)
+    assert seen == [(4, 64, 64), (1, 44, 44), (3, 64, 64), (1, 38, 38)] * 3 + [(1, 300, 300), (1, 230, 230)]
 
     def continued(implementation):
         model = load(path, implementation)
