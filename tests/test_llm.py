@@ -961,6 +961,18 @@ def test_chunked_attention_layers_run_each_chunk_sparse(tmp_path, monkeypatch):
     seen.clear()
     assert relative_l1(continued("sparge_test_chunked"), continued("sdpa")) < 1e-5
     assert seen[-3:] == [(2, 56, 64), (2, 44, 44), (2, 100, 300)], "first the chunk the cache began, then the next"
+
+    def continued_at_a_chunk(implementation):  # one prompt, a cache of two whole chunks, then 200 tokens
+        model = load(path, implementation)
+        cache = dynamic_cache(model)
+        logits(model, ids[:1, :128], **{CACHE: cache}, use_cache=True)
+        return logits(model, ids[:1, 128:], **{CACHE: cache}, use_cache=True)
+
+    seen.clear()
+    assert relative_l1(continued_at_a_chunk("sparge_test_chunked"), continued_at_a_chunk("sdpa")) < 1e-5
+    # the prefix: two chunks as one batch per chunked layer; then the chunks after the cache, whose keys sit past it
+    # (offset > 0), again stacked (a mutant that matched first keys at first - offset ran them one by one)
+    assert seen == [(2, 64, 64)] * 3 + [(1, 128, 128)] + [(2, 64, 64), (1, 44, 44)] * 3 + [(1, 172, 300)]
     generated = load(path, "sparge_test_chunked").generate(ids, attention_mask=torch.ones_like(ids),
                                                            max_new_tokens=6, do_sample=False)
     assert torch.equal(generated, load(path, "sdpa").generate(ids, attention_mask=torch.ones_like(ids),
