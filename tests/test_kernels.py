@@ -552,6 +552,9 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         (lambda: sparge_attention(q, k, v, scale=float("nan")), "scale"),
         (lambda: sparge_attention(q, k, v, scale=0.0), "scale must be a positive finite number, got 0.0"),
         (lambda: block_sparse_attention(q, k, v, None, scale=-0.125), "scale must be a positive finite number"),
+        # float() took these: True as a scale of 1, a string as its number
+        (lambda: sparge_attention(q, k, v, scale=True), "scale must be a positive finite number, got True"),
+        (lambda: s2o_attention(q, k, v, scale="0.125"), "scale must be a positive finite number, got '0.125'"),
         (lambda: sparge_attention(q.float(), k.float(), v.float(), backend="triton"), "float16 or torch.bfloat16"),
         (lambda: sparge_attention(q[..., :60], k[..., :60], v[..., :60]), "head dim 60"),
         (lambda: sparge_attention(q, k[:, :, :90], v[:, :, :90], is_causal=True), "causal_variant"),

@@ -304,6 +304,8 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def resolve_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return head_dim ** -0.5
+    if isinstance(scale, (bool, str)):  # float() read True as a scale of 1 and "0.1" as 0.1
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number, got {scale}")
