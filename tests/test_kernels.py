@@ -958,6 +958,21 @@ def test_threshold_ranges_are_closed_in_every_form_a_threshold_takes():
     for bad in (0, 0.0, -1.0, [1.0, 0.0], math.nan, [None]):
         with pytest.raises(ValueError, match="pvthreshd"):
             check_threshold_values("pvthreshd", bad)
+    # a bool is no threshold, as check_threshold_values has it: per_head read True as 1.0 (cdfthreshd=True kept every
+    # block), and so did the operators' list of floats; a string failed inside torch with a TypeError
+    from sparge_diffusers import sparge_attention_op
+    from sparge_diffusers.kernels.library import _as_list
+
+    for bad in (True, [0.5, True], torch.tensor([True, False]), "0.5", ["0.5", 0.5], None, {"a": 0.5}):
+        with pytest.raises(ValueError, match="cdfthreshd must be a number, one per head or a tensor of them"):
+            per_head(bad, 2, "cdfthreshd", "cpu", low=0.0, high=1.0)
+    for bad in (True, [True, True], torch.tensor([True, True]), "0.5"):
+        with pytest.raises(ValueError, match="cdfthreshd must be a number or a sequence of numbers"):
+            _as_list(bad, "cdfthreshd")
+    q = torch.randn(1, 2, 64, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="pvthreshd must be a number or a sequence"):
+        sparge_attention_op(q, q, q, pvthreshd=[True, True])
+    assert _as_list(torch.tensor([0.5, 1.0]), "cdfthreshd") == [0.5, 1.0] and _as_list(0.5, "cdfthreshd") == [0.5]
     for value in (None, 0, 0.0, 5e-4, math.inf, [0.0, 1e-3]):  # S2O's tau, as s2o_attention's per_head takes it
         check_threshold_values("tau", value)
     for bad in (-1e-6, [0.1, -0.2], math.nan, [], "0.1", True):

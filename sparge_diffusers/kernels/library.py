@@ -128,6 +128,8 @@ def _as_list(value: PerHead | None, name: str) -> list[float] | None:
     if _is_number(value):
         return [float(value)]
     try:
+        if isinstance(value, str) or any(isinstance(x, bool) for x in value):  # (True was taken as 1.0, as the
+            raise TypeError  # eager call's per_head did)
         return [float(x) for x in value]
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number or a sequence of numbers (one per head), got {value!r}") from None
