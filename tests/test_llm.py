@@ -1250,6 +1250,26 @@ def test_s2o_chunk_against_a_cache_stops_early(tiny_llama):
     assert len(attention.stats) == 2 and all(s.dense_blocks == 23 + 24 and s.sparsity > 0 for s in attention.stats)
 
 
+def test_defaults_are_the_kernels_and_the_readmes():
+    """The thresholds default to the kernels' own, as the docstring says; attention_sink is on (an LLM's sink token);
+    the cost thresholds are the README's (4096 padded keys, 4096-key windows, 1024 queries per segment); FSA keeps
+    NSA's 16 blocks of 64 keys, the README's example."""
+    from sparge_diffusers import s2o_attention, select_key_blocks, sparge_attention
+
+    def defaults(function):
+        return {name: p.default for name, p in inspect.signature(function).parameters.items()}
+
+    attention, sparge, s2o = SpargeLLMAttention(), defaults(sparge_attention), defaults(s2o_attention)
+    assert [getattr(attention, name) for name in ("simthreshd1", "cdfthreshd", "pvthreshd")] == \
+        [sparge["simthreshd1"], sparge["cdfthreshd"], sparge["pvthreshd"]] == [0.6, 0.98, 50]
+    assert (attention.tau, attention.s2o_segment) == (s2o["tau"], s2o["segment"]) == (0.0005, 2048)
+    assert attention.block_size == defaults(select_key_blocks)["block_size"] == 64 and attention.top_k == 16
+    assert attention.attention_sink is True and attention.pbs_segment is None and attention.method == "sparge"
+    assert (attention.min_padded_tokens, attention.min_predicted_window, attention.min_segment_queries) == \
+        (4096, 4096, 1024)
+    assert attention.strict is False and attention.collect_stats is False and attention.sparse_calls == 0
+
+
 def test_s2o_tau_takes_what_s2o_attention_takes():
     """tau is checked with the other options, and every value s2o_attention takes is taken: None (no early stop), 0,
     inf, one per head and a tensor (left to the call's own check)."""
