@@ -1270,12 +1270,17 @@ def test_defaults_are_the_kernels_and_the_readmes():
     assert attention.strict is False and attention.collect_stats is False and attention.sparse_calls == 0
 
 
-def test_s2o_tau_takes_what_s2o_attention_takes():
+def test_options_take_their_ends_and_tau_what_s2o_attention_takes():
     """tau is checked with the other options, and every value s2o_attention takes is taken: None (no early stop), 0,
-    inf, one per head and a tensor (left to the call's own check)."""
+    inf, one per head and a tensor (left to the call's own check). The other options take the ends of their ranges
+    (block sizes 32 and 128, the smallest segments, counts of 0)."""
     for tau in (None, 0, 0.0, 5e-4, float("inf"), [0.0, 0.1], torch.tensor([0.0, 0.1])):
         attention = SpargeLLMAttention(method="s2o", tau=tau)
         attention.tau = tau
+    for block_size in (32, 64, 128):  # and the other options at their ends
+        SpargeLLMAttention(method="fsa", block_size=block_size, top_k=1)
+    SpargeLLMAttention(pbs_segment=64, s2o_segment=128, min_padded_tokens=0, min_predicted_window=0,
+                       min_segment_queries=0)
 
 
 def test_bad_settings_raise():
@@ -1287,7 +1292,9 @@ def test_bad_settings_raise():
                          (dict(min_segment_queries=1.5), "min_segment_queries must be an int"),
                          (dict(simthreshd1=[0.5, float("nan")]), "simthreshd1 values"),
                          (dict(method="s2o", tau=-0.1), r"tau values must lie in \[0.0, inf\]"),  # was taken
-                         (dict(tau=[0.1, float("nan")]), "tau values"), (dict(tau="0.1"), "tau values")):
+                         (dict(tau=[0.1, float("nan")]), "tau values"), (dict(tau="0.1"), "tau values"),
+                         (dict(pbs_segment=0), "pbs_segment must be None or a positive multiple of 64, got 0"),
+                         (dict(s2o_segment=0), "s2o_segment must be a positive multiple of 128, got 0")):
         # (each was first refused at the model's first prefill, if at all)
         with pytest.raises(ValueError, match=message):
             SpargeLLMAttention(**bad)
