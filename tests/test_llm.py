@@ -396,11 +396,13 @@ def test_right_padded_call_shorter_than_its_window_keeps_the_window_for_its_padd
     The function read the window's span off the longest prompt (43 keys) and dropped the window, so those rows saw
     every real key (found by a random mask draw, session 57). Eager calls and the compiled path's masked operator
     (``_masked_call``) give SDPA's rows under the mask, wherever a row sees a key."""
-    ends, nq, nkv, window = [9, 43], 65, 68, 50
-    positions = torch.arange(nq)[:, None] + nkv - nq
-    mask = right_padded_mask_4d(ends, nq, nkv) & (torch.arange(nkv)[None, :] > positions - window)
-    assert read_causal_mask(mask, nq, nkv, sliding_window=window).ends == ends
-    assert not assert_rows_are_sdpas(mask, window, seed=924).all()
+    # (the second case: a window wider than the first query's position plus the head dim, 64, but not its position
+    # plus the query count; a mutant of the masked operator's span that took the head dim for the query count lived)
+    for ends, nq, nkv, window in (([9, 43], 65, 68, 50), ([9, 43], 100, 103, 70)):
+        positions = torch.arange(nq)[:, None] + nkv - nq
+        mask = right_padded_mask_4d(ends, nq, nkv) & (torch.arange(nkv)[None, :] > positions - window)
+        assert read_causal_mask(mask, nq, nkv, sliding_window=window).ends == ends
+        assert not assert_rows_are_sdpas(mask, window, seed=924).all()
 
 
 def assert_rows_are_sdpas(mask, window=None, seed=0, batch=2):
