@@ -326,7 +326,8 @@ def per_head(value: PerHead, heads: int, name: str, device: torch.device | str, 
     # (after the fast paths: no host time added to a plain call) True was read as 1.0, cdfthreshd=True keeping every
     # block, as check_threshold_values refuses it; a string failed inside torch with a TypeError
     flags = value if isinstance(value, (list, tuple)) else (value,)
-    if any(isinstance(x, (bool, str)) for x in flags) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+    if any(isinstance(x, (bool, str)) for x in flags) or (isinstance(value, torch.Tensor)
+                                                          and value.dtype == torch.bool):
         raise ValueError(f"{name} must be a number, one per head or a tensor of them, got {value!r}")
     try:
         t = torch.as_tensor(value, dtype=torch.float32).detach().flatten().cpu()
