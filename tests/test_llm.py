@@ -1270,6 +1270,12 @@ def test_defaults_are_the_kernels_and_the_readmes():
     assert (attention.min_padded_tokens, attention.min_predicted_window, attention.min_segment_queries) == \
         (4096, 4096, 1024)
     assert attention.strict is False and attention.collect_stats is False and attention.sparse_calls == 0
+    # PBS-Attn's wrappers: its 256-position segments, and the operator's thresholds those of sparge_attention
+    from sparge_diffusers.llm import pbs_sparge_attention, pbs_sparge_attention_op
+
+    pbs, pbs_op = defaults(pbs_sparge_attention), defaults(pbs_sparge_attention_op)
+    assert pbs["segment"] == pbs_op["segment"] == 256
+    assert all(pbs_op[name] == sparge[name] for name in ("simthreshd1", "cdfthreshd", "pvthreshd", "attention_sink"))
 
 
 def test_options_take_their_ends_and_tau_what_s2o_attention_takes():
