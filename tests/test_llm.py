@@ -832,6 +832,11 @@ def test_a_sliding_window_skips_blocks_outside_it_and_compiles(tmp_path):
     kept = logits(load(path, "sparge_test_window_default"), ids)
     assert default.sparse_calls == 2 and all(s.sparsity == 0 for s in default.stats)
     assert relative_l1(kept, logits(load(path, "sdpa"), ids)) < 1e-5
+    # a window of exactly min_predicted_window keys is predicted ("shorter than this many keys" keep every block)
+    at_limit = register("sparge_test_window_at_limit", simthreshd1=-1.0, cdfthreshd=0.9, collect_stats=True,
+                        min_predicted_window=100)
+    logits(load(path, "sparge_test_window_at_limit"), ids)
+    assert at_limit.sparse_calls == 2 and all(s.sparsity > 0 for s in at_limit.stats)
     attention = register("sparge_test_window_stats", simthreshd1=-1.0, cdfthreshd=0.9, collect_stats=True,
                          min_predicted_window=0)
     model = load(path, "sparge_test_window_stats")
