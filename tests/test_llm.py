@@ -2,6 +2,7 @@
 Llama (CPU: the float32 reference path), loaded through from_pretrained like a real checkpoint."""
 
 import inspect
+import sys
 import warnings
 
 import pytest
@@ -79,6 +80,23 @@ def test_keeping_every_block_matches_sdpa_through_from_pretrained(tiny_llama):
     dense = logits(load(tiny_llama, "sdpa"), ids)
     assert attention.sparse_calls == 2, "both layers' prefill must have run sparse"
     assert relative_l1(sparse, dense) < 1e-5
+
+
+def test_register_takes_a_built_attention_or_settings_not_both(tiny_llama, monkeypatch):
+    """``register(name, attention=...)`` registers that very function (its settings and counters are the ones the
+    model's calls use); settings beside it would be ignored, so they raise; without transformers' registries the
+    error names the version needed."""
+    built = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    assert register("sparge_test_built", attention=built) is built
+    ids = prompt(200)
+    sparse = logits(load(tiny_llama, "sparge_test_built"), ids)
+    assert built.sparse_calls == 2, "the model must call the function it was given"
+    assert relative_l1(sparse, logits(load(tiny_llama, "sdpa"), ids)) < 1e-5
+    with pytest.raises(ValueError, match=r"not both \(got attention and \['cdfthreshd'\]\)"):
+        register("sparge_test_built_and_set", attention=built, cdfthreshd=0.5)
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)
+    with pytest.raises(ImportError, match="transformers >= 4.53"):
+        register("sparge_test_no_registry")
 
 
 def test_sparse_prefill_reports_its_sparsity_and_error_grows_with_it(tiny_llama):
