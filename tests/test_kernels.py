@@ -440,6 +440,13 @@ def test_empty_mask_rows_give_zeros_not_nan():
         assert not torch.isnan(out).any()
         assert (out[:, 1, :BLOCK_Q] == 0).all()
         assert (out[:, 0] != 0).any()
+    # a head whose whole mask is empty: zeros, every product skipped, none of them by stage 2 (it computed none)
+    mask[:, 1] = False
+    for backend in ("triton", "reference"):
+        out, stats = block_sparse_attention(q, k, v, mask, backend=backend, out=poisoned_like(q),
+                                            return_sparsity=True)
+        assert (out[:, 1] == 0).all() and not torch.isnan(out).any()
+        assert stats.qk_skipped[1] == stats.pv_skipped[1] == 1.0 and stats.pv_skipped_stage2[1] == 0.0, backend
 
 
 def test_non_contiguous_inputs_and_broadcast_mask():

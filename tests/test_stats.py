@@ -69,5 +69,24 @@ def test_concat_joins_calls_over_their_batch_rows():
         SparsityStats.concat([])
     other_heads = sparsity_stats(torch.ones(1, 4, 1, dtype=torch.int32), torch.ones(1, 4, 1, dtype=torch.int32),
                                  AttentionShape(batch=1, heads=4, kv_heads=4, q_len=100, kv_len=100, head_dim=64), True)
-    with pytest.raises(ValueError, match="head counts differ"):
+    with pytest.raises(ValueError, match=r"head counts differ \(\[2, 4\]\)"):
         SparsityStats.concat([parts[0], other_heads])
+    # three heads over calls of two lengths: each row keeps its own count whatever the heads
+    three = [sparsity_stats(torch.full((1, 3, 1), 2, dtype=torch.int32), torch.ones(1, 3, 1, dtype=torch.int32),
+                            AttentionShape(batch=1, heads=3, kv_heads=3, q_len=n, kv_len=n, head_dim=64), False)
+             for n in (100, 300)]  # 1 x 2 and 3 x 5 blocks
+    joined = SparsityStats.concat(three)
+    torch.testing.assert_close(joined.qk_skipped, torch.full((3,), (0 + 13 / 15) / 2))
+    torch.testing.assert_close(joined.pv_skipped, torch.full((3,), (1 / 2 + 14 / 15) / 2))
+    assert repr(joined) == "SparsityStats(dense_blocks=per row, heads=3)"
+
+
+def test_stage_two_fraction_of_heads_that_computed_few_blocks():
+    """pv_skipped_stage2 is over the Q.K^T blocks computed: 1 where stage 2 skipped a head's only block, 0 where a
+    head computed no block at all (its mask empty; the fraction was 1, as if stage 2 had skipped everything)."""
+    shape = AttentionShape(batch=1, heads=4, kv_heads=4, q_len=300, kv_len=300, head_dim=64)
+    qk = torch.tensor([[[0, 0, 0], [1, 0, 0], [1, 0, 0], [2, 1, 0]]], dtype=torch.int32)
+    pv = torch.tensor([[[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0]]], dtype=torch.int32)
+    stats = sparsity_stats(qk, pv, shape, False)
+    torch.testing.assert_close(stats.pv_skipped_stage2, torch.tensor([0.0, 1.0, 0.0, 1 / 3]))
+    torch.testing.assert_close(stats.qk_skipped, torch.tensor([1.0, 14 / 15, 14 / 15, 12 / 15]))

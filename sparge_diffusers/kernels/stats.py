@@ -29,7 +29,8 @@ class SparsityStats:
         qk_skipped: [H] fraction (a tensor on the input's device; so are the next two) of Q.K^T block products
             skipped by the block mask (stage 1).
         pv_skipped: [H] fraction of P.V block products skipped, by the block mask or by stage 2.
-        pv_skipped_stage2: [H] fraction of the computed Q.K^T blocks whose P.V stage 2 skipped.
+        pv_skipped_stage2: [H] fraction of the computed Q.K^T blocks whose P.V stage 2 skipped (0 for a batch row
+            that computed none).
         dense_blocks: number of block products dense attention computes per (batch, head): an int, or for
             stats joined over calls of different lengths (:meth:`concat`) a [B, 1] float64 tensor, one per row.
     """
@@ -69,8 +70,8 @@ class SparsityStats:
 
     @functools.cached_property
     def pv_skipped_stage2(self) -> torch.Tensor:
-        computed = self._qk.clamp(min=1)
-        return ((computed - self._pv) / computed).mean(0).float()
+        # a row that computed no Q.K^T block (its mask empty) skipped nothing in stage 2: 0, not 0/0
+        return ((self._qk - self._pv) / self._qk.clamp(min=1)).mean(0).float()
 
     @property
     def sparsity(self) -> float:
