@@ -302,6 +302,9 @@ def test_statistics_are_off_by_default_and_reading_none_warns(monkeypatch):
     assert processor.recorded_calls == 0
     with pytest.warns(UserWarning, match="collect_stats=True"):
         assert processor.sparsity_by_layer() == {}
+    with pytest.warns(UserWarning, match="collect_stats=True") as caught:
+        assert processor.stats == []
+    assert caught[0].filename == __file__, "the warning names the line that read the stats"
     processor.collect_stats = True
     run(model, inputs)
     assert processor.recorded_calls == len(model.attn_processors) and any(asked)
@@ -329,6 +332,11 @@ def test_sparse_run_reports_stats_and_bounded_error(name):
     moderate = run(model, inputs)
     assert relative_l1(moderate, native) < 0.06  # measured 0.0025-0.034 at sparsity 0.2-0.25
     assert relative_l1(moderate, native) < relative_l1(out, native)
+    calls: dict[str, list[float]] = {}
+    for record in processor.stats:
+        calls.setdefault(record["layer"], []).append(record["sparsity"])
+    assert all(len(v) >= 2 for v in calls.values()), "each layer ran in both runs"  # Mochi: a call per prompt
+    assert processor.sparsity_by_layer() == pytest.approx({k: sum(v) / len(v) for k, v in calls.items()})
 
 
 @pytest.mark.parametrize("name", ["flux", "sd3", "sd35_medium", "cogvideox"])
@@ -575,6 +583,42 @@ def test_ip_adapter_layers_run_sparse_and_keep_their_image_prompt(name, permutat
     model.to(torch.float32)
     processor.detach(model)
     assert model.attn_processors == processors and set(model.state_dict()) == keys
+
+
+def test_a_processor_with_weights_on_mochi_which_lacks_set_processor_is_kept_and_given_back():
+    """MochiAttention (diffusers 0.42) has no set_processor: apply assigns the attribute itself. A native processor
+    that is an nn.Module (a child module named "processor") must leave its slot for ours, keep its weights on the
+    module while ours runs, and come back as the child module at detach."""
+    from diffusers.models.transformers.transformer_mochi import MochiAttnProcessor2_0
+
+    class WeightedMochiProcessor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = torch.nn.Parameter(torch.ones(()))
+            self.inner = MochiAttnProcessor2_0()
+
+        def forward(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb=None):
+            out = self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+            return tuple(o * self.gain for o in out)
+
+    torch.manual_seed(6)
+    model, inputs = mochi()
+    layers = [m for _, m in model.named_modules() if type(m).__name__ == "MochiAttention"]
+    assert layers and not hasattr(layers[0], "set_processor")
+    for m in layers:
+        m.processor = WeightedMochiProcessor()  # registered as the child module "processor"
+    keys = set(model.state_dict())
+    assert any(k.endswith("processor.gain") for k in keys)
+    native = run(model, inputs)
+    processor = apply(model, KEEP_ALL, collect_stats=True)
+    assert all(type(m.processor) is SpargeProcessor for m in layers)
+    assert relative_l1(run(model, inputs), native) < 1e-5 and processor.recorded_calls > 0
+    model.to(torch.float64)
+    assert all(processor._natives[id(m)].gain.dtype == torch.float64 for m in layers), "its weights move with the model"
+    model.to(torch.float32)
+    processor.detach(model)
+    assert all(type(m.processor) is WeightedMochiProcessor and "processor" in m._modules for m in layers)
+    assert set(model.state_dict()) == keys and torch.equal(run(model, inputs), native)
 
 
 @pytest.mark.gpu
