@@ -466,6 +466,14 @@ def test_non_contiguous_inputs_and_broadcast_mask():
     assert full.stride() == qn.stride() and torch.isfinite(full).all()
     assert relative_l1(full, dense_reference(q, k, v, False, "HND")) < L1_TOL[torch.float16]
     assert a.transpose(1, 2).flatten(2, 3).data_ptr() == a.data_ptr(), "the transpose back must be a view"
+    # views with a channel stride of 2 (copied first, for unit-stride loads) give the same output
+    qs, ks, vs = (torch.stack([t, torch.zeros_like(t)], -1)[..., 0] for t in (q, k, v))
+    assert qs.stride(-1) == 2
+    dense_mask = mask.expand(2, 4, 2, 4)
+    assert torch.equal(block_sparse_attention(qs, ks, vs, dense_mask, backend="triton", out=poisoned_like(q)),
+                       block_sparse_attention(q, k, v, dense_mask, backend="triton"))
+    assert torch.equal(s2o_attention(qs, ks, vs, backend="triton", out=poisoned_like(q)),
+                       s2o_attention(q, k, v, backend="triton"))
 
 
 @pytest.mark.parametrize("maker,causal", [

@@ -247,10 +247,12 @@ def test_permuted_keys_positions_of_any_integer_dtype_and_stride_give_the_same_o
     kp, vp = gather_keys(k, order), gather_keys(v, order)
     strided = torch.stack([order.int(), torch.zeros_like(order, dtype=torch.int32)], -1)[..., 0]
     assert strided.stride(-1) == 2
+    transposed = order.int().transpose(1, 2).contiguous().transpose(1, 2)  # unit stride on the heads, not the keys
+    assert transposed.stride(-1) == 2 and transposed.stride(-2) == 1
     expected = block_sparse_attention(q, kp, vp, None, is_causal=True, permuted_keys=PermutedKeys(order.int(), 128),
                                       backend="triton")
     assert relative_l1(expected.float(), causal_sdpa(q, k, v)) < L1_TOL[torch.float16]
-    for positions in (order, strided):
+    for positions in (order, strided, transposed):
         out = block_sparse_attention(q, kp, vp, None, is_causal=True, permuted_keys=PermutedKeys(positions, 128),
                                      backend="triton", out=torch.full_like(q, math.nan))
         assert torch.equal(out, expected), positions.dtype
