@@ -638,6 +638,45 @@ def test_inputs_of_the_wrong_type_device_or_dtype_raise_value_error_naming_the_p
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def test_flags_take_true_or_false_only():
+    """As SDPA's is_causal: every entry point's flags take True or False. is_causal="False" (a string from a
+    config, say) was read by its truth and ran causal attention; the operator wrappers passed flags through bool()."""
+    from sparge_diffusers import (build_selection_index, s2o_attention_op, select_key_blocks, select_key_blocks_op,
+                                  selected_block_attention, selected_block_attention_op, selection_sparsity,
+                                  sparge_attention_op)
+
+    q, k, v = make_qkv(1, 2, 2, 200, 200, 64, torch.float32, "HND", seed=3)
+    mask = torch.ones(1, 1, 2, 4, dtype=torch.bool)
+    idx = torch.zeros(1, 2, 200, 1, dtype=torch.int32)
+    calls = {
+        "sparge_attention": lambda **f: sparge_attention(q, k, v, **f),
+        "predict_block_mask": lambda **f: predict_block_mask(q, k, **f),
+        "block_sparse_attention": lambda **f: block_sparse_attention(q, k, v, mask, **f),
+        "compact_block_mask": lambda **f: compact_block_mask(mask, q, k, **f),
+        "s2o_attention": lambda **f: s2o_attention(q, k, v, **f),
+        "selected_block_attention": lambda **f: selected_block_attention(q, k, v, idx, **f),
+        "build_selection_index": lambda **f: build_selection_index(idx, q_len=200, kv_len=200, block_size=64, **f),
+        "selection_sparsity": lambda **f: selection_sparsity(idx, heads=2, kv_len=200, **f),
+        "select_key_blocks": lambda **f: select_key_blocks(q, k, top_k=2, **f),
+        "sparge_attention_op": lambda **f: sparge_attention_op(q, k, v, **f),
+        "sparge_attention_op(dense)": lambda **f: sparge_attention_op(q, k, v, dense=torch.tensor([False]), **f),
+        "s2o_attention_op": lambda **f: s2o_attention_op(q, k, v, **f),
+        "selected_block_attention_op": lambda **f: selected_block_attention_op(q, k, v, idx, **f),
+        "select_key_blocks_op": lambda **f: select_key_blocks_op(q, k, top_k=2, **f),
+    }
+    flags = {name: ["is_causal"] for name in calls}
+    for name in ("sparge_attention", "predict_block_mask", "s2o_attention", "sparge_attention_op",
+                 "sparge_attention_op(dense)", "s2o_attention_op"):
+        flags[name].append("attention_sink")
+    flags["selected_block_attention_op"].append("validate")
+    for name, call in calls.items():
+        for flag in flags[name]:
+            call(**{flag: True})  # taken
+            for bad in ("False", 0, 1, None, torch.tensor(True)):
+                with pytest.raises(ValueError, match=f"{flag} must be True or False"):
+                    call(**{flag: bad})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_an_out_buffer_that_aliases_the_inputs_raises(layout, device):

@@ -177,6 +177,10 @@ def test_visit_order_checks_the_statistics_against_the_shape():
                 s2o_visit_order(*args, shape, **kw)
     with pytest.raises(ValueError, match="simthreshd1 must be a float tensor of shape \\(2,\\)"):
         s2o_visit_order(qm, km, qs, ks, shape, **dict(kw, simthreshd1=theta[:1]))
+    for flag in ("is_causal", "attention_sink"):  # "False" was read as True
+        for bad in ("False", 0, None):
+            with pytest.raises(ValueError, match=f"{flag} must be True or False"):
+                s2o_visit_order(qm, km, qs, ks, shape, **dict(kw, **{flag: bad}))
 
 
 def test_a_reused_order_is_checked_against_the_call():

@@ -141,6 +141,7 @@ def check_attention_inputs(
     (None: such a call raises, since SDPA and FlashAttention align it differently). ``sliding_window``: see
     :attr:`AttentionShape.sliding_window`; a positive int, with ``is_causal`` only."""
     check_layout(tensor_layout)
+    check_flag(is_causal, "is_causal")
     tensors = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -177,6 +178,14 @@ def check_attention_inputs(
         check_no_grad(q, k, v)
     return AttentionShape(B, H, HK, Nq, Nkv, D, causal_offset(Nq, Nkv, is_causal, causal_variant),
                           check_sliding_window(sliding_window, is_causal))
+
+
+def check_flag(value: bool, name: str) -> bool:
+    """``value`` if it is True or False, else ValueError: as SDPA's ``is_causal``, a flag takes no other value (a
+    string "False", a number or a tensor would otherwise be read by its truth, is_causal="False" as causal)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {type(value).__name__} {str(value)[:40]!r}")
+    return value
 
 
 def check_sliding_window(sliding_window: int | None, is_causal: bool) -> int | None:

@@ -22,6 +22,7 @@ from ._inputs import (
     PermutedKeys,
     TensorLayout,
     check_attention_inputs,
+    check_flag,
     check_positive_int,
     check_permuted_keys,
     check_kernel_dtype,
@@ -92,6 +93,7 @@ def _stage2_thresholds(values: tuple[float, ...], heads: int, device: str, backe
 def _predict(q, k, *, is_causal, scale, simthreshd1, cdfthreshd, attention_sink, tensor_layout, backend,
              permuted_keys=None, causal_variant=None, sliding_window=None, softcap=None) -> CompactBlockMask:
     """Stage 1 with its input checks; the kernel walk is None on the reference path."""
+    check_flag(attention_sink, "attention_sink")
     shape = check_attention_inputs(q, k, None, tensor_layout=tensor_layout, is_causal=is_causal,
                                    causal_variant=causal_variant, sliding_window=sliding_window)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
@@ -479,6 +481,7 @@ def sparge_attention(
     thr = _pv_thresholds(pvthreshd, shape, q.device, chosen)
     sink_logits = check_sink_logits(sink_logits, shape, q.device)
     softcap = check_softcap(softcap)
+    check_flag(attention_sink, "attention_sink")
     _check_out(out, q, k, v)
     if _keeps_every_block(cdfthreshd):
         # TopCdf at tau >= 1 keeps every visible block whatever theta forces: the dense walk computes the same
@@ -583,6 +586,7 @@ def s2o_attention(
     if not isinstance(segment, int) or segment <= 0 or segment % 128:
         raise ValueError(f"segment must be a positive multiple of 128 tokens, got {segment!r}")
     check_positive_int(check_every, "check_every")
+    check_flag(attention_sink, "attention_sink")
     chosen = pick_backend(backend, q.device, q.shape[-1])
     theta = per_head(simthreshd1, shape.heads, "simthreshd1", q.device, low=-1.0, high=1.0)
     tau_t = None if tau is None else per_head(tau, shape.heads, "tau", q.device, low=0.0)

@@ -15,8 +15,8 @@ from typing import Any, cast
 
 import torch
 
-from ._inputs import (CausalVariant, PerHead, TensorLayout, _is_number, check_attention_inputs, check_sink_logits,
-                      check_softcap, resolve_scale, to_hnd)
+from ._inputs import (CausalVariant, PerHead, TensorLayout, _is_number, check_attention_inputs, check_flag,
+                      check_sink_logits, check_softcap, resolve_scale, to_hnd)
 from .api import new_output, s2o_attention, sparge_attention
 from .block_selection import select_key_blocks
 from .s2o import CHECK_EVERY
@@ -167,16 +167,17 @@ def sparge_attention_op(
     scale = resolve_scale(scale, q.shape[-1])
     thresholds = (_as_list(simthreshd1, "simthreshd1"), _as_list(cdfthreshd, "cdfthreshd"),
                   _as_list(pvthreshd, "pvthreshd"))
+    causal, sink = check_flag(is_causal, "is_causal"), check_flag(attention_sink, "attention_sink")
     if dense is not None:
         for name, value in (("sliding_window", sliding_window), ("sink_logits", sink_logits), ("softcap", softcap)):
             if value is not None:
                 raise ValueError(f"sparge_attention_op takes dense or {name}, not both (the exact path that dense "
                                  f"switches to has no {name.replace('_', ' ')})")
         return torch.ops.sparge_diffusers.sparge_attention_or_exact(
-            q, k, v, dense, bool(is_causal), scale, *thresholds, bool(attention_sink), tensor_layout, causal_variant)
+            q, k, v, dense, causal, scale, *thresholds, sink, tensor_layout, causal_variant)
     return torch.ops.sparge_diffusers.sparge_attention(
-        q, k, v, bool(is_causal), scale, *thresholds, bool(attention_sink), tensor_layout, causal_variant,
-        sliding_window, sink_logits, None if softcap is None else float(softcap))
+        q, k, v, causal, scale, *thresholds, sink, tensor_layout, causal_variant, sliding_window, sink_logits,
+        None if softcap is None else float(softcap))
 
 
 @torch.library.custom_op("sparge_diffusers::s2o_attention", mutates_args=())
@@ -222,10 +223,10 @@ def s2o_attention_op(
     thresholds become lists of floats, which the compiled graph holds as constants."""
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.s2o_attention(
-        q, k, v, bool(is_causal), scale, _as_list(tau, "tau"), _as_int(segment, "segment"),
+        q, k, v, check_flag(is_causal, "is_causal"), scale, _as_list(tau, "tau"), _as_int(segment, "segment"),
         _as_int(check_every, "check_every"),
-        _as_list(simthreshd1, "simthreshd1"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), tensor_layout,
-        causal_variant, sink_logits)
+        _as_list(simthreshd1, "simthreshd1"), _as_list(pvthreshd, "pvthreshd"),
+        check_flag(attention_sink, "attention_sink"), tensor_layout, causal_variant, sink_logits)
 
 
 @torch.library.custom_op("sparge_diffusers::selected_block_attention", mutates_args=())
@@ -271,8 +272,9 @@ def selected_block_attention_op(
     ``validate=False``: the range check reads the indices back."""
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.selected_block_attention(
-        q, k, v, block_indices, _as_int(block_size, "block_size"), bool(is_causal), scale, tensor_layout,
-        bool(validate), _as_int(max_partial_bytes, "max_partial_bytes"), causal_variant, sink_logits)
+        q, k, v, block_indices, _as_int(block_size, "block_size"), check_flag(is_causal, "is_causal"), scale,
+        tensor_layout, check_flag(validate, "validate"), _as_int(max_partial_bytes, "max_partial_bytes"),
+        causal_variant, sink_logits)
 
 
 @torch.library.custom_op("sparge_diffusers::select_key_blocks", mutates_args=())
@@ -310,5 +312,5 @@ def select_key_blocks_op(
     compiled with ``torch.compile``: the same arguments (backend "auto") and output."""
     scale = resolve_scale(scale, q.shape[-1])
     return torch.ops.sparge_diffusers.select_key_blocks(
-        q, k, _as_int(top_k, "top_k"), _as_int(block_size, "block_size"), bool(is_causal), scale,
+        q, k, _as_int(top_k, "top_k"), _as_int(block_size, "block_size"), check_flag(is_causal, "is_causal"), scale,
         _as_int(sink_blocks, "sink_blocks"), _as_int(local_blocks, "local_blocks"), tensor_layout, causal_variant)

@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._inputs import (BLOCK_K, BLOCK_Q, NO_WINDOW, AttentionShape, Backend, causal_block_visible, pick_backend,
-                      wide_offsets)
+from ._inputs import (BLOCK_K, BLOCK_Q, NO_WINDOW, AttentionShape, Backend, causal_block_visible, check_flag,
+                      pick_backend, wide_offsets)
 from .._launch import launch, next_power_of_2
 from . import attention, s2o_hopper
 from .attention import (LOG2E, _add_sink, _attend_tile, _empty_softmax_state, _key_block_flags, _query_tile,
@@ -276,6 +276,8 @@ def s2o_visit_order(q_means: torch.Tensor, k_means: torch.Tensor, q_sim: torch.T
     Triton passes read past smaller tensors and, given a strided view of the means, read other elements.
     """
     _check_block_statistics(q_means, k_means, q_sim, k_sim, simthreshd1, shape)
+    check_flag(is_causal, "is_causal")
+    check_flag(attention_sink, "attention_sink")
     backend = pick_backend(backend, q_means.device)  # ("bogus" ran the PyTorch path)
     return visit_order_of_checked(q_means, k_means, q_sim, k_sim, shape, is_causal=is_causal, scale=scale,
                                   simthreshd1=simthreshd1, segment=segment, attention_sink=attention_sink,

@@ -56,6 +56,7 @@ from ._inputs import (
     TensorLayout,
     causal_offset,
     check_attention_inputs,
+    check_flag,
     check_kernel_dtype,
     check_positive_int,
     check_sink_logits,
@@ -154,6 +155,7 @@ def build_selection_index(block_indices: torch.Tensor, *, q_len: int, kv_len: in
     """
     _check_selection_tensor(block_indices)
     _check_block_size(block_size)
+    check_flag(is_causal, "is_causal")
     check_positive_int(q_len, "q_len")
     check_positive_int(kv_len, "kv_len")
     Nq = block_indices.shape[2]
@@ -478,6 +480,7 @@ def selection_sparsity(block_indices: torch.Tensor, *, heads: int, kv_len: int, 
     # each gave a figure: kv_len=0 NaN, a negative kv_len or block size fractions of 1 to 3, float sizes and
     # float indices fractions of blocks that no kernel computes
     _check_selection_tensor(block_indices)
+    check_flag(is_causal, "is_causal")
     for value, name in ((heads, "heads"), (kv_len, "kv_len"), (block_size, "block_size")):
         check_positive_int(value, name)
     B, HK, Nq, T = block_indices.shape
