@@ -116,7 +116,8 @@ def test_triton_walk_matches_reference(B, H, HK, N, D, causal, segment, layout, 
         pvthreshd=None if pvthreshd is None else torch.full((H,), pvthreshd), check_every=check_every)
     ref = ref if layout == "HND" else ref.transpose(1, 2)
     assert relative_l1(out, ref) < L1_TOL[dtype]
-    ref_stats = s2o_attention(q, k, v, backend="reference", **kw)[1]
+    ref_out, ref_stats = s2o_attention(q, k, v, backend="reference", out=poisoned_like(q), **kw)
+    assert torch.equal(ref_out, ref.to(dtype)), "the reference backend's output, in the call's layout"
     torch.testing.assert_close(stats.qk_skipped, ref_stats.qk_skipped)
     torch.testing.assert_close(stats.pv_skipped, ref_stats.pv_skipped)
     if tau == 0:
@@ -145,8 +146,12 @@ def test_tau_none_visits_everything_without_the_check():
 
 def test_s2o_errors():
     q, k, v = video_like_qkv((1, 8, 16), heads=2, head_dim=64)
-    with pytest.raises(ValueError, match="segment"):
-        s2o_attention(q, k, v, segment=100)
+    for segment in (100, 0, -128):
+        with pytest.raises(ValueError, match="segment must be a positive multiple of 128"):
+            s2o_attention(q, k, v, segment=segment)
+    for theta in (1.5, -1.5):  # a cosine similarity's range
+        with pytest.raises(ValueError, match="simthreshd1"):
+            s2o_attention(q, k, v, simthreshd1=theta)
     with pytest.raises(ValueError, match="tau"):
         s2o_attention(q, k, v, tau=-0.1)
     with pytest.raises(ValueError, match="tau"):
