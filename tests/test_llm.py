@@ -1288,8 +1288,9 @@ def test_defaults_are_the_kernels_and_the_readmes():
     assert [getattr(attention, name) for name in ("simthreshd1", "cdfthreshd", "pvthreshd")] == \
         [sparge["simthreshd1"], sparge["cdfthreshd"], sparge["pvthreshd"]] == [0.6, 0.98, 50]
     assert (attention.tau, attention.s2o_segment) == (s2o["tau"], s2o["segment"]) == (0.0005, 2048)
-    # s2o_attention's own, as its docstring gives them: stage 2 off, no sink block forced
+    # s2o_attention's own, as its docstring gives them: stage 2 off; neither kernel forces the sink block by default
     assert (s2o["simthreshd1"], s2o["pvthreshd"], s2o["attention_sink"]) == (0.6, None, False)
+    assert sparge["attention_sink"] is False
     assert attention.block_size == defaults(select_key_blocks)["block_size"] == 64 and attention.top_k == 16
     assert attention.attention_sink is True and attention.pbs_segment is None and attention.method == "sparge"
     assert (attention.min_padded_tokens, attention.min_predicted_window, attention.min_segment_queries) == \
