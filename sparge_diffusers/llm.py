@@ -43,9 +43,9 @@ from ._compile import compiling, warn_once
 from .kernels import (PermutedKeys, SparsityStats, s2o_attention, s2o_attention_op, select_key_blocks,
                       select_key_blocks_op, selected_block_attention, selected_block_attention_op, selection_sparsity,
                       sparge_attention, sparge_attention_op)
-from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_attention_inputs, check_no_grad,
-                              check_positive_int, check_sink_logits, check_softcap, check_threshold_values,
-                              pick_backend, resolve_scale, unsupported_reason)
+from .kernels._inputs import (THRESHOLD_RANGES, CausalVariant, PerHead, check_attention_inputs, check_flag,
+                              check_no_grad, check_positive_int, check_sink_logits, check_softcap,
+                              check_threshold_values, pick_backend, resolve_scale, unsupported_reason)
 from .kernels.api import new_output
 from .kernels.mask_rows import mask_row_extents
 from .kernels.library import CUDAGRAPH_UNSAFE, _as_int, _as_list
@@ -169,8 +169,9 @@ def pbs_sparge_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     may sit inside a CUDA graph."""
     return torch.ops.sparge_diffusers.pbs_sparge_attention(
         q, k, v, _as_int(segment, "segment"), resolve_scale(scale, q.shape[-1]), _as_list(simthreshd1, "simthreshd1"),
-        _as_list(cdfthreshd, "cdfthreshd"), _as_list(pvthreshd, "pvthreshd"), bool(attention_sink), causal_variant,
-        sink_logits, None if softcap is None else float(softcap))
+        _as_list(cdfthreshd, "cdfthreshd"), _as_list(pvthreshd, "pvthreshd"),
+        check_flag(attention_sink, "attention_sink"), causal_variant, sink_logits,
+        None if softcap is None else float(softcap))
 
 
 def _causal_variant(q: torch.Tensor, k: torch.Tensor, variant: str | None) -> str | None:
@@ -446,8 +447,9 @@ PREFILL_METHODS: dict[str, PrefillMethod] = {
 }
 
 
+_FLAGS = ("attention_sink", "strict", "collect_stats")
 _CHECKED_OPTIONS = ("method", "pbs_segment", "s2o_segment", "min_padded_tokens", "min_predicted_window",
-                    "min_segment_queries", "top_k", "block_size", "tau", *THRESHOLD_RANGES)
+                    "min_segment_queries", "top_k", "block_size", "tau", *THRESHOLD_RANGES, *_FLAGS)
 
 
 @dataclass
@@ -604,6 +606,8 @@ class SpargeLLMAttention:
             raise ValueError(f"block_size must be 32, 64 or 128, got {options['block_size']!r}")
         for name in (*THRESHOLD_RANGES, "tau"):  # (tau was first checked inside the model's forward)
             check_threshold_values(name, options[name])
+        for name in _FLAGS:  # (attention_sink="False" was read by its truth)
+            check_flag(options[name], name)
 
     def route(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None, kwargs: dict

@@ -644,6 +644,7 @@ def test_flags_take_true_or_false_only():
     from sparge_diffusers import (build_selection_index, s2o_attention_op, select_key_blocks, select_key_blocks_op,
                                   selected_block_attention, selected_block_attention_op, selection_sparsity,
                                   sparge_attention_op)
+    from sparge_diffusers.llm import pbs_sparge_attention_op
 
     q, k, v = make_qkv(1, 2, 2, 200, 200, 64, torch.float32, "HND", seed=3)
     mask = torch.ones(1, 1, 2, 4, dtype=torch.bool)
@@ -665,6 +666,8 @@ def test_flags_take_true_or_false_only():
         "select_key_blocks_op": lambda **f: select_key_blocks_op(q, k, top_k=2, **f),
     }
     flags = {name: ["is_causal"] for name in calls}
+    calls["pbs_sparge_attention_op"] = lambda **f: pbs_sparge_attention_op(q, k, v, segment=128, **f)  # causal
+    flags["pbs_sparge_attention_op"] = ["attention_sink"]
     for name in ("sparge_attention", "predict_block_mask", "s2o_attention", "sparge_attention_op",
                  "sparge_attention_op(dense)", "s2o_attention_op"):
         flags[name].append("attention_sink")

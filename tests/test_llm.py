@@ -82,18 +82,15 @@ def test_keeping_every_block_matches_sdpa_through_from_pretrained(tiny_llama):
     assert relative_l1(sparse, dense) < 1e-5
 
 
-def test_register_takes_a_built_attention_or_settings_not_both(tiny_llama, monkeypatch):
-    """``register(name, attention=...)`` registers that very function (its settings and counters are the ones the
-    model's calls use); settings beside it would be ignored, so they raise; without transformers' registries the
-    error names the version needed."""
+def test_a_registered_function_is_the_one_the_model_calls(tiny_llama, monkeypatch):
+    """``register(name, attention=...)`` registers that very function: its settings and counters are the ones the
+    model's calls use. Without transformers' registries the error names the version needed."""
     built = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
     assert register("sparge_test_built", attention=built) is built
     ids = prompt(200)
     sparse = logits(load(tiny_llama, "sparge_test_built"), ids)
     assert built.sparse_calls == 2, "the model must call the function it was given"
     assert relative_l1(sparse, logits(load(tiny_llama, "sdpa"), ids)) < 1e-5
-    with pytest.raises(ValueError, match=r"not both \(got attention and \['cdfthreshd'\]\)"):
-        register("sparge_test_built_and_set", attention=built, cdfthreshd=0.5)
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)
     with pytest.raises(ImportError, match="transformers >= 4.53"):
         register("sparge_test_no_registry")
@@ -1328,7 +1325,10 @@ def test_bad_settings_raise():
                          (dict(method="s2o", tau=-0.1), r"tau values must lie in \[0.0, inf\]"),  # was taken
                          (dict(tau=[0.1, float("nan")]), "tau values"), (dict(tau="0.1"), "tau values"),
                          (dict(pbs_segment=0), "pbs_segment must be None or a positive multiple of 64, got 0"),
-                         (dict(s2o_segment=0), "s2o_segment must be a positive multiple of 128, got 0")):
+                         (dict(s2o_segment=0), "s2o_segment must be a positive multiple of 128, got 0"),
+                         (dict(attention_sink="False"), "attention_sink must be True or False"),  # read as True
+                         (dict(strict=1), "strict must be True or False"),
+                         (dict(collect_stats=None), "collect_stats must be True or False")):
         # (each was first refused at the model's first prefill, if at all)
         with pytest.raises(ValueError, match=message):
             SpargeLLMAttention(**bad)
@@ -2190,6 +2190,7 @@ def test_register_refuses_a_function_and_settings_together():
     ("top_k", True, "top_k must be a positive int, got True"),
     ("top_k", 0, "top_k must be a positive int"),
     ("tau", -1.0, r"tau values must lie in \[0.0, inf\]"),  # was taken, then refused inside the forward
+    ("attention_sink", "False", "attention_sink must be True or False"),  # was read by its truth
 ])
 def test_options_set_later_are_checked(name, value, message):
     attention = SpargeLLMAttention()
