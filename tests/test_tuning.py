@@ -479,6 +479,9 @@ def test_tune_generate_and_evaluate_refuse_a_model_that_already_runs_a_processor
     (dict(dense_steps=1.5), "dense_steps must be an int"),
     (dict(dense_steps=True), "dense_steps must be an int >= 0, got True"),  # a bool is an int to Python
     (dict(layer_settings={"transformer_blocks.0.attn": {"cdfthreshd": 0.9}}), "must be SpargeSettings"),
+    (dict(enabled="False"), "enabled must be True or False"),  # was read as True: sparse where dense was meant
+    (dict(strict=0), "strict must be True or False"),
+    (dict(collect_stats=None), "collect_stats must be True or False"),
 ])
 def test_processor_options_are_checked_when_made(options, message):
     from sparge_diffusers.pipelines import SpargeProcessor, SpargeSettings

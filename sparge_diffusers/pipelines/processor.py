@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from .._compile import compiling, warn_once
 from ..kernels import sparge_attention
 from ..kernels.library import CUDAGRAPH_UNSAFE, _as_list, sparge_attention_op
-from ..kernels._inputs import THRESHOLD_RANGES, check_threshold_values, resolve_scale, unsupported_reason
+from ..kernels._inputs import THRESHOLD_RANGES, check_flag, check_threshold_values, resolve_scale, unsupported_reason
 from ..permutations import ORDERS, permuted, visual_token_permutation
 from .settings_file import LayerSettingsFile
 
@@ -340,7 +340,8 @@ def _sdpa_answered_by(seam: _SparseSDPA):
                 F.scaled_dot_product_attention = _displaced
 
 
-_CHECKED_OPTIONS = ("settings", "layer_settings", "dense_steps")
+_FLAGS = ("collect_stats", "strict", "enabled")
+_CHECKED_OPTIONS = ("settings", "layer_settings", "dense_steps", *_FLAGS)
 
 
 @dataclass
@@ -433,7 +434,7 @@ class SpargeProcessor:
         before = {n: self.__dict__[n] for n in ("settings", "layer_settings", "_settings_file")}
         object.__setattr__(self, name, self._checked_option(name, value))
         model = self._bound() if self._bound is not None else None
-        if model is not None and name != "dense_steps":
+        if model is not None and name in ("settings", "layer_settings"):
             try:
                 with warnings.catch_warnings():
                     if name == "settings":  # the file's coverage warning belongs to setting layer_settings
@@ -467,6 +468,8 @@ class SpargeProcessor:
             if wrong:
                 raise ValueError(f"settings must be SpargeSettings (per layer too); not so for {wrong[:3]}")
             object.__setattr__(self, "_settings_file", settings_file)
+        elif name in _FLAGS:  # enabled="False" (a string from a config) was read as True: sparse where dense was meant
+            check_flag(value, name)
         elif isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:  # dense_steps
             # a negative count ran no warm-up without a word, a string failed at the first step
             raise ValueError(f"dense_steps must be an int >= 0, got {value!r}")
