@@ -671,6 +671,7 @@ def test_flags_take_true_or_false_only():
     for name in ("sparge_attention", "predict_block_mask", "s2o_attention", "sparge_attention_op",
                  "sparge_attention_op(dense)", "s2o_attention_op"):
         flags[name].append("attention_sink")
+    flags["selected_block_attention"].append("validate")
     flags["selected_block_attention_op"].append("validate")
     for name, call in calls.items():
         for flag in flags[name]:

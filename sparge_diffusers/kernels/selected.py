@@ -407,6 +407,7 @@ def selected_block_attention(
     _check_out(out, q, k, v)
     sink_logits = check_sink_logits(sink_logits, shape, q.device)
     check_positive_int(max_partial_bytes, "max_partial_bytes")
+    check_flag(validate, "validate")
     index: SelectionIndex | None
     if isinstance(block_indices, SelectionIndex):
         index = block_indices
