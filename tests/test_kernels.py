@@ -374,6 +374,11 @@ def test_compact_block_mask_is_reusable_and_checked(backend, monkeypatch):
                                backend=backend)
     with pytest.raises(ValueError, match="block_mask shape"):
         compact_block_mask(mask[..., :4], q, k, tensor_layout="NHD", backend=backend)
+    # both default to non-causal attention: a mask compacted with the defaults serves a call with them
+    monkeypatch.undo()
+    plain = block_sparse_attention(q, k, v, compact_block_mask(mask, q, k, tensor_layout="NHD", backend=backend),
+                                   tensor_layout="NHD", backend=backend)
+    assert torch.equal(plain, block_sparse_attention(q, k, v, mask, tensor_layout="NHD", backend=backend))
 
 
 def test_pv_filter_skips_tiles_far_below_the_running_max():
