@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ._json import write_json
+from .kernels._inputs import check_flag
 from .pipelines.call_arguments import check_pipe_kwargs, pipeline_progress_off, prompt_list
 
 __all__ = ["generate", "run_pipeline", "save_output"]
@@ -147,6 +148,10 @@ def generate(pipe: Any, prompts: str | Sequence[str], out_dir: str | Path, *, sp
 
     prompts = prompt_list(prompts, "generate")
     check_pipe_kwargs(pipe_kwargs)
+    # sparse="False" (a string from a config) was read as True: sparse outputs where dense ones were meant
+    for name, flag in (("sparse", sparse), ("strict", strict), ("compile", compile), ("warmup", warmup),
+                       ("progress", progress)):
+        check_flag(flag, name)
     sparse_only = {"settings": settings is not None, "layer_settings": layer_settings is not None,
                    "dense_steps": dense_steps != 0, "strict": strict}
     if not sparse and any(sparse_only.values()):  # they would be ignored: the dense run installs nothing

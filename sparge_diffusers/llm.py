@@ -122,6 +122,7 @@ def pbs_sparge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     if sparge_settings.get("tensor_layout", "HND") != "HND" or "is_causal" in sparge_settings:
         raise ValueError("pbs_sparge_attention takes HND inputs and is always causal")
     check_no_grad(q, k, v)  # before ranking and gathering the keys (the gathered copies would raise only later)
+    check_flag(return_sparsity, "return_sparsity")
     # an unsupported GPU raises before the ranking; backend="reference" ranks in PyTorch too
     chosen = pick_backend(sparge_settings.get("backend", "auto"), q.device, q.shape[-1])
     importance = last_block_key_importance(q, k, scale=scale, causal_variant=causal_variant,

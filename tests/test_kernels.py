@@ -649,7 +649,7 @@ def test_flags_take_true_or_false_only():
     from sparge_diffusers import (build_selection_index, s2o_attention_op, select_key_blocks, select_key_blocks_op,
                                   selected_block_attention, selected_block_attention_op, selection_sparsity,
                                   sparge_attention_op)
-    from sparge_diffusers.llm import pbs_sparge_attention_op
+    from sparge_diffusers.llm import pbs_sparge_attention, pbs_sparge_attention_op
 
     q, k, v = make_qkv(1, 2, 2, 200, 200, 64, torch.float32, "HND", seed=3)
     mask = torch.ones(1, 1, 2, 4, dtype=torch.bool)
@@ -673,6 +673,10 @@ def test_flags_take_true_or_false_only():
     flags = {name: ["is_causal"] for name in calls}
     calls["pbs_sparge_attention_op"] = lambda **f: pbs_sparge_attention_op(q, k, v, segment=128, **f)  # causal
     flags["pbs_sparge_attention_op"] = ["attention_sink"]
+    calls["pbs_sparge_attention"] = lambda **f: pbs_sparge_attention(q, k, v, segment=128, **f)
+    flags["pbs_sparge_attention"] = ["return_sparsity"]  # "False" returned a tuple where a tensor was expected
+    for name in ("sparge_attention", "block_sparse_attention", "s2o_attention"):
+        flags[name].append("return_sparsity")
     for name in ("sparge_attention", "predict_block_mask", "s2o_attention", "sparge_attention_op",
                  "sparge_attention_op(dense)", "s2o_attention_op"):
         flags[name].append("attention_sink")

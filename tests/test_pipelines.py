@@ -300,11 +300,12 @@ def test_statistics_are_off_by_default_and_reading_none_warns(monkeypatch):
     run(model, inputs)
     assert asked and not any(asked), "the sparse path ran, asking for no statistics"
     assert processor.recorded_calls == 0
-    with pytest.warns(UserWarning, match="collect_stats=True"):
+    with pytest.warns(UserWarning, match="collect_stats=True") as by_layer:
         assert processor.sparsity_by_layer() == {}
     with pytest.warns(UserWarning, match="collect_stats=True") as caught:
         assert processor.stats == []
     assert caught[0].filename == __file__, "the warning names the line that read the stats"
+    assert by_layer[0].filename == __file__, "and the line that asked for them by layer (it named processor.py)"
     processor.collect_stats = True
     run(model, inputs)
     assert processor.recorded_calls == len(model.attn_processors) and any(asked)

@@ -434,8 +434,8 @@ def test_threshold_grid_rejects_values_the_kernels_refuse(field, values, message
     (dict(simthreshd1=[]), "non-empty list"),
     (dict(permutation="zigzag"), "unknown permutation 'zigzag'"),
     (dict(permutation=["hilbert"]), r"unknown permutation \['hilbert'\]"),
-    (dict(dense="false"), "dense must be True or False, got 'false'"),  # truthy: it ran the layer densely
-    (dict(dense=1), "dense must be True or False, got 1"),
+    (dict(dense="false"), "dense must be True or False, got str 'false'"),  # truthy: it ran the layer densely
+    (dict(dense=1), "dense must be True or False, got int '1'"),
 ])
 def test_settings_are_checked_when_made(settings, message):
     """Not at the model's first attention call (after its text encoders ran); None and inf turn stage 2 off."""
@@ -742,6 +742,31 @@ def test_attention_modes_are_consistent():
     with pytest.raises(ValueError, match="sparse modes only"):
         AttentionMode("baseline", False, "tuned.json")
     AttentionMode("dense", False), AttentionMode("sparge:tuned", True, "tuned.json")
+
+
+def test_flags_of_generate_tune_and_evaluate_take_true_or_false_only(tmp_path):
+    """As the kernels' flags: a string "False" from a config was read by its truth, so generate(sparse="False")
+    and AttentionMode("baseline", "False") ran sparse where dense was meant, and ThresholdSearch(per_head="False")
+    tuned one threshold per head. Each is refused before any model call."""
+    from sparge_diffusers.eval import AttentionMode, evaluate
+    from sparge_diffusers.generation import generate
+    from sparge_diffusers.tuning import tune
+    from tiny_pipes import TinyImagePipeline
+
+    pipe = TinyImagePipeline()
+    calls = {f"generate {flag}": (flag, lambda **f: generate(pipe, ["a cat"], tmp_path / "g", **f))
+             for flag in ("sparse", "strict", "compile", "warmup", "progress")}
+    calls["tune"] = ("progress", lambda **f: tune(pipe, ["a cat"], **f))
+    calls["ThresholdSearch"] = ("per_head", lambda **f: ThresholdSearch(**f))
+    calls["AttentionMode"] = ("sparse", lambda **f: AttentionMode("baseline", **f))
+    calls["evaluate"] = ("progress", lambda **f: evaluate(pipe, ["a cat"], [AttentionMode("dense", False)],
+                                                          tmp_path / "e", **f))
+    for name, (flag, call) in calls.items():
+        for bad in ("False", 0, 1, None, torch.tensor(True)):
+            with pytest.raises(ValueError, match=f"{flag} must be True or False"):
+                call(**{flag: bad})
+    assert not (tmp_path / "g").exists() and not (tmp_path / "e").exists(), "refused before any output"
+    AttentionMode("baseline", False), ThresholdSearch(per_head=False)
 
 
 def test_generate_refuses_sparse_options_for_a_dense_run(tmp_path):

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from .._json import write_json
 from ..generation import default_steps, device_name, run_pipeline, to_uint8
+from ..kernels._inputs import check_flag
 from ..pipelines.call_arguments import check_pipe_kwargs, pipeline_progress_off, prompt_list
 from ._images import check_unit_images
 from .clip import ClipModel, clip_score, clip_temp, clipsim
@@ -44,6 +45,7 @@ class AttentionMode:
     settings_file: str | None = None
 
     def __post_init__(self):
+        check_flag(self.sparse, "sparse")  # "False" was read as True: a mode meant dense ran sparse
         if self.name == "dense" and self.sparse:  # its sparse outputs would be every mode's "exact" reference
             raise ValueError("the mode named 'dense' is the fidelity reference: it cannot be sparse")
         if self.settings_file and not self.sparse:
@@ -123,6 +125,7 @@ def evaluate(pipe: Any, prompts: str | Sequence[str], modes: Sequence[AttentionM
         raise ValueError(f"evaluate needs one or more modes with distinct names, got {names}")
     prompts = prompt_list(prompts, "evaluate")
     check_pipe_kwargs(pipe_kwargs)
+    check_flag(progress, "progress")
     if installed_processor(pipe) is not None:  # the dense mode would run it
         raise ValueError("the pipeline already runs a SpargeProcessor: detach it first (processor.detach("
                          "pipe.transformer)); evaluate applies each mode's own")

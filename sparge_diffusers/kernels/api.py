@@ -314,6 +314,7 @@ def block_sparse_attention(
     shape = check_attention_inputs(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
                                    causal_variant=causal_variant, sliding_window=sliding_window)
     key_segment = check_permuted_keys(permuted_keys, shape, q.device, is_causal)
+    check_flag(return_sparsity, "return_sparsity")  # "False" would return a tuple where a tensor was expected
     if isinstance(block_mask, CompactBlockMask):
         block_mask.check_matches(shape, is_causal, q.device, key_segment)
     elif block_mask is not None:
@@ -482,6 +483,7 @@ def sparge_attention(
     sink_logits = check_sink_logits(sink_logits, shape, q.device)
     softcap = check_softcap(softcap)
     check_flag(attention_sink, "attention_sink")
+    check_flag(return_sparsity, "return_sparsity")
     _check_out(out, q, k, v)
     if _keeps_every_block(cdfthreshd):
         # TopCdf at tau >= 1 keeps every visible block whatever theta forces: the dense walk computes the same
@@ -587,6 +589,7 @@ def s2o_attention(
         raise ValueError(f"segment must be a positive multiple of 128 tokens, got {segment!r}")
     check_positive_int(check_every, "check_every")
     check_flag(attention_sink, "attention_sink")
+    check_flag(return_sparsity, "return_sparsity")
     chosen = pick_backend(backend, q.device, q.shape[-1])
     theta = per_head(simthreshd1, shape.heads, "simthreshd1", q.device, low=-1.0, high=1.0)
     tau_t = None if tau is None else per_head(tau, shape.heads, "tau", q.device, low=0.0)

@@ -70,8 +70,7 @@ class SpargeSettings:
         if name in THRESHOLD_RANGES:
             check_threshold_values(name, value)
         elif name == "dense":  # a string such as "false" from a hand-edited file is truthy: it would run dense
-            if not isinstance(value, bool):
-                raise ValueError(f"dense must be True or False, got {value!r}")
+            check_flag(value, name)
         elif value is not None and (not isinstance(value, str) or value not in ORDERS):
             raise ValueError(f"unknown permutation {value!r}; choose from {sorted(ORDERS)} or None")
 
@@ -793,12 +792,18 @@ class SpargeProcessor:
     def stats(self) -> list[dict]:
         """One record per sparse attention call: layer, step and the SparsityStats figures (eager calls with
         ``collect_stats`` on only)."""
+        return self._stats_records(stacklevel=3)
+
+    def _stats_records(self, stacklevel: int) -> list[dict]:
+        """:attr:`stats`, warning where nothing was recorded; ``stacklevel`` 3 names the line that called the public
+        method or property that called this one (the user's, not ours)."""
         if not self._records and not self.collect_stats:
             warnings.warn("SpargeProcessor: no statistics recorded: collection is off by default; set "
-                          "collect_stats=True (or processor.collect_stats = True) before the run", stacklevel=2)
+                          "collect_stats=True (or processor.collect_stats = True) before the run",
+                          stacklevel=stacklevel)
         if self._stats_missed:
             warnings.warn("SpargeProcessor: calls made by a torch.compile'd model record no statistics; run a step "
-                          "without torch.compile to read them", stacklevel=2)
+                          "without torch.compile to read them", stacklevel=stacklevel)
         return [{"layer": layer, "step": step, **st.as_dict()} for layer, step, st in self._records]
 
     @property
@@ -813,7 +818,7 @@ class SpargeProcessor:
     def sparsity_by_layer(self) -> dict[str, float]:
         """Mean sparsity of each layer over the recorded calls."""
         out: dict[str, list[float]] = {}
-        for s in self.stats:
+        for s in self._stats_records(stacklevel=3):
             out.setdefault(s["layer"], []).append(s["sparsity"])
         return {k: sum(v) / len(v) for k, v in out.items()}
 

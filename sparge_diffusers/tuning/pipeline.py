@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from ..kernels._inputs import check_flag
 from ..pipelines.call_arguments import check_pipe_kwargs, pipeline_progress_off
 from ..pipelines.processor import SpargeProcessor, SpargeSettings, install
 from ..pipelines.settings_file import LayerSettingsFile
@@ -128,6 +129,7 @@ def tune(
     """
     transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
     check_pipe_kwargs(pipe_kwargs, reserved=("prompt", "generator"))
+    check_flag(progress, "progress")
     if pipe_kwargs and not hasattr(pipe_or_transformer, "transformer"):
         raise ValueError("pipe_kwargs are pipeline call arguments; pass the pipeline")
     call_kwargs = dict(pipe_kwargs or {})

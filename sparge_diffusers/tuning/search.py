@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from ..kernels import sparge_attention
-from ..kernels._inputs import THRESHOLD_RANGES, check_threshold_values
+from ..kernels._inputs import THRESHOLD_RANGES, check_flag, check_threshold_values
 
 # theta = 1 keeps every block (no block similarity exceeds 1) and tau = 1 keeps every key block with any
 # probability, so the densest point of the default grid is exact up to rounding: a budget is always met.
@@ -143,6 +143,7 @@ class ThresholdSearch:
             raise ValueError(f"need 0 < l1 <= l2, got l1={l1}, l2={l2}")
         if aggregate not in ("max", "mean"):
             raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
+        check_flag(per_head, "per_head")  # "False" was read as True: per-head thresholds where one per layer was meant
         self.l1, self.l2, self.grid = l1, l2, grid or ThresholdGrid()
         self.per_head, self.aggregate = per_head, aggregate
         self.phase = 1
