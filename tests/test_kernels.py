@@ -212,6 +212,97 @@ def test_topcdf_keeps_the_smallest_prefix_reaching_tau():
             assert torch.equal(got[0, 0, 0], expected), (tau, backend)
 
 
+
+def test_topcdf_and_similarity_rules_at_their_edges():
+    """Edges of stage 1's rules that random inputs never hit, on hand-made blocks whose statistics are exact:
+    a block's mass at exactly tau * total is kept; tau = 1 keeps blocks whose probability underflows to 0 (the
+    bisection's threshold is then 0); a block whose self-similarity equals theta is forced (similar means above
+    theta), a query block's row and a key block's column alike."""
+    from sparge_diffusers.kernels._inputs import AttentionShape
+    from sparge_diffusers.kernels.predict import topcdf_block_mask_triton
+
+    nk, D = 4, 64
+    shape = AttentionShape(1, 1, 1, BLOCK_Q, nk * BLOCK_K, D)
+    scores = torch.tensor([0.0, -1.0, -2.0, -2.0]).view(1, 1, 1, nk)  # log2 units: probabilities 1/2, 1/4, 1/8, 1/8
+    similar = dict(q_sim=torch.ones(1, 1, 1), k_sim=torch.ones(1, 1, nk), simthreshd1=torch.tensor([0.5]))
+    for tau, kept in ((0.75, [True, True, False, False]), (0.74, [True, False, False, False]),
+                      (0.875, [True, True, False, False]), (1.0, [True] * 4)):
+        mask, _ = topcdf_block_mask_triton(scores, similar["q_sim"], similar["k_sim"], shape, is_causal=False,
+                                           simthreshd1=similar["simthreshd1"], cdfthreshd=torch.tensor([tau]),
+                                           attention_sink=False)
+        assert mask[0, 0, 0].bool().tolist() == kept, tau
+    # probabilities 1/2 and one float below it: the bisection must end on the float itself (30 halvings of the bit
+    # patterns below 1.0 find it exactly), or it drops the 1/2 that tau = 0.8 keeps
+    one_below = torch.nextafter(torch.tensor(-1.0), torch.tensor(-2.0)).item()
+    scores = torch.tensor([0.0, -1.0, one_below, -4.0, -5.0, -6.0]).view(1, 1, 1, 6)
+    mask, _ = topcdf_block_mask_triton(scores, similar["q_sim"], torch.ones(1, 1, 6),
+                                       AttentionShape(1, 1, 1, BLOCK_Q, 6 * BLOCK_K, D), is_causal=False,
+                                       simthreshd1=similar["simthreshd1"], cdfthreshd=torch.tensor([0.8]),
+                                       attention_sink=False)
+    assert mask[0, 0, 0].bool().tolist() == [True, True, False, False, False, False]
+
+    def qk(logits):  # one query block of e1 tokens; key block j's tokens (8 * logit_j, 1): compressed score logit_j
+        q = torch.zeros(1, 1, BLOCK_Q, D)
+        q[..., 0] = 1.0
+        k = torch.zeros(1, 1, len(logits) * BLOCK_K, D)
+        k[..., 0] = torch.tensor(logits).repeat_interleave(BLOCK_K) * math.sqrt(D)
+        k[..., 1] = 1.0
+        return q, k
+
+    q, k = qk([3.0, 0.0, -200.0, -300.0])  # exp(-203) is 0 in float32
+    for backend in ("triton", "reference"):
+        got = predict_block_mask(q.half(), k.half(), simthreshd1=-1.0, cdfthreshd=1.0, backend=backend)
+        assert got.all(), backend
+        got = predict_block_mask(q.half(), k.half(), simthreshd1=-1.0, cdfthreshd=0.5, backend=backend)
+        assert got[0, 0, 0].tolist() == [True, False, False, False], backend
+
+    # a query block of 64 e1 and 64 e2 tokens: cosine self-similarity exactly 0.5 (half the pairs 1, half 0)
+    q, k = qk([3.0, 0.0, 2.0, -1.0])
+    q[:, :, BLOCK_Q // 2:] = 0.0
+    q[:, :, BLOCK_Q // 2:, 1] = 1.0
+    # a key block of 32 -8 e1 and 32 8 e2 tokens: self-similarity exactly 0.5, a compressed score far below the rest
+    k[:, :, 3 * BLOCK_K:] = 0.0
+    k[:, :, 3 * BLOCK_K:3 * BLOCK_K + BLOCK_K // 2, 0] = -8.0
+    k[:, :, 3 * BLOCK_K + BLOCK_K // 2:, 1] = 8.0
+    q_sim, k_sim = reference_block_statistics(q, BLOCK_Q)[1], reference_block_statistics(k, BLOCK_K)[1]
+    assert q_sim.item() == 0.5 and k_sim[0, 0, 3].item() == 0.5
+    assert block_statistics_triton(q.half(), BLOCK_Q)[1].item() == 0.5
+    assert block_statistics_triton(k.half(), BLOCK_K)[1][0, 0, 3].item() == 0.5
+    for backend in ("triton", "reference"):  # theta = 0.5: the query block is forced, its whole row kept
+        got = predict_block_mask(q.half(), k.half(), simthreshd1=0.5, cdfthreshd=0.5, backend=backend)
+        assert got.all(), backend
+        got = predict_block_mask(q.half(), k.half(), simthreshd1=0.4999, cdfthreshd=0.5, backend=backend)
+        assert got[0, 0, 0].tolist() == [True, False, False, False], backend  # just below: neither is forced
+    q[:, :, BLOCK_Q // 2:] = q[:, :, :BLOCK_Q // 2]  # all e1 now: similar; the key block alone is forced at 0.5
+    for backend in ("triton", "reference"):
+        got = predict_block_mask(q.half(), k.half(), simthreshd1=0.5, cdfthreshd=0.5, backend=backend)
+        assert got[0, 0, 0].tolist() == [True, False, False, True], backend
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_topcdf_rows_per_program_change_no_output(rows, causal, monkeypatch):
+    """Query blocks per TopCdf program is a speed choice (1 at the sizes tests reach, 4 at 128-1023 key blocks):
+    with 2 or 4 and five query blocks (not a multiple), the mask and its compacted walk are those of one row per
+    program, and the mask is the reference's."""
+    from sparge_diffusers.kernels import predict
+    from sparge_diffusers.kernels._inputs import AttentionShape
+
+    Nq, Nkv = 610, (610 if causal else 400)
+    q, k, _ = make_qkv(2, 3, 3, Nq, Nkv, 64, torch.bfloat16, "HND", seed=rows)
+    shape = AttentionShape(2, 3, 3, Nq, Nkv, 64)
+    kw = dict(is_causal=causal, scale=0.125, simthreshd1=torch.tensor([-1.0, 0.01, 0.6]),
+              cdfthreshd=torch.tensor([0.5, 0.8, 0.95]), attention_sink=False)
+    mask, (index, count, n_full) = predict.predict_block_mask_triton(q, k, shape, **kw)
+    monkeypatch.setattr(predict, "topcdf_rows", lambda nk: rows)
+    got_mask, (got_index, got_count, got_full) = predict.predict_block_mask_triton(q, k, shape, **kw)
+    assert torch.equal(got_mask, mask) and torch.equal(got_count, count) and torch.equal(got_full, n_full)
+    used = torch.arange(index.shape[-1]) < count[..., None]  # entries past a row's count are unused
+    assert torch.equal(got_index[used], index[used])
+    want = reference_prediction_details(q, k, **kw)["mask"]
+    assert torch.equal(mask, want) and not want.all()
+
+
 ATTN_CASES = [
     # B, H, HK, Nq, Nkv, D, causal
     (1, 2, 2, 200, 200, 64, False),

@@ -59,7 +59,7 @@ def test_visit_order(causal, backend):
 
 @pytest.mark.parametrize("causal,sink,N,H,HK,segment", [
     (False, False, 333, 2, 2, 256), (False, True, 90, 3, 3, 256), (True, False, 700, 4, 2, 256),
-    (True, True, 1111, 2, 1, 128)])
+    (True, True, 1111, 2, 1, 128), (False, False, 640, 2, 2, 256), (True, False, 768, 2, 1, 256)])  # whole blocks
 def test_triton_visit_order_equals_torch_on_the_same_scores(causal, sink, N, H, HK, segment):
     """The sort kernel packs (group, score, column) into int64 keys; it must give PyTorch's two stable sorts
     exactly, ties (scores rounded to a few values), negative scores and invisible blocks included."""
@@ -71,6 +71,7 @@ def test_triton_visit_order_equals_torch_on_the_same_scores(causal, sink, N, H, 
     scores = (torch.randn(2, H, nq, nk, generator=g) * 4).round() / 4  # many exact ties, both signs
     q_sim = torch.rand(2, H, nq, generator=g)
     k_sim = torch.rand(2, HK, nk, generator=g)
+    q_sim[..., ::3], k_sim[..., ::4] = 0.2, 0.2  # exactly theta: forced (similar means above theta), as in stage 1
     theta = torch.full((H,), 0.2)
     kw = dict(is_causal=causal, simthreshd1=theta, segment=segment, attention_sink=sink)
     expected = _visit_order_torch(scores, q_sim, k_sim, shape, **kw)
