@@ -101,6 +101,7 @@ MASK_CASES = [
     (1, 2, 1, 100, 450, 128, False),  # Nq != Nkv, Nq shorter than one block
     (1, 2, 2, 600, 600, 128, True),
     (1, 2, 1, 300, 300, 256, True),  # Gemma 2 / 3's head dim
+    (1, 2, 2, 300, 333, 96, False),  # padded head dim: the means' rows are 96 apart, loaded 128 wide
 ]
 
 

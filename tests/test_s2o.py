@@ -57,16 +57,19 @@ def test_visit_order(causal, backend):
                     assert set(diagonal) <= set(forced[u:])
 
 
-@pytest.mark.parametrize("causal,sink,N,H,HK,segment", [
-    (False, False, 333, 2, 2, 256), (False, True, 90, 3, 3, 256), (True, False, 700, 4, 2, 256),
-    (True, True, 1111, 2, 1, 128), (False, False, 640, 2, 2, 256), (True, False, 768, 2, 1, 256)])  # whole blocks
-def test_triton_visit_order_equals_torch_on_the_same_scores(causal, sink, N, H, HK, segment):
+@pytest.mark.parametrize("causal,sink,N,H,HK,segment,cached", [
+    (False, False, 333, 2, 2, 256, 0), (False, True, 90, 3, 3, 256, 0), (True, False, 700, 4, 2, 256, 0),
+    (True, True, 1111, 2, 1, 128, 0), (False, False, 640, 2, 2, 256, 0), (True, False, 768, 2, 1, 256, 0),
+    # lower right after cached keys: a key block ends on a query block's first position (63) or just before (62)
+    (True, False, 700, 2, 1, 256, 63), (True, True, 500, 2, 2, 128, 62)])
+def test_triton_visit_order_equals_torch_on_the_same_scores(causal, sink, N, H, HK, segment, cached):
     """The sort kernel packs (group, score, column) into int64 keys; it must give PyTorch's two stable sorts
-    exactly, ties (scores rounded to a few values), negative scores and invisible blocks included."""
+    exactly, ties (scores rounded to a few values), negative scores and invisible blocks included; whole key
+    blocks only, and key blocks that end where a query block starts, need no masking."""
     from sparge_diffusers.kernels.s2o import _visit_order_torch, _visit_order_triton
 
     g = torch.Generator().manual_seed(N)
-    shape = AttentionShape(2, H, HK, N, N, 64)
+    shape = AttentionShape(2, H, HK, N, N + cached, 64, causal_offset=cached)
     nq, nk = shape.q_blocks, shape.k_blocks
     scores = (torch.randn(2, H, nq, nk, generator=g) * 4).round() / 4  # many exact ties, both signs
     q_sim = torch.rand(2, H, nq, generator=g)
