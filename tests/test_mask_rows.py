@@ -54,10 +54,12 @@ def test_every_output_element_is_written(monkeypatch):
 
 
 def test_views_of_other_strides():
-    """A mask cut to its first columns, an expanded batch and a transposed (non-contiguous last dim) one."""
+    """A mask cut to its first columns, an expanded batch and transposed or strided (non-contiguous last dim) ones:
+    every last dim with a stride other than 1 is copied first, two columns (a transposed pair of rows) and a
+    stride of 2 among them."""
     mask = random_mask(1, 11, 1500, seed=1)
     for view in (mask[:, :, :1100], mask.expand(3, 11, 1500), mask[:, :, :40].transpose(1, 2),
-                 mask[:, 1:9:2, 7:1300]):
+                 mask[:, 1:9:2, 7:1300], mask[:, :2].transpose(1, 2), mask[:, :, ::2]):
         expected = by_definition(view.contiguous())
         for got in (_row_extents_triton(view), mask_row_extents(view)):
             for g, e in zip(got, expected):
