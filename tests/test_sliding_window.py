@@ -97,6 +97,23 @@ def test_kernel_matches_reference_with_a_window(Nq, Nkv, variant, window, dtype,
         assert relative_l1(out.float(), ref.float()) < L1_TOL[dtype] / 2
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_block_starting_one_key_before_the_last_rows_window_is_masked(backend):
+    """Window 191: query block 1 (positions 128-255) and key block 1 (keys 64-127) are neither diagonal nor wholly
+    inside every row's window: the last row (255) sees keys 65-255, so key 64, the block's first, must be masked
+    element by element. Key 64 is made to dominate row 255's scores, so attending it would change the row whole
+    (a relative L1 over all rows would hide one key of one row)."""
+    g = torch.Generator().manual_seed(191)
+    q, k, v = (torch.randn(1, 1, 256, 64, generator=g) for _ in range(3))
+    k[0, 0, 64] = q[0, 0, 255] * 4.0  # score ~ 4 * |q|^2 / 8 = 32: weight ~1 if seen
+    q, k, v = q.half(), k.half(), v.half()
+    out = block_sparse_attention(q, k, v, None, is_causal=True, sliding_window=191, backend=backend,
+                                 out=poisoned_like(q)).float()
+    allowed = window_mask(256, 256, None, 191)
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed)
+    assert (out - exact).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("Nq,Nkv,variant,window", CASES)
 def test_compacted_walk_puts_the_masked_blocks_last_and_drops_those_outside_the_window(Nq, Nkv, variant, window):
     """The kernels take the first n_full blocks of a row without element masking: each of them must be wholly
