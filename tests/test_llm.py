@@ -2175,8 +2175,10 @@ def test_s2o_and_fsa_methods_on_gpu(tiny_llama):
 def test_register_refuses_a_function_and_settings_together():
     """The settings were dropped without a word: the registered function kept its own."""
     function = SpargeLLMAttention(cdfthreshd=0.9)
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match=r"not both \(got attention and \['cdfthreshd'\]\)"):
         register("sparge_test_both", function, cdfthreshd=0.5)
+    with pytest.raises(ValueError, match=r"not both \(got attention and \['cdfthreshd'\]\)"):
+        register("sparge_test_both", attention=function, cdfthreshd=0.5)
     assert register("sparge_test_both", function) is function
 
 
