@@ -11,6 +11,7 @@ from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_atten
                               predict_block_mask, relative_l1, s2o_attention, select_key_blocks,
                               selected_block_attention, sparge_attention, sparge_attention_op)
 from sparge_diffusers.kernels._inputs import check_attention_inputs
+from sparge_diffusers.kernels.attention import dense_block_n
 from sparge_diffusers.kernels.reference import reference_prediction_details
 from sparge_diffusers.kernels.stats import dense_block_count
 from sparge_diffusers.testing import llm_like_qkv
@@ -135,6 +136,41 @@ def test_statistics_count_the_blocks_dense_attention_computes(Nq, Nkv, variant):
     _, stats = block_sparse_attention(q, k, v, None, is_causal=True, causal_variant=variant, return_sparsity=True,
                                       backend="triton")
     assert float(stats.sparsity) == 0.0, "the dense walk skips nothing that dense attention computes"
+
+
+def _dense_walk_at_a_tile_edge(D, edge, device, generator_seed=5):
+    """(q, k, v, row, key, seen) in fp16 HND: a lower-right call whose offset puts query block 0's last row (row 127)
+    on the first key of a key tile of the dense walk (offset 1: key 128, which the row must see), or its first row
+    (row 0) one key before a tile's last key (offset = tile width - 2: that key is in the row's future). Key ``key``
+    is made to dominate row ``row``'s scores, so whether the row attends it changes the row whole."""
+    width = dense_block_n(D)
+    offset = 1 if edge == "last_row_on_a_tile_start" else width - 2
+    row, key, seen = (127, 128, True) if offset == 1 else (0, width - 1, False)
+    g = torch.Generator().manual_seed(generator_seed + offset)
+    q, k, v = (torch.randn(1, 2, n, D, generator=g) for n in (200, 200 + offset, 200 + offset))
+    k[:, :, key] = q[:, :, row] * 4.0  # a score of ~4 |q|^2 / sqrt(D) ~ 4 sqrt(D): weight ~1 where seen
+    return *(t.half().to(device) for t in (q, k, v)), row, key, seen
+
+
+# The dense causal walk's tile extent (``attention._dense_row_extent``, restated by the Hopper kernel's
+# ``_row_extent``): a last row one key into a tile (a walk ending a key early drops that tile), and a first row one key
+# short of a tile's end (a rule one key generous takes that tile without element masking). No CASES offset is 1 or
+# a tile width - 2 (modulo 64 and 128), and a relative L1 over all rows hides one key of one row
+@pytest.mark.parametrize("edge", ["last_row_on_a_tile_start", "first_row_before_a_tile_end"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_dense_causal_walk_takes_a_tile_edge_key_exactly_when_the_row_sees_it(backend, D, edge):
+    q, k, v, row, key, seen = _dense_walk_at_a_tile_edge(D, edge, "cpu")
+    out = block_sparse_attention(q, k, v, None, is_causal=True, causal_variant="lower_right", backend=backend,
+                                 out=torch.full_like(q, float("nan")))
+    _assert_tile_edge_key(out, q, k, v, row, key, seen)
+
+
+def _assert_tile_edge_key(out, q, k, v, row, key, seen):
+    out, q, k, v = (t.float().cpu() for t in (out, q, k, v))
+    expected = masked_sdpa(q, k, v, element_mask(q.shape[2], k.shape[2], "lower_right"))
+    assert (out - expected).abs().max() < 2e-2
+    assert ((out[:, :, row] - v[:, :, key]).abs().max() < 0.1) == seen, "the row attends the key iff it sees it"
 
 
 def test_lower_right_chunks_reproduce_the_causal_prompt():
@@ -311,6 +347,24 @@ def test_gpu_kernels_match_reference(D):
         assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
         if variant == "lower_right" and Nq > Nkv:
             assert (out[:, :, :Nq - Nkv] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("edge", ["last_row_on_a_tile_start", "first_row_before_a_tile_end"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_dense_causal_walk_takes_a_tile_edge_key_exactly_when_the_row_sees_it(D, edge, monkeypatch):
+    """The CPU test's two edges on a GPU: the kernel as chosen (the Hopper kernel where it runs, whose 64-key
+    stages the offsets 1 and 62 / 126 also put at an edge), then the Triton kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from sparge_diffusers.kernels import attention_hopper
+
+    q, k, v, row, key, seen = _dense_walk_at_a_tile_edge(D, edge, "cuda")
+    for forced in (None, False):
+        monkeypatch.setattr(attention_hopper, "OVERRIDE", forced)
+        out = block_sparse_attention(q, k, v, None, is_causal=True, causal_variant="lower_right",
+                                     out=torch.full_like(q, float("nan")))
+        _assert_tile_edge_key(out, q, k, v, row, key, seen)
 
 
 @pytest.mark.gpu
