@@ -53,14 +53,15 @@ def test_reference_with_every_block_equals_the_definition(Nq, Nkv, causal, varia
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Nq,Nkv,causal,variant,window", CASES)
 def test_kernel_matches_reference_with_sinks(Nq, Nkv, causal, variant, window, dtype, layout):
-    """A random mask (some rows empty), the dense call and the mask with stage 2's test, against the reference, sink
-    logits in float32 and in the inputs' dtype; every element written, no NaN."""
+    """A random mask (query block 0 empty in every head, the -inf sink's too), the dense call and the mask with
+    stage 2's test, against the reference, sink logits in float32 and in the inputs' dtype; every element written,
+    no NaN."""
     q, k, v = make_qkv(2, 4, 2, Nq, Nkv, 64, dtype, layout, seed=Nq + 7)
     shape = check_attention_inputs(q, k, v, tensor_layout=layout, is_causal=causal, causal_variant=variant,
                                    sliding_window=window)
     kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window, tensor_layout=layout)
     drawn = random_mask(shape, 0.5, Nq)
-    drawn[0, 0, 0] = False  # a row that sees no key: zeros, whatever the sink
+    drawn[0, :, 0] = False  # rows that see no key: zeros, whatever the sink (-inf too: nothing to rescale)
     for mask, pvthreshd, sink_dtype in ((drawn, None, torch.float32), (None, None, dtype), (drawn, 4.0, dtype)):
         sinks = torch.tensor(SINKS).to(sink_dtype)
         ref = block_sparse_attention(q, k, v, mask, backend="reference", pvthreshd=pvthreshd, sink_logits=sinks, **kw)
@@ -69,8 +70,8 @@ def test_kernel_matches_reference_with_sinks(Nq, Nkv, causal, variant, window, d
         assert not torch.isnan(out).any()
         assert relative_l1(out.float(), ref.float()) < L1_TOL[dtype] / 2
         if mask is not None:
-            rows = out[0, :, 0] if layout == "NHD" else out[0, 0]
-            assert not rows[:128].any()
+            rows = out[0, :128] if layout == "NHD" else out[0, :, :128]
+            assert not rows.any()
 
 
 def test_whole_method_with_sinks_and_its_operator():
@@ -197,7 +198,9 @@ def test_gpu_kernels_match_reference_with_sinks(Nq, Nkv, causal, variant, window
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal, causal_variant=variant,
                                    sliding_window=window)
     kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window, sink_logits=sinks)
-    for mask in (random_mask(shape, 0.3, Nq).cuda(), None):
+    drawn = random_mask(shape, 0.3, Nq)
+    drawn[0, :, 1] = False  # query block 1 sees no key in any head, the -inf sinks' too: zeros
+    for mask in (drawn.cuda(), None):
         ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(),
                                      backend="reference", **{**kw, "sink_logits": sinks.cpu()})
         for forced in (None, False):  # as chosen (the Hopper kernel on an H100), then the Triton kernel
@@ -205,6 +208,7 @@ def test_gpu_kernels_match_reference_with_sinks(Nq, Nkv, causal, variant, window
             out = block_sparse_attention(q, k, v, mask, out=poisoned_like(q), **kw)
             assert not torch.isnan(out).any()
             assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
+            assert mask is None or not out[0, :, 128:256].any()
     monkeypatch.setattr(attention_hopper, "OVERRIDE", None)
     out = sparge_attention(q, k, v, cdfthreshd=1.0, pvthreshd=None, **kw)
     expected = exact_attention(q, k, v, allowed_keys(Nq, Nkv, causal, variant, window).cuda(), sinks=sinks)
