@@ -138,7 +138,7 @@ def test_statistics_count_the_blocks_dense_attention_computes(Nq, Nkv, variant):
     assert float(stats.sparsity) == 0.0, "the dense walk skips nothing that dense attention computes"
 
 
-def _dense_walk_at_a_tile_edge(D, edge, device, generator_seed=5):
+def _dense_walk_at_a_tile_edge(D, edge, device):
     """(q, k, v, row, key, seen) in fp16 HND: a lower-right call whose offset puts query block 0's last row (row 127)
     on the first key of a key tile of the dense walk (offset 1: key 128, which the row must see), or its first row
     (row 0) one key before a tile's last key (offset = tile width - 2: that key is in the row's future). Key ``key``
@@ -146,10 +146,17 @@ def _dense_walk_at_a_tile_edge(D, edge, device, generator_seed=5):
     width = dense_block_n(D)
     offset = 1 if edge == "last_row_on_a_tile_start" else width - 2
     row, key, seen = (127, 128, True) if offset == 1 else (0, width - 1, False)
-    g = torch.Generator().manual_seed(generator_seed + offset)
+    g = torch.Generator().manual_seed(5 + offset)
     q, k, v = (torch.randn(1, 2, n, D, generator=g) for n in (200, 200 + offset, 200 + offset))
     k[:, :, key] = q[:, :, row] * 4.0  # a score of ~4 |q|^2 / sqrt(D) ~ 4 sqrt(D): weight ~1 where seen
     return *(t.half().to(device) for t in (q, k, v)), row, key, seen
+
+
+def _assert_tile_edge_key(out, q, k, v, row, key, seen):
+    out, q, k, v = (t.float().cpu() for t in (out, q, k, v))
+    expected = masked_sdpa(q, k, v, element_mask(q.shape[2], k.shape[2], "lower_right"))
+    assert (out - expected).abs().max() < 2e-2
+    assert ((out[:, :, row] - v[:, :, key]).abs().max() < 0.1) == seen, "the row attends the key iff it sees it"
 
 
 # The dense causal walk's tile extent (``attention._dense_row_extent``, restated by the Hopper kernel's
@@ -164,13 +171,6 @@ def test_dense_causal_walk_takes_a_tile_edge_key_exactly_when_the_row_sees_it(ba
     out = block_sparse_attention(q, k, v, None, is_causal=True, causal_variant="lower_right", backend=backend,
                                  out=torch.full_like(q, float("nan")))
     _assert_tile_edge_key(out, q, k, v, row, key, seen)
-
-
-def _assert_tile_edge_key(out, q, k, v, row, key, seen):
-    out, q, k, v = (t.float().cpu() for t in (out, q, k, v))
-    expected = masked_sdpa(q, k, v, element_mask(q.shape[2], k.shape[2], "lower_right"))
-    assert (out - expected).abs().max() < 2e-2
-    assert ((out[:, :, row] - v[:, :, key]).abs().max() < 0.1) == seen, "the row attends the key iff it sees it"
 
 
 def test_lower_right_chunks_reproduce_the_causal_prompt():
