@@ -241,6 +241,10 @@ def test_gpu_hopper_kernel_matches_reference_and_writes_only_its_rows(B, H, HK, 
     if mask.shape[2] > 1:
         mask[..., 1, :] = False  # a query block with no kept key block: zeros, never NaN
     seq_dim = 2 if layout == "HND" else 1
+    launched = []  # the outputs are alike whichever kernel runs: count the Gluon kernel's launches
+    run_hopper = attention_hopper.hopper_block_sparse_attention
+    monkeypatch.setattr(attention_hopper, "hopper_block_sparse_attention",
+                        lambda *a, **kw: launched.append(1) or run_hopper(*a, **kw))
     for block_mask in (mask, None):
         ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), None if block_mask is None else block_mask.cpu(),
                                      is_causal=causal, tensor_layout=layout, backend="reference")
@@ -248,8 +252,10 @@ def test_gpu_hopper_kernel_matches_reference_and_writes_only_its_rows(B, H, HK, 
         for forced in (True, False):  # the Gluon kernel, then the Triton kernel on the same call
             monkeypatch.setattr(attention_hopper, "OVERRIDE", forced)
             big = poisoned_like(torch.cat([q, q.narrow(seq_dim, 0, 7)], dim=seq_dim))
+            launched.clear()
             out = block_sparse_attention(q, k, v, block_mask, is_causal=causal, tensor_layout=layout,
                                          out=big.narrow(seq_dim, 0, Nq))
+            assert len(launched) == int(forced), "OVERRIDE True runs the Gluon kernel, False the Triton one"
             assert torch.isnan(big.narrow(seq_dim, Nq, 7)).all(), "rows past Nq were written"
             assert not torch.isnan(out).any()
             outs.append(out.cpu())

@@ -339,10 +339,16 @@ def test_block_sparse_attention_matches_reference(B, H, HK, Nq, Nkv, D, causal, 
 
 @pytest.fixture
 def tma_io_forced(monkeypatch):
-    """Run the Q-load / output-store path through TMA tensor descriptors (GPUs choose it by a rule)."""
+    """Run the Q-load / output-store path through TMA tensor descriptors (GPUs choose it by a rule); returns the
+    list of tensors given descriptors, so a test can tell that the path ran (its output alone cannot: the pointer
+    path gives the same)."""
     from sparge_diffusers.kernels import attention
 
     monkeypatch.setattr(attention, "TMA_IO_OVERRIDE", True)
+    described = []
+    make = attention._tma_descriptor
+    monkeypatch.setattr(attention, "_tma_descriptor", lambda t: described.append(t) or make(t))
+    return described
 
 
 @pytest.mark.parametrize("B,H,HK,Nq,Nkv,D,causal", [c for c in ATTN_CASES if c[5] != 96])
@@ -359,8 +365,10 @@ def test_tma_io_path_matches_reference_and_writes_only_its_rows(B, H, HK, Nq, Nk
     big = poisoned_like(torch.cat([q, q[:, :5] if seq_dim == 1 else q[:, :, :5]], dim=seq_dim))
     out = big.narrow(seq_dim, 0, Nq)
     for block_mask in (mask, None):
+        tma_io_forced.clear()
         block_sparse_attention(q, k, v, block_mask, is_causal=causal, tensor_layout=layout, backend="triton",
                                out=out)
+        assert len(tma_io_forced) == 2, "Q and the output go through tensor descriptors"
         ref = block_sparse_attention(q, k, v, block_mask, is_causal=causal, tensor_layout=layout,
                                      backend="reference")
         assert not torch.isnan(out).any()
