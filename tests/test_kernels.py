@@ -481,10 +481,11 @@ def test_compact_block_mask_is_reusable_and_checked(backend, monkeypatch):
     assert torch.equal(plain, block_sparse_attention(q, k, v, mask, tensor_layout="NHD", backend=backend))
 
 
-def test_pv_filter_skips_tiles_far_below_the_running_max():
+@pytest.mark.parametrize("D", [64, 128])
+def test_pv_filter_skips_tiles_far_below_the_running_max(D):
     # Row maxima of the second key block are 20 (log2 units) below the first block's: with pvthreshd 10 the
-    # P.V product of that tile is skipped, and the result still matches dense attention closely.
-    D = 64
+    # P.V product of that tile is skipped, and the result still matches dense attention closely. At D=128 the
+    # dense mode without stage 2 walks 128-key tiles; with stage 2 it must keep one decision per 64-key block.
     q = torch.zeros(1, 1, BLOCK_Q, D)
     q[..., 0] = 1.0
     k = torch.zeros(1, 1, 2 * BLOCK_K, D)
@@ -502,6 +503,14 @@ def test_pv_filter_skips_tiles_far_below_the_running_max():
             assert torch.equal(got, out) and stats.pv_skipped_stage2.item() == pytest.approx(0.5), form
         _, stats = block_sparse_attention(q, k, v, None, pvthreshd=30.0, return_sparsity=True, backend=backend)
         assert stats.pv_skipped_stage2.item() == 0.0
+        # blocks 0, 2 and 3 high, 1 low: one skip in four. A 128-key tile holding blocks 0 and 1 would take both
+        # (its row max is block 0's), counting no skip while 0.5 would hide it in the two-block case above.
+        k4 = torch.cat([k, k], dim=2)
+        k4[:, :, 2 * BLOCK_K:, 0] = k[:, :, 0, 0].unsqueeze(-1)
+        v4 = torch.randn(1, 1, 4 * BLOCK_K, D).half()
+        out4, stats = block_sparse_attention(q, k4, v4, None, pvthreshd=10.0, return_sparsity=True, backend=backend)
+        assert stats.pv_skipped_stage2.item() == pytest.approx(0.25), backend
+        assert relative_l1(out4, dense_reference(q, k4, v4, False, "HND")) < 2e-3
     # 30 below: skipped under any pvthreshd up to 30, but from PV_TEST_LIMIT (24) on the Triton kernel leaves the
     # test out (what it could skip is below float32 rounding), so its statistics count no skip; the reference's do
     k[:, :, :BLOCK_K, 0] = 30 * math.log(2) * math.sqrt(D)
