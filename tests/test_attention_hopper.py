@@ -314,14 +314,38 @@ def test_gpu_hopper_kernel_on_each_count_parity(B, H, HK, Nq, Nkv, causal, D, ke
     from sparge_diffusers.kernels.attention import block_mask_to_index
     index = block_mask_to_index(mask, shape, causal)
     assert (index[1] == kept).float().mean() > 0.5  # most tiles take the path under test
+    _check_hopper_kernel_on_index(q, k, v, mask, index, shape, causal, monkeypatch)
+
+
+def _check_hopper_kernel_on_index(q, k, v, mask, index, shape, causal, monkeypatch):
+    """The Gluon kernel walking ``index`` (compacted from ``mask``) against the reference and the Triton kernel."""
     out = poisoned_like(q)
-    attention_hopper.hopper_block_sparse_attention(q, k, v, out, shape, is_causal=causal, scale=D ** -0.5, index=index)
+    attention_hopper.hopper_block_sparse_attention(q, k, v, out, shape, is_causal=causal,
+                                                   scale=shape.head_dim ** -0.5, index=index)
     assert not torch.isnan(out).any()
     ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), is_causal=causal, backend="reference")
     monkeypatch.setattr(attention_hopper, "OVERRIDE", False)
     triton_out = block_sparse_attention(q, k, v, mask, is_causal=causal)
     assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
     assert relative_l1(out, triton_out) < L1_TOL[torch.bfloat16] / 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,HK,Nq,Nkv", [(1, 4, 2, 1000, 1000), (2, 2, 1, 300, 100), (1, 3, 1, 130, 2100)])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_hopper_kernel_on_rows_that_keep_every_key_block(B, H, HK, Nq, Nkv, D, monkeypatch):
+    """Rows keeping all nk key blocks read their index to its last slot: the last pair stage at even nk (16 here)
+    and, at nk = 2, the pair the loader holds a tile ahead; 33 ends on a single block. No random mask at the other
+    tests' densities keeps a whole row: a kernel reading slot nk - 2 for nk - 1 there passed them all."""
+    _on_hopper()
+    q, k, v = (t.cuda() for t in make_qkv(B, H, HK, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + Nkv + D))
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=False)
+    mask = torch.ones(B, H, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device="cuda")
+    mask[:, 0, -1, 0] = False  # one row short of a block: the walk still follows the index, not a dense extent
+    from sparge_diffusers.kernels.attention import block_mask_to_index
+    index = block_mask_to_index(mask, shape, False)
+    assert (index[1] == shape.k_blocks).float().mean() > 0.5
+    _check_hopper_kernel_on_index(q, k, v, mask, index, shape, False, monkeypatch)
 
 
 @pytest.mark.gpu

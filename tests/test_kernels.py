@@ -545,6 +545,25 @@ def test_cdfthreshd_in_every_form_selects_the_same_blocks(backend, monkeypatch):
             assert torch.equal(got, want) if value < 1 else relative_l1(got, want) < 1e-3, (value, form)
 
 
+def test_kernel_launcher_refuses_permuted_keys_or_a_window_without_a_causal_index():
+    """Below the public checks, ``sparse_attention_triton`` itself refuses permuted keys and a sliding window unless
+    the call is causal and walks an index: its dense mode's contiguous walk follows plain causal extents, so either
+    one missing would give a wrong answer, not an error."""
+    from sparge_diffusers.kernels import attention
+    from sparge_diffusers.kernels._inputs import check_attention_inputs
+
+    q = torch.zeros(1, 1, 200, 64, dtype=torch.float16)
+    index = (torch.zeros(1, 1, 2, 4, dtype=torch.int32),) * 3  # never read: the checks come first
+    for window, positions, what in ((None, torch.arange(200, dtype=torch.int32).view(1, 1, 200), "key_positions"),
+                                    (100, None, "a sliding window")):
+        shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=True, sliding_window=window)
+        for is_causal, idx in ((False, index), (True, None), (False, None)):
+            with pytest.raises(ValueError, match=f"{what} needs a causal call"):
+                attention.sparse_attention_triton(q, q, q, torch.empty_like(q), shape, is_causal=is_causal, scale=0.125,
+                                                  index=idx, pvthreshd=None, return_counts=False, on_hopper=False,
+                                                  key_positions=positions)
+
+
 def test_empty_mask_rows_give_zeros_not_nan():
     q, k, v = make_qkv(1, 2, 2, 256, 256, 64, torch.float16, "HND", seed=5)
     mask = torch.ones(1, 2, 2, 4, dtype=torch.bool)
