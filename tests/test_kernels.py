@@ -1302,6 +1302,38 @@ def test_gpu_tma_io_path_equals_pointer_path(D, layout, monkeypatch):
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
 
 
+@pytest.mark.gpu
+def test_gpu_tma_io_follows_its_rule(monkeypatch):
+    """``use_tma_io`` on an sm90 GPU: TMA for non-causal calls on 16-byte aligned tiles of a power-of-two head dim,
+    the pointer path for anything else (a descriptor of a misaligned tensor or of a 96-wide box cannot be built or
+    gives a wrong tile). The test above forces each path; this checks the choice, which no output shows."""
+    from sparge_diffusers.kernels import attention
+    from sparge_diffusers.kernels._inputs import check_attention_inputs
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm90")
+
+    def chooses_tma(q, out=None, causal=False):
+        shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=causal)
+        return attention.use_tma_io(q, q if out is None else out, shape, causal)
+
+    q = torch.zeros(2, 3, 300, 128, device="cuda", dtype=torch.bfloat16)
+    assert chooses_tma(q) and chooses_tma(q.transpose(1, 2).contiguous().transpose(1, 2))  # NHD storage
+    assert chooses_tma(torch.zeros(2, 3, 300, 64, device="cuda", dtype=torch.float16))
+    assert not chooses_tma(q, causal=True)
+    assert not chooses_tma(torch.zeros(2, 3, 300, 96, device="cuda", dtype=torch.bfloat16))
+    flat = torch.zeros(2 * 3 * 300 * 128 + 8, device="cuda", dtype=torch.bfloat16)
+    assert not chooses_tma(flat[1:].narrow(0, 0, q.numel()).view(q.shape))  # base 2 bytes off
+    assert chooses_tma(flat[8:].narrow(0, 0, q.numel()).view(q.shape))  # base 16 bytes on
+    assert not chooses_tma(q, out=flat[1:].narrow(0, 0, q.numel()).view(q.shape))  # the output's base
+    rows = torch.zeros(2, 3, 300, 132, device="cuda", dtype=torch.bfloat16)[..., :128]  # 264-byte rows
+    assert not chooses_tma(rows)
+    assert not chooses_tma(q.cpu())
+    for forced in (True, False):
+        monkeypatch.setattr(attention, "TMA_IO_OVERRIDE", forced)
+        assert chooses_tma(q, causal=True) is forced
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_index_equals_mask_to_index(causal):
     from sparge_diffusers.kernels._inputs import check_attention_inputs
