@@ -564,6 +564,21 @@ def test_kernel_launcher_refuses_permuted_keys_or_a_window_without_a_causal_inde
                                                   key_positions=positions)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_an_integer_block_mask_keeps_its_nonzero_blocks(backend):
+    """``block_mask`` may be of any integer dtype, nonzero meaning kept (as documented): each gives its bool mask's
+    output and statistics, passed directly or compacted first, including values whose low byte is zero."""
+    q, k, v = make_qkv(1, 2, 1, 300, 450, 64, torch.float16, "HND", seed=5)
+    kept = torch.rand(1, 2, 3, 8, generator=torch.Generator().manual_seed(5)) < 0.5
+    want, want_stats = block_sparse_attention(q, k, v, kept, return_sparsity=True, backend=backend)
+    for dtype, value in ((torch.int64, 2 ** 40), (torch.int32, 256), (torch.int16, -256), (torch.int8, -1),
+                         (torch.uint8, 255), (torch.int32, 1)):
+        mask = torch.where(kept, value, 0).to(dtype)
+        for given in (mask, compact_block_mask(mask, q, k, backend=backend)):
+            got, stats = block_sparse_attention(q, k, v, given, return_sparsity=True, backend=backend)
+            assert torch.equal(got, want) and stats.as_dict() == want_stats.as_dict(), (dtype, value)
+
+
 def test_empty_mask_rows_give_zeros_not_nan():
     q, k, v = make_qkv(1, 2, 2, 256, 256, 64, torch.float16, "HND", seed=5)
     mask = torch.ones(1, 2, 2, 4, dtype=torch.bool)
