@@ -341,7 +341,7 @@ def test_gpu_hopper_kernel_on_rows_that_keep_every_key_block(B, H, HK, Nq, Nkv, 
     q, k, v = (t.cuda() for t in make_qkv(B, H, HK, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + Nkv + D))
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=False)
     mask = torch.ones(B, H, shape.q_blocks, shape.k_blocks, dtype=torch.bool, device="cuda")
-    mask[:, 0, -1, 0] = False  # one row short of a block: the walk still follows the index, not a dense extent
+    mask[:, 0, -1, 0] = False  # one row a block short: the other count parity next to the full rows
     from sparge_diffusers.kernels.attention import block_mask_to_index
     index = block_mask_to_index(mask, shape, False)
     assert (index[1] == shape.k_blocks).float().mean() > 0.5

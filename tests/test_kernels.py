@@ -503,8 +503,8 @@ def test_pv_filter_skips_tiles_far_below_the_running_max(D):
             assert torch.equal(got, out) and stats.pv_skipped_stage2.item() == pytest.approx(0.5), form
         _, stats = block_sparse_attention(q, k, v, None, pvthreshd=30.0, return_sparsity=True, backend=backend)
         assert stats.pv_skipped_stage2.item() == 0.0
-        # blocks 0, 2 and 3 high, 1 low: one skip in four. A 128-key tile holding blocks 0 and 1 would take both
-        # (its row max is block 0's), counting no skip while 0.5 would hide it in the two-block case above.
+        # blocks 0, 2 and 3 high, 1 low: one skip in four. A walk deciding per 128-key tile (blocks 0-1, 2-3)
+        # skips nothing here; above, its one tile over two blocks read as 0.5 skipped by chance.
         k4 = torch.cat([k, k], dim=2)
         k4[:, :, 2 * BLOCK_K:, 0] = k[:, :, 0, 0].unsqueeze(-1)
         v4 = torch.randn(1, 1, 4 * BLOCK_K, D).half()
