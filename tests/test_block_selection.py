@@ -228,6 +228,22 @@ def test_group_heads_are_summed_after_their_own_softmax():
         assert int(sel[0, 0, 0, 0]) == expected == 2, (backend, importance[0, 0, 0])
 
 
+def test_a_block_whose_importance_underflows_to_zero_is_still_selected():
+    """"All it can, up to top_k" holds at zero importance too. Block 3 of 4 scores 200 below the others (base e), so
+    its softmax weight is exactly 0; with top_k 4 it is still returned, last. The kernel's 32-bit key for it is 0
+    (importance bits 0; the last index of a power-of-two block count packs as 0): a validity test of `> 0` for
+    `>= 0` dropped it and passed every other test."""
+    D, block = 16, 32
+    q = torch.zeros(1, 1, 3, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 4 * block, D)
+    k[0, 0, 3 * block:, 0] = -200.0
+    for backend, dtype in (("triton", torch.float16), ("reference", torch.float32)):
+        sel = select_key_blocks(q.to(dtype), k.to(dtype), top_k=4, block_size=block, is_causal=False,
+                                sink_blocks=0, backend=backend, scale=1.0)
+        assert sel.tolist() == [[[[0, 1, 2, 3]] * 3]], backend
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(top_k=0), "top_k"),
     (dict(top_k=2, block_size=48), "block_size"),
