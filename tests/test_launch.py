@@ -72,6 +72,8 @@ def test_second_launch_is_direct_with_every_argument_in_order(stub):
     assert args[:4] == (3, 2, 1, 1234)  # grid padded to 3-D, the current stream
     assert args[4:7] == ("function", "metadata", None)
     assert args[9:] == (x, y, 5, 0.5, True, 16)  # the default of BLOCK filled in, in signature order
+    _launch.launch(fn, (7,), x, y, 5, 0.5, FLAG=True, num_warps=4)  # the grid is not in the key
+    assert calls[-1][0] == "direct" and calls[-1][1][:3] == (7, 1, 1)  # a 1-D grid padded with ones too
 
 
 def test_launches_ask_for_fp_fusion_unless_they_set_it(stub, monkeypatch):
@@ -334,6 +336,13 @@ def test_device_index_is_that_of_the_first_tensor_argument():
     assert _launch._device_index((3, cpu, 0.5)) is None  # a CPU tensor (the interpreter): no device to guard
     assert _launch._device_index((3, 0.5)) is None
     assert _launch._device_index((3, cpu._make_subclass(_OnCuda1, cpu))) == 1
+
+    class OnCuda0(torch.Tensor):
+        def get_device(self) -> int:
+            return 0
+
+    # cuda:0 is a device like any other: None there would launch its tensors on whichever device is current
+    assert _launch._device_index((cpu._make_subclass(OnCuda0, cpu), cpu)) == 0
 
     class Descriptor:
         base = cpu._make_subclass(_OnCuda1, cpu)
