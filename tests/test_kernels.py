@@ -506,7 +506,7 @@ def test_pv_filter_skips_tiles_far_below_the_running_max(D):
         # blocks 0, 2 and 3 high, 1 low: one skip in four. A walk deciding per 128-key tile (blocks 0-1, 2-3)
         # skips nothing here; above, its one tile over two blocks read as 0.5 skipped by chance.
         k4 = torch.cat([k, k], dim=2)
-        k4[:, :, 2 * BLOCK_K:, 0] = k[:, :, 0, 0].unsqueeze(-1)
+        k4[:, :, 2 * BLOCK_K:, 0] = k[0, 0, 0, 0]
         v4 = torch.randn(1, 1, 4 * BLOCK_K, D).half()
         out4, stats = block_sparse_attention(q, k4, v4, None, pvthreshd=10.0, return_sparsity=True, backend=backend)
         assert stats.pv_skipped_stage2.item() == pytest.approx(0.25), backend

@@ -288,8 +288,14 @@ def test_descriptors_from_cached_fields_equal_built_ones_and_keep_no_tensor():
 class _OnCuda1(torch.Tensor):
     """A CPU tensor that says it lives on cuda:1 (what ``_device_index`` reads), for the CPU tests."""
 
+    index = 1
+
     def get_device(self) -> int:
-        return 1
+        return self.index
+
+
+class _OnCuda0(_OnCuda1):
+    index = 0
 
 
 def test_launches_switch_to_their_tensors_device_and_back(stub, monkeypatch):
@@ -336,13 +342,8 @@ def test_device_index_is_that_of_the_first_tensor_argument():
     assert _launch._device_index((3, cpu, 0.5)) is None  # a CPU tensor (the interpreter): no device to guard
     assert _launch._device_index((3, 0.5)) is None
     assert _launch._device_index((3, cpu._make_subclass(_OnCuda1, cpu))) == 1
-
-    class OnCuda0(torch.Tensor):
-        def get_device(self) -> int:
-            return 0
-
     # cuda:0 is a device like any other: None there would launch its tensors on whichever device is current
-    assert _launch._device_index((cpu._make_subclass(OnCuda0, cpu), cpu)) == 0
+    assert _launch._device_index((cpu._make_subclass(_OnCuda0, cpu), cpu)) == 0
 
     class Descriptor:
         base = cpu._make_subclass(_OnCuda1, cpu)
