@@ -16,6 +16,10 @@ from test_sliding_window import random_mask, window_mask
 
 # one head without a sink (-inf), one whose sink outweighs every key (100: rows almost zero, never NaN), two ordinary
 SINKS = [0.5, -math.inf, 100.0, -2.0]
+# The GPU cases' rows see 500-4600 keys, whose mass (about e^0.5 per key) drowns a sink of 0.5 or -2 there: add
+# sinks of 6-9, which weigh about as much as the keys (a wrong log2(e) factor shows), and -100, so far below the row
+# max that rescaling by the smaller of the two instead of the larger overflows
+GPU_SINKS = SINKS + [6.0, 7.5, 9.0, -100.0]
 
 # Nq, Nkv, causal, variant, window: odd lengths, N_q != N_kv both ways, a chunk against a cache, a window
 CASES = [
@@ -194,7 +198,7 @@ def test_gpu_kernels_match_reference_with_sinks(Nq, Nkv, causal, variant, window
     from sparge_diffusers.kernels import attention_hopper
 
     q, k, v = (t.cuda() for t in make_qkv(1, 8, 2, Nq, Nkv, D, torch.bfloat16, "HND", seed=Nq + D))
-    sinks = torch.tensor(SINKS * 2, device="cuda", dtype=torch.bfloat16)
+    sinks = torch.tensor(GPU_SINKS, device="cuda", dtype=torch.bfloat16)
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=causal, causal_variant=variant,
                                    sliding_window=window)
     kw = dict(is_causal=causal, causal_variant=variant, sliding_window=window, sink_logits=sinks)
