@@ -141,6 +141,38 @@ def test_early_stopping_trades_blocks_for_error():
     assert error == sorted(error) and error[0] < 5e-3
 
 
+def one_dominant_key_block(n_key_blocks, heads=2, head_dim=64, q_len=200, seed=0, dtype=torch.bfloat16):
+    """(q, k, v), HND, whose every query scores key block 0 about 230 log2 units above each other key block: exp2 of
+    the others' scores underflows to exactly 0 in float32, so once block 0 is in, each later tile adds exactly 0 to
+    a row's normaliser (a relative gain of exactly 0). Block 0 ranks first in S2O's order; with simthreshd1=-1 no
+    block is forced (the keys of a block point one way: similarity near 1)."""
+    g = torch.Generator().manual_seed(seed)
+    axis = torch.zeros(head_dim)
+    axis[0] = (80 * head_dim ** 0.5) ** 0.5  # scores of +-80 (natural units) on blocks 0 and the rest
+    n_keys = n_key_blocks * BLOCK_K
+    sign = torch.where(torch.arange(n_keys) < BLOCK_K, 1.0, -1.0)
+    q = axis + 0.1 * torch.randn(1, heads, q_len, head_dim, generator=g)
+    k = sign[:, None] * axis + 0.1 * torch.randn(1, heads, n_keys, head_dim, generator=g)
+    v = torch.randn(1, heads, n_keys, head_dim, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("n_key_blocks,tau,check_every,skipped", [(8, 0.0, 2, 0.0), (6, 0.01, 4, 2 / 6),
+                                                                  (8, 100.0, 1, 6 / 8)])
+def test_stop_test_where_later_tiles_add_exactly_nothing(n_key_blocks, tau, check_every, skipped, backend):
+    """tau = 0 visits every block (as documented) also where the later tiles add exactly 0: the walk goes on while
+    the mean gain is >= tau (with ``>`` it stopped there: the same output, blocks counted as skipped). Six ranked
+    blocks with the test after four stop there, two blocks left: on Hopper that check falls on the second of three
+    128-key stages, one before the last (the GPU form is in test_s2o_hopper.py). And the first tile that gives a
+    row a finite score is an infinite gain, no stop even at tau = 100 (taken as its l, about 36 here, it stopped)."""
+    q, k, v = one_dominant_key_block(n_key_blocks)
+    out, stats = s2o_attention(q, k, v, tau=tau, check_every=check_every, simthreshd1=-1.0, return_sparsity=True,
+                               backend=backend, out=poisoned_like(q))
+    torch.testing.assert_close(stats.qk_skipped, torch.full((2,), skipped), rtol=0, atol=1e-6)
+    assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < L1_TOL[torch.bfloat16]
+
+
 def test_tau_none_visits_everything_without_the_check():
     q, k, v = video_like_qkv((1, 8, 40), heads=2, head_dim=64)
     out, stats = s2o_attention(q, k, v, tau=None, return_sparsity=True, backend="triton")

@@ -11,7 +11,8 @@ from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
 from test_attention_hopper import compile_gluon_offline, descriptor_type, run_offline_compile
-from test_kernels import L1_TOL, poisoned_like, relative_l1
+from test_kernels import L1_TOL, dense_reference, poisoned_like, relative_l1
+from test_s2o import one_dominant_key_block
 
 
 def test_rule_names_why_the_walk_cannot_run(monkeypatch):
@@ -125,6 +126,23 @@ def test_gpu_walk_matches_triton_walk_and_reference(B, H, HK, Nq, Nkv, D, causal
         assert stats.sparsity > 0.5  # the stop path and its release of the stage issued after a check
     monkeypatch.setattr(s2o_hopper, "OVERRIDE", True)
     assert torch.equal(s2o_attention(q, k, v, **{**kw, "return_sparsity": False}), out)  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("n_key_blocks,tau,skipped", [(8, 0.0, 0.0), (6, 0.01, 2 / 6)])
+def test_gpu_stop_test_where_later_tiles_add_exactly_nothing(n_key_blocks, tau, skipped, D, monkeypatch):
+    """test_s2o's corners of the stop test, on this walk and the Triton one (check_every=4: two 128-key stages per
+    check): at tau = 0 a stage that adds exactly 0 is no stop (the sum of gains >= tau * rows); and with six ranked
+    blocks in three stages the check after the second stage, one before the last, stops the walk."""
+    _on_hopper()
+    q, k, v = (t.cuda() for t in one_dominant_key_block(n_key_blocks, head_dim=D))
+    for forced in (True, False):
+        monkeypatch.setattr(s2o_hopper, "OVERRIDE", forced)
+        out, stats = s2o_attention(q, k, v, tau=tau, check_every=4, simthreshd1=-1.0, return_sparsity=True,
+                                   out=poisoned_like(q))
+        torch.testing.assert_close(stats.qk_skipped.cpu(), torch.full((2,), skipped), rtol=0, atol=1e-6)
+        assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < L1_TOL[torch.bfloat16], forced
 
 
 @pytest.mark.gpu
