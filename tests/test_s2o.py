@@ -173,6 +173,32 @@ def test_stop_test_where_later_tiles_add_exactly_nothing(n_key_blocks, tau, chec
     assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < L1_TOL[torch.bfloat16]
 
 
+def future_keys_outscore_the_past(n, heads=2, head_dim=64, seed=0):
+    """(q, k, v), HND, one K/V head: key j scores j (natural units, bf16-rounded) for every query, so under causal
+    masking each key a row must not see outscores every key it may: a diagonal block walked without its mask hands
+    the row a future key's value."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.zeros(1, heads, n, head_dim)
+    q[..., 0] = head_dim ** 0.5
+    k = torch.zeros(1, 1, n, head_dim)
+    k[..., 0] = torch.arange(n)
+    return q.bfloat16(), k.bfloat16(), torch.randn(1, 1, n, head_dim, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_walk_with_a_sink_masks_the_diagonal(backend):
+    """With attention_sink, segment=128 and nothing forced by similarity, a query block m >= 1 has three forced
+    blocks: the sink (block 0, seen whole) and its two diagonal blocks. The Gluon walk pairs the sink with the
+    first diagonal block in one stage, which must be masked (the GPU form is in test_s2o_hopper.py); here the
+    Triton walk and the reference on the same call."""
+    q, k, v = future_keys_outscore_the_past(1000)
+    _, (_, n_unmasked, n_forced, _), _ = order_for(q, k, True, theta=-1.0, segment=128, sink=True)
+    assert (n_unmasked[..., 1:] == 1).all() and (n_forced[..., 1:] == 3).all()
+    out = s2o_attention(q, k, v, is_causal=True, attention_sink=True, segment=128, simthreshd1=-1.0, tau=None,
+                        backend=backend, out=poisoned_like(q))
+    assert relative_l1(out, dense_reference(q, k, v, True, "HND")) < L1_TOL[torch.bfloat16]
+
+
 def test_tau_none_visits_everything_without_the_check():
     q, k, v = video_like_qkv((1, 8, 40), heads=2, head_dim=64)
     out, stats = s2o_attention(q, k, v, tau=None, return_sparsity=True, backend="triton")

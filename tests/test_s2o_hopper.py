@@ -12,7 +12,7 @@ from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
 from test_attention_hopper import compile_gluon_offline, descriptor_type, run_offline_compile
 from test_kernels import L1_TOL, dense_reference, poisoned_like, relative_l1
-from test_s2o import one_dominant_key_block
+from test_s2o import future_keys_outscore_the_past, one_dominant_key_block
 
 
 def test_rule_names_why_the_walk_cannot_run(monkeypatch):
@@ -93,6 +93,8 @@ GPU_CASES = [
     (2, 4, 2, 2500, 1999, 128, False, 512, 0.005, 8, 0.3, False),  # Nq != Nkv
     (1, 4, 4, 3000, 3000, 128, False, 512, None, 16, 0.6, False),  # no stop test
     (1, 4, 4, 3000, 3000, 128, False, 512, 0.2, 4, -1.0, False),  # most tiles stop early
+    # 512 tiles, about four per program on 132 SMs: each program's two Q slots turn over (at most two above)
+    (1, 16, 4, 4096, 4096, 128, False, 512, 0.01, 8, 0.6, False),
 ]
 
 
@@ -143,6 +145,21 @@ def test_gpu_stop_test_where_later_tiles_add_exactly_nothing(n_key_blocks, tau, 
                                    out=poisoned_like(q))
         torch.testing.assert_close(stats.qk_skipped.cpu(), torch.full((2,), skipped), rtol=0, atol=1e-6)
         assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < L1_TOL[torch.bfloat16], forced
+
+
+@pytest.mark.gpu
+def test_gpu_walk_masks_a_stage_pairing_the_sink_with_the_diagonal(monkeypatch):
+    """test_s2o's sink-and-diagonal call on this walk and the Triton one: each query block m >= 1 has one forced
+    block seen whole (the sink) before its two diagonal ones, so its first stage pairs the sink with a diagonal
+    block and must be masked (``first + 1 >= n_unmasked``); a future key outscores every visible one."""
+    _on_hopper()
+    q, k, v = (t.cuda() for t in future_keys_outscore_the_past(1000))
+    expected = dense_reference(q, k, v, True, "HND")
+    for forced in (True, False):
+        monkeypatch.setattr(s2o_hopper, "OVERRIDE", forced)
+        out = s2o_attention(q, k, v, is_causal=True, attention_sink=True, segment=128, simthreshd1=-1.0, tau=None,
+                            out=poisoned_like(q))
+        assert relative_l1(out, expected) < L1_TOL[torch.bfloat16], forced
 
 
 @pytest.mark.gpu
