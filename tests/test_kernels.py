@@ -256,6 +256,10 @@ def test_topcdf_and_similarity_rules_at_their_edges():
         assert got.all(), backend
         got = predict_block_mask(q.half(), k.half(), simthreshd1=-1.0, cdfthreshd=0.5, backend=backend)
         assert got[0, 0, 0].tolist() == [True, False, False, False], backend
+    q, k = qk([100.0, 99.0, 98.0, -50.0])  # scores whose exp overflows float32 unless the row max goes first
+    for backend in ("triton", "reference"):  # probabilities 0.67, 0.24, 0.09, 0: masses 0.67, 0.91, 1, 1
+        got = predict_block_mask(q.half(), k.half(), simthreshd1=-1.0, cdfthreshd=0.95, backend=backend)
+        assert got[0, 0, 0].tolist() == [True, True, False, False], backend
 
     # a query block of 64 e1 and 64 e2 tokens: cosine self-similarity exactly 0.5 (half the pairs 1, half 0)
     q, k = qk([3.0, 0.0, 2.0, -1.0])
