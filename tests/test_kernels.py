@@ -143,6 +143,23 @@ def assert_stage1_agrees(mask, q, k, *, theta, tau, causal, layout, causal_varia
     return ref
 
 
+def test_prediction_details_are_the_compressed_softmax_and_its_masses():
+    """The reference's probability and mass, which ``stage1_borderline`` reads to excuse decisions on a threshold:
+    each row's softmax over the compressed scores of its self-similar key blocks, and the mass at or above each
+    entry."""
+    q, k, _ = make_qkv(1, 2, 2, 300, 500, 64, torch.float32, "HND", seed=3)
+    q, k = q + 1.0, k + 1.5
+    theta = torch.tensor([0.1, 0.7])  # the key blocks' similarities: 0.68-0.71
+    details = reference_prediction_details(q, k, scale=0.125, simthreshd1=theta, cdfthreshd=torch.full((2,), 0.9),
+                                           attention_sink=False, is_causal=False)
+    (q_means, _), (k_means, k_sim) = reference_block_statistics(q, BLOCK_Q), reference_block_statistics(k, BLOCK_K)
+    similar = k_sim > theta.view(1, 2, 1)
+    assert similar.any() and not similar.all(), "some key blocks left out of the softmax"
+    p = torch.softmax(((q_means @ k_means.transpose(-1, -2)) * 0.125).masked_fill(~similar[:, :, None], -math.inf), -1)
+    torch.testing.assert_close(details["probability"], p)
+    torch.testing.assert_close(details["mass"], (p[..., None, :] * (p[..., None, :] >= p[..., :, None])).sum(-1))
+
+
 def assert_mask_matches_reference(mask, q, k, *, theta, tau, causal, layout):
     """Only decisions that sit on a threshold may differ; the case keeps some blocks and drops others."""
     ref = assert_stage1_agrees(mask, q, k, theta=theta, tau=tau, causal=causal, layout=layout)
