@@ -67,7 +67,7 @@ def test_block_statistics_match_reference(layout, N, D, block):
     ref_means, ref_sim = reference_block_statistics(qh, block)
     torch.testing.assert_close(means, ref_means, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(sim, ref_sim, atol=1e-5, rtol=1e-4)
-    # a block of identical tokens has similarity 1, and small ones (norms about 0.1) too: cosines ignore
+    # a block of identical tokens has similarity 1, and small ones (norms about 0.1) too: cosines ignore scale
     for scale in (1.0, 0.01):
         same = torch.full((1, 1, 2 * block, D), scale, dtype=torch.bfloat16)
         for statistics in (block_statistics_triton, reference_block_statistics):
