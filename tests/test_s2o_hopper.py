@@ -140,12 +140,13 @@ def test_gpu_stop_test_where_later_tiles_add_exactly_nothing(n_key_blocks, tau, 
     blocks in three stages the check after the second stage, one before the last, stops the walk."""
     _on_hopper()
     q, k, v = (t.cuda() for t in one_dominant_key_block(n_key_blocks, head_dim=D))
+    expected = dense_reference(q, k, v, False, "HND")
     for forced in (True, False):
         monkeypatch.setattr(s2o_hopper, "OVERRIDE", forced)
         out, stats = s2o_attention(q, k, v, tau=tau, check_every=4, simthreshd1=-1.0, return_sparsity=True,
                                    out=poisoned_like(q))
         torch.testing.assert_close(stats.qk_skipped.cpu(), torch.full((2,), skipped), rtol=0, atol=1e-6)
-        assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < L1_TOL[torch.bfloat16], forced
+        assert relative_l1(out, expected) < L1_TOL[torch.bfloat16], forced
 
 
 @pytest.mark.gpu
