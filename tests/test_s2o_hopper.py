@@ -12,7 +12,7 @@ from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
 from test_attention_hopper import compile_gluon_offline, descriptor_type, run_offline_compile
 from test_kernels import L1_TOL, dense_reference, poisoned_like, relative_l1
-from test_s2o import future_keys_outscore_the_past, one_dominant_key_block
+from test_s2o import a_late_key_outscores_every_earlier_one, future_keys_outscore_the_past, one_dominant_key_block
 
 
 def test_rule_names_why_the_walk_cannot_run(monkeypatch):
@@ -26,6 +26,8 @@ def test_rule_names_why_the_walk_cannot_run(monkeypatch):
     for every in (1, 2, 3, 5, 15):  # the stop test must fall between two 128-key stages, two or more apart
         assert "check_every" in s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, check_every=every))
         assert s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, check_every=every, early_stop=False)) is None
+    for every in (4, 6, 16):  # even and >= 4: the walk runs
+        assert s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, check_every=every)) is None
     assert "stage-2" in s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, pv_test=True))
     q96 = torch.zeros(1, 2, 256, 96, dtype=torch.bfloat16)
     shape96 = check_attention_inputs(q96, q96, q96, tensor_layout="HND", is_causal=False)
@@ -38,6 +40,18 @@ def test_forcing_the_walk_where_it_cannot_run_raises(monkeypatch):
     shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
     with pytest.raises(RuntimeError, match="forced but cannot run"):
         s2o_hopper.usable(q, q, q, q, shape, pv_test=False, early_stop=True, check_every=16)
+
+
+def test_override_forbids_forces_or_leaves_the_choice(monkeypatch):
+    """The tests compare this walk with the Triton walk by setting ``OVERRIDE``: False must keep this walk off even
+    where it could run, or both sides of those comparisons would be this walk."""
+    monkeypatch.setattr(attention_hopper, "_why_not_on", lambda device: None)  # as on an sm90 GPU
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+    kw = dict(pv_test=False, early_stop=True, check_every=16)
+    for override, expected in ((None, True), (False, False), (True, True)):
+        monkeypatch.setattr(s2o_hopper, "OVERRIDE", override)
+        assert s2o_hopper.usable(q, q, q, q, shape, **kw) is expected, override
 
 
 def compile_offline(causal: bool, early_stop: bool, dtype: str, head_dim: int, return_counts: bool,
@@ -93,9 +107,9 @@ GPU_CASES = [
     (2, 4, 2, 2500, 1999, 128, False, 512, 0.005, 8, 0.3, False),  # Nq != Nkv
     (1, 4, 4, 3000, 3000, 128, False, 512, None, 16, 0.6, False),  # no stop test
     (1, 4, 4, 3000, 3000, 128, False, 512, 0.2, 4, -1.0, False),  # most tiles stop early
-    # 512 tiles, about four per program on 132 SMs: each program's two Q slots turn over (at most two above); no stop
-    # test, so no borderline stop can part the two walks
-    (1, 16, 4, 4096, 4096, 128, False, 512, None, 8, 0.6, False),
+    # 1024 tiles, seven or more per program on 132 SMs (eight on some): each program's two Q slots turn over three
+    # times or more (at most two above); no stop test, so no borderline stop can part the two walks
+    (1, 32, 8, 4096, 4096, 128, False, 512, None, 8, 0.6, False),
 ]
 
 
@@ -146,6 +160,23 @@ def test_gpu_stop_test_where_later_tiles_add_exactly_nothing(n_key_blocks, tau, 
         out, stats = s2o_attention(q, k, v, tau=tau, check_every=4, simthreshd1=-1.0, return_sparsity=True,
                                    out=poisoned_like(q))
         torch.testing.assert_close(stats.qk_skipped.cpu(), torch.full((2,), skipped), rtol=0, atol=1e-6)
+        assert relative_l1(out, expected) < L1_TOL[torch.bfloat16], forced
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_a_late_tile_that_outscores_every_earlier_one_is_an_infinite_gain(D, monkeypatch):
+    """test_s2o's call where block 3, ranked fourth, outscores every earlier key by about 230 log2 units: the check
+    after the second stage (blocks 2 and 3) sees l_before = l_new - (block 3's sum) = 0 exactly, an infinite gain, so
+    neither walk stops at tau = 100 (``before >= 0`` took the gain as 1 and stopped with a stage left)."""
+    _on_hopper()
+    q, k, v = (t.cuda() for t in a_late_key_outscores_every_earlier_one(head_dim=D))
+    expected = dense_reference(q, k, v, False, "HND")
+    for forced in (True, False):
+        monkeypatch.setattr(s2o_hopper, "OVERRIDE", forced)
+        out, stats = s2o_attention(q, k, v, tau=100.0, check_every=4, simthreshd1=-1.0, return_sparsity=True,
+                                   out=poisoned_like(q))
+        torch.testing.assert_close(stats.qk_skipped.cpu(), torch.zeros(2), rtol=0, atol=0)
         assert relative_l1(out, expected) < L1_TOL[torch.bfloat16], forced
 
 
