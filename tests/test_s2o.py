@@ -173,28 +173,32 @@ def test_stop_test_where_later_tiles_add_exactly_nothing(n_key_blocks, tau, chec
     assert relative_l1(out, dense_reference(q, k, v, False, "HND")) < L1_TOL[torch.bfloat16]
 
 
-def a_late_key_outscores_every_earlier_one(heads=2, head_dim=64, q_len=200, seed=0):
+def a_late_key_outscores_every_earlier_one(late_score=160.0, heads=2, head_dim=64, q_len=200, seed=0):
     """(q, k, v), HND, six key blocks: blocks 0-2 score 0 (natural units) for every query; block 3 has one key
-    scoring 160 and 63 scoring -10 (block mean -7.3: S2O ranks it fourth); blocks 4-5 score -20. At block 3's new
-    max exp2 of every earlier score underflows to 0 in float32, so the normaliser before that tile is exactly 0:
-    the tile's gain is infinite, as for a row's first finite score. Nothing is forced with simthreshd1=-1."""
+    scoring ``late_score`` and 63 scoring -10 (block mean below -7: S2O ranks it fourth); blocks 4-5 score -20. At
+    160, exp2 of every earlier score underflows to 0 in float32 at block 3's new max, so the normaliser before that
+    tile is exactly 0 and the tile's gain infinite, as for a row's first finite score; at 14 that normaliser is
+    192 e^-14, about 1.6e-4, and the gain about 6300. Nothing is forced with simthreshd1=-1."""
     g = torch.Generator().manual_seed(seed)
     q = torch.zeros(1, heads, q_len, head_dim)
     q[..., 0] = head_dim ** 0.5  # q . k * scale = k[0]
     k = torch.randn(1, heads, 6 * BLOCK_K, head_dim, generator=g)
     k[..., 0] = 0.0
     k[:, :, 3 * BLOCK_K:4 * BLOCK_K, 0] = -10.0
-    k[:, :, 3 * BLOCK_K, 0] = 160.0
+    k[:, :, 3 * BLOCK_K, 0] = late_score
     k[:, :, 4 * BLOCK_K:, 0] = -20.0
     return q.bfloat16(), k.bfloat16(), torch.randn(1, heads, 6 * BLOCK_K, head_dim, generator=g).bfloat16()
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_a_late_tile_that_outscores_every_earlier_one_is_an_infinite_gain(backend):
-    """With check_every=4 the test after block 3 sees a normaliser of exactly 0 before the tile: an infinite gain,
-    so the walk goes on even at tau = 100 (taken as the tile's own l, 1 here, it stopped with two blocks left). On
-    Hopper that check falls on the second block of a 128-key stage (the GPU form is in test_s2o_hopper.py)."""
-    q, k, v = a_late_key_outscores_every_earlier_one()
+@pytest.mark.parametrize("late_score", [160.0, 14.0])
+def test_a_late_tile_that_outscores_every_earlier_one_is_a_large_gain(late_score, backend):
+    """With check_every=4 the test after block 3 sees a normaliser before the tile of exactly 0 (an infinite gain)
+    or about 1.6e-4 (a gain about 6300), so the walk goes on at tau = 100. It stopped with two blocks left where
+    the gain was taken as the tile's own l (about 1): for a normaliser of 0 (``before >= 0`` for ``> 0``), or below
+    1 (the divisor clamped at 1 instead of 1e-30). On Hopper that check falls on the second block of a 128-key stage
+    (the GPU form is in test_s2o_hopper.py)."""
+    q, k, v = a_late_key_outscores_every_earlier_one(late_score)
     _, (index, _, n_forced, _), _ = order_for(q, k, False, theta=-1.0)
     assert (n_forced == 0).all() and (index[..., 3] == 3).all() and (index[..., :3].sort(-1).values
                                                                        == torch.arange(3)).all(), "the premise"

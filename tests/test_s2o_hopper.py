@@ -165,12 +165,14 @@ def test_gpu_stop_test_where_later_tiles_add_exactly_nothing(n_key_blocks, tau, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_a_late_tile_that_outscores_every_earlier_one_is_an_infinite_gain(D, monkeypatch):
-    """test_s2o's call where block 3, ranked fourth, outscores every earlier key by about 230 log2 units: the check
-    after the second stage (blocks 2 and 3) sees l_before = l_new - (block 3's sum) = 0 exactly, an infinite gain, so
-    neither walk stops at tau = 100 (``before >= 0`` took the gain as 1 and stopped with a stage left)."""
+@pytest.mark.parametrize("late_score", [160.0, 14.0])
+def test_gpu_a_late_tile_that_outscores_every_earlier_one_is_a_large_gain(late_score, D, monkeypatch):
+    """test_s2o's calls where block 3, ranked fourth, outscores every earlier key: the check after the second stage
+    (blocks 2 and 3) sees l_before = l_new - (block 3's sum) = 0 exactly (late score 160: an infinite gain) or about
+    1.6e-4 (14: a gain about 6300), so neither walk stops at tau = 100 (``before >= 0`` took the first as 1 and
+    stopped with a stage left)."""
     _on_hopper()
-    q, k, v = (t.cuda() for t in a_late_key_outscores_every_earlier_one(head_dim=D))
+    q, k, v = (t.cuda() for t in a_late_key_outscores_every_earlier_one(late_score, head_dim=D))
     expected = dense_reference(q, k, v, False, "HND")
     for forced in (True, False):
         monkeypatch.setattr(s2o_hopper, "OVERRIDE", forced)
