@@ -234,6 +234,26 @@ def test_walk_with_a_sink_masks_the_diagonal(backend):
     assert relative_l1(out, dense_reference(q, k, v, True, "HND")) < L1_TOL[torch.bfloat16]
 
 
+def test_visit_order_backend_picks_its_path(monkeypatch):
+    """backend "triton" sorts in Triton, "reference" (and "auto" on CPU tensors) in PyTorch, and rows whose padded
+    key-block count exceeds MAX_SORTED_BLOCKS take PyTorch whatever the backend. Both paths give the same order
+    (test_visit_order), so only which one runs tells them apart."""
+    from sparge_diffusers.kernels import s2o as s2o_module
+    calls = []
+    for name in ("_visit_order_torch", "_visit_order_triton"):
+        original = getattr(s2o_module, name)
+        monkeypatch.setattr(s2o_module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    q, k, _ = video_like_qkv((1, 8, 40), heads=2, head_dim=32)  # 320 tokens: 5 key blocks, 8 padded
+    for limit, backend, expected in ((None, "triton", "_visit_order_triton"), (None, "reference", "_visit_order_torch"),
+                                     (None, "auto", "_visit_order_torch"), (8, "triton", "_visit_order_triton"),
+                                     (4, "triton", "_visit_order_torch")):
+        if limit is not None:
+            monkeypatch.setattr(s2o_module, "MAX_SORTED_BLOCKS", limit)
+        calls.clear()
+        order_for(q, k, False, backend=backend)
+        assert calls == [expected], (limit, backend)
+
+
 def test_tau_none_visits_everything_without_the_check():
     q, k, v = video_like_qkv((1, 8, 40), heads=2, head_dim=64)
     out, stats = s2o_attention(q, k, v, tau=None, return_sparsity=True, backend="triton")
