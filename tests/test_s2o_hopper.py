@@ -107,8 +107,8 @@ GPU_CASES = [
     (2, 4, 2, 2500, 1999, 128, False, 512, 0.005, 8, 0.3, False),  # Nq != Nkv
     (1, 4, 4, 3000, 3000, 128, False, 512, None, 16, 0.6, False),  # no stop test
     (1, 4, 4, 3000, 3000, 128, False, 512, 0.2, 4, -1.0, False),  # most tiles stop early
-    # 1024 tiles, seven or more per program on 132 SMs (eight on some): each program's two Q slots turn over three
-    # times or more (at most two above); no stop test, so no borderline stop can part the two walks
+    # 1024 tiles, about eight per program on 132 SMs (tiles go by ticket; at least one program takes eight): Q slots
+    # turn over several times (at most two tiles per program above); no stop test, so no borderline stop parts the walks
     (1, 32, 8, 4096, 4096, 128, False, 512, None, 8, 0.6, False),
 ]
 
