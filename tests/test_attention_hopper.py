@@ -11,7 +11,8 @@ from sparge_diffusers import BLOCK_K, BLOCK_Q, _launch, block_sparse_attention, 
 from sparge_diffusers.kernels import attention_hopper
 from sparge_diffusers.kernels._inputs import causal_block_visible, check_attention_inputs
 
-from test_kernels import L1_TOL, make_qkv, poisoned_like
+from test_kernels import (L1_TOL, check_no_key_past_the_last, keys_scoring_far_below_zero, make_qkv,
+                          mask_keeping_the_last_key_block, poisoned_like)
 
 
 def test_rule_names_why_the_hopper_kernel_cannot_run():
@@ -28,6 +29,148 @@ def test_forcing_the_hopper_kernel_where_it_cannot_run_raises(monkeypatch):
     shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
     with pytest.raises(RuntimeError, match="forced but cannot run"):
         attention_hopper.usable(q, q, q, q, shape, pv_test=False)
+
+
+def test_device_rule_names_the_first_thing_missing(monkeypatch):
+    cpu = torch.device("cpu")
+    if attention_hopper.GLUON_IMPORT_ERROR is None:  # Triton with Gluon: the interpreter, then the device
+        assert "TRITON_INTERPRET" in attention_hopper._why_not_on(cpu)
+        monkeypatch.setattr(attention_hopper, "interpreting", lambda: False)
+        assert "sm90" in attention_hopper._why_not_on(cpu)
+        cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
+        older_or_newer = "needs an sm90 (Hopper) GPU"
+        for capability, expected in (((9, 0), None), ((8, 0), older_or_newer), ((10, 0), older_or_newer)):
+            monkeypatch.setattr(attention_hopper, "device_capability", lambda index, c=capability: c)
+            assert attention_hopper._why_not_on(cuda) == expected, capability
+    monkeypatch.setattr(attention_hopper, "GLUON_IMPORT_ERROR", "no gluon here")
+    assert attention_hopper._why_not_on(cpu) == "Gluon unavailable (no gluon here)"
+
+
+def test_rule_checks_what_tma_needs_once_the_device_allows(monkeypatch):
+    """With the device check passed (as on an sm90 GPU), each of ``why_not_usable``'s other rules on CPU tensors."""
+    monkeypatch.setattr(attention_hopper, "_why_not_on", lambda device: None)
+
+    def reason(q, pv_test=False):
+        shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=False)
+        return attention_hopper.why_not_usable(q, q, q, q, shape, pv_test=pv_test)
+
+    assert reason(torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)) is None
+    assert reason(torch.zeros(1, 2, 256, 64, dtype=torch.float16)) is None
+    assert reason(torch.zeros(1, 2, 256, 72, dtype=torch.bfloat16)[..., :64]) is None  # rows 144 bytes apart
+    assert "stage-2" in reason(torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16), pv_test=True)
+    assert "head dim 96" in reason(torch.zeros(1, 2, 256, 96, dtype=torch.bfloat16))
+    rows_129_apart = torch.zeros(1, 2, 256, 129, dtype=torch.bfloat16)[..., :128]  # 258-byte row stride
+    every_other_column = torch.zeros(1, 2, 256, 256, dtype=torch.bfloat16)[..., ::2]  # D stride 2
+    off_by_one_element = torch.zeros(2 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 256, 128)
+    for view in (rows_129_apart, every_other_column, off_by_one_element):
+        assert "TMA" in reason(view), view.stride()
+
+
+def test_usable_takes_the_override_then_the_rules_then_the_preference(monkeypatch):
+    """``usable`` with the device check passed (as on an sm90 GPU): OVERRIDE False forbids, True forces (over the
+    Triton kernel's preference, raising where a rule refuses), None follows the rules and the preference."""
+    monkeypatch.setattr(attention_hopper, "_why_not_on", lambda device: None)
+    q64, q128 = (torch.zeros(1, 2, 256, d, dtype=torch.bfloat16) for d in (64, 128))
+
+    def usable(q, **kw):
+        shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=kw.get("is_causal", False))
+        return attention_hopper.usable(q, q, q, q, shape, **kw)
+
+    for override, masked, dense_d64, dense_d64_causal in ((None, True, False, True), (True, True, True, True),
+                                                          (False, False, False, False)):
+        monkeypatch.setattr(attention_hopper, "OVERRIDE", override)
+        assert usable(q128, pv_test=False) is masked, override
+        assert usable(q64, pv_test=False, dense=True) is dense_d64, override
+        assert usable(q64, pv_test=False, dense=True, is_causal=True) is dense_d64_causal, override
+    monkeypatch.setattr(attention_hopper, "OVERRIDE", None)
+    assert usable(q128, pv_test=True) is False
+    monkeypatch.setattr(attention_hopper, "OVERRIDE", True)
+    with pytest.raises(RuntimeError, match="stage-2 test"):
+        usable(q128, pv_test=True)
+
+
+def test_triton_kernel_is_preferred_only_for_the_non_causal_dense_mode_at_d64():
+    for D, dense, causal, expected in ((64, True, False, True), (64, True, True, False), (64, False, False, False),
+                                       (128, True, False, False)):
+        q = torch.zeros(1, 2, 256, D, dtype=torch.bfloat16)
+        shape = check_attention_inputs(q, q, q, tensor_layout="HND", is_causal=causal)
+        assert attention_hopper.prefer_triton(shape, dense, causal) == expected, (D, dense, causal)
+
+
+def test_launcher_refuses_what_it_cannot_walk_and_hands_the_kernel_the_rest(monkeypatch):
+    """The launch's host side on CPU tensors (the kernel itself needs an sm90 GPU): the calls it refuses, then the
+    grid, arguments and flags it hands the kernel, recorded in place of the launch. The GPU tests see only outputs,
+    and some of these (a sink or tail array passed where none was asked for) leave outputs alone."""
+    launches = []
+    monkeypatch.setattr(attention_hopper, "launch", lambda kernel, grid, *args, **kw: launches.append((grid, args, kw)))
+    monkeypatch.setattr(attention_hopper, "_descriptor", lambda t, rows: (t, rows))
+    monkeypatch.setattr(attention_hopper, "_sm_count", lambda device: 132)
+    from sparge_diffusers.kernels.attention import block_mask_to_index
+
+    q, k = torch.zeros(2, 4, 1000, 128, dtype=torch.bfloat16), torch.zeros(2, 2, 1000, 128, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def run(shape, **kw):
+        attention_hopper.hopper_block_sparse_attention(q, k, k, out, shape, scale=0.5, **kw)
+        grid, args, flags = launches.pop()
+        assert not launches and [a[1] for a in args[:4]] == [BLOCK_Q, BLOCK_K, BLOCK_K, BLOCK_Q // 2]
+        assert all(type(a[1]) is int for a in args[:4]) and all(a[0] is t for a, t in zip(args, (q, k, k, out)))
+        ticket = args[7]
+        assert ticket.dtype == torch.int32 and ticket.tolist() == [0]
+        assert (args[18:27] == (4, 2, 8, 16, 1000, shape.causal_offset, shape.last_query_position,
+                                shape.window_arg, 64))  # heads, group, blocks, lengths, window, 2 x 4 x 8 tiles
+        assert all(type(a) is int for a in args[18:27])  # the kernel's integer arithmetic takes ints
+        return grid, args, flags, ticket
+
+    plain = check_attention_inputs(q, k, k, tensor_layout="HND", is_causal=False)
+    causal = check_attention_inputs(q, k, k, tensor_layout="HND", is_causal=True)
+    windowed = check_attention_inputs(q, k, k, tensor_layout="HND", is_causal=True, sliding_window=300)
+    mask = torch.rand(2, 4, 8, 16, generator=torch.Generator().manual_seed(0)) < 0.5
+    positions = torch.arange(2 * 2 * 1000, dtype=torch.int32).view(2, 2, 1000) % 1000
+    with pytest.raises(ValueError, match="key_positions needs a causal call"):
+        attention_hopper.hopper_block_sparse_attention(q, k, k, out, causal, scale=0.5, is_causal=True, index=None,
+                                                       key_positions=positions)
+    with pytest.raises(ValueError, match="key_positions needs a causal call"):
+        attention_hopper.hopper_block_sparse_attention(q, k, k, out, plain, scale=0.5, is_causal=False,
+                                                       index=block_mask_to_index(mask, plain, False),
+                                                       key_positions=positions)
+    with pytest.raises(ValueError, match="a sliding window needs"):
+        attention_hopper.hopper_block_sparse_attention(q, k, k, out, windowed, scale=0.5, is_causal=True, index=None)
+    other, _ = attention_hopper.new_tail_schedule(check_attention_inputs(q[:1], k[:1], k[:1], tensor_layout="HND",
+                                                                        is_causal=True), q.device)
+    with pytest.raises(ValueError, match=r"covers tickets 0\.\.31, this call has 64 tiles"):
+        attention_hopper.hopper_block_sparse_attention(q, k, k, out, causal, scale=0.5, is_causal=True,
+                                                       index=block_mask_to_index(mask, causal, True), tail=other)
+    assert not launches
+
+    # the dense mode: no index, tail, key positions, sinks or cap; the fresh counter stands in for each array
+    grid, args, flags, ticket = run(plain, is_causal=False, index=None)
+    assert grid == (64,)
+    assert all(args[i] is ticket for i in (4, 5, 6, 8, 9, 10, 13)) and args[11:13] == (0, 0) and args[14] == 64
+    assert args[15:18] == attention_hopper.softcap_args(0.5, None)
+    assert flags["USE_INDEX"] is flags["USE_TAIL"] is flags["PERMUTED_KEYS"] is flags["WINDOWED"] is False
+    assert flags["IS_CAUSAL"] is flags["HAS_SINKS"] is flags["SOFTCAP"] is False
+
+    # a causal index with its tail order and key positions, on a given counter, with fewer SMs than tiles
+    monkeypatch.setattr(attention_hopper, "_sm_count", lambda device: 16)
+    tail, given = attention_hopper.new_tail_schedule(causal, q.device, with_counter=True)
+    index = block_mask_to_index(mask, causal, True, tail=tail)
+    grid, args, flags, ticket = run(causal, is_causal=True, index=index, tail=tail, ticket=given,
+                                    key_positions=positions)
+    assert grid == (16,) and ticket is given
+    assert all(args[i] is a for i, a in zip((4, 5, 6, 8, 9, 10), (*index, tail.sizes, tail.tiles, positions)))
+    assert args[11:13] == (2000, 1000) and args[14] == tail.start
+    assert flags["USE_INDEX"] is flags["USE_TAIL"] is flags["PERMUTED_KEYS"] is flags["IS_CAUSAL"] is True
+
+    # a window, sinks and a cap; then a tail without an index (the dense mode reads none)
+    sinks = torch.zeros(4)
+    grid, args, flags, ticket = run(windowed, is_causal=True, index=block_mask_to_index(mask, windowed, True),
+                                    sink_logits=sinks, softcap=30.0)
+    assert flags["WINDOWED"] is flags["HAS_SINKS"] is flags["SOFTCAP"] is True and args[13] is sinks
+    assert args[15:18] == attention_hopper.softcap_args(0.5, 30.0)
+    tail, _ = attention_hopper.new_tail_schedule(plain, q.device)
+    grid, args, flags, ticket = run(plain, is_causal=False, index=None, tail=tail)
+    assert flags["USE_TAIL"] is False and args[8] is args[9] is ticket and args[14] == 64
 
 
 def test_a_compacted_mask_carries_a_tail_schedule_only_where_the_hopper_kernel_can_run(monkeypatch):
@@ -346,6 +489,30 @@ def test_gpu_hopper_kernel_on_rows_that_keep_every_key_block(B, H, HK, Nq, Nkv, 
     index = block_mask_to_index(mask, shape, False)
     assert (index[1] == shape.k_blocks).float().mean() > 0.5
     _check_hopper_kernel_on_index(q, k, v, mask, index, shape, False, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kept", [1, 2, 3, 5, None])  # None: the dense walk
+@pytest.mark.parametrize("Nkv", [1000, 1025])  # last key blocks of 40 keys and of 1
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_hopper_kernel_reads_no_key_past_the_last(kept, Nkv, D):
+    """TMA fills rows past the keys' end with zeros. A stage whose mask let one such key through (``cols <= kv_len``
+    in the pair stage or the 64-key stage) gave each row one extra key of score 0 and value 0, which on random
+    inputs moves an output by 0.3-0.5% in relative L1 (under the bf16 tolerance): the Hopper sweep's mutants of both
+    masks passed the GPU tests they ran against. Here every real score is about -2 sqrt(D), so that key would take
+    nearly all of each row's weight. The last key block ends a masked pair alone (1 kept), as its second half (2),
+    in the 64-key stage (3, 5), and the dense walk's last stage."""
+    _on_hopper()
+    q, k, v = keys_scoring_far_below_zero(2, 4, 2, 300, Nkv, D, device="cuda", seed=Nkv + D)
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=False)
+    mask, index = None, None
+    if kept is not None:
+        mask = mask_keeping_the_last_key_block(shape, kept, torch.Generator(device="cuda").manual_seed(kept))
+        from sparge_diffusers.kernels.attention import block_mask_to_index
+        index = block_mask_to_index(mask, shape, False)
+    out = poisoned_like(q)
+    attention_hopper.hopper_block_sparse_attention(q, k, v, out, shape, is_causal=False, scale=D ** -0.5, index=index)
+    check_no_key_past_the_last(q, k, v, mask, out)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from sparge_diffusers import BLOCK_K, BLOCK_Q, block_sparse_attention, predict_block_mask, relative_l1
 from sparge_diffusers import compact_block_mask, s2o_attention, sparge_attention
-from sparge_diffusers.kernels._inputs import causal_offset
+from sparge_diffusers.kernels._inputs import causal_offset, check_attention_inputs
 from sparge_diffusers.kernels.predict import block_statistics_triton, qk_block_statistics_triton
 from sparge_diffusers.kernels.reference import reference_block_statistics, reference_prediction_details
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
@@ -400,7 +400,6 @@ def test_tma_io_path_matches_reference_and_writes_only_its_rows(B, H, HK, Nq, Nk
 
 
 def test_tma_io_rule_needs_a_hopper_gpu_and_no_causal_mask():
-    from sparge_diffusers.kernels._inputs import check_attention_inputs
     from sparge_diffusers.kernels.attention import use_tma_io
 
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
@@ -618,6 +617,53 @@ def test_empty_mask_rows_give_zeros_not_nan():
                                             return_sparsity=True)
         assert (out[:, 1] == 0).all() and not torch.isnan(out).any()
         assert stats.qk_skipped[1] == stats.pv_skipped[1] == 1.0 and stats.pv_skipped_stage2[1] == 0.0, backend
+
+
+def keys_scoring_far_below_zero(B, H, HK, Nq, Nkv, D, device="cpu", seed=0):
+    """bf16 q, k, v (HND) whose every scaled score is about -2 sqrt(D): a key read past the last one, zero-filled
+    (score 0, value 0: what a TMA load past a tensor's end returns), would outweigh a row's real keys by about
+    e^(2 sqrt(D)) / Nkv and pull its output to zero. Values have mean 1, so that pull is near 1 in relative L1. On
+    random inputs one such key moves a row by well under the tolerance (its weight is about one key's)."""
+    g = torch.Generator().manual_seed(seed)
+    q = 1 + 0.1 * torch.randn(B, H, Nq, D, generator=g)
+    k = -2 * (1 + 0.1 * torch.randn(B, HK, Nkv, D, generator=g))
+    v = 1 + torch.randn(B, HK, Nkv, D, generator=g)
+    return tuple(t.to(torch.bfloat16).to(device) for t in (q, k, v))
+
+
+def mask_keeping_the_last_key_block(shape, kept: int, g) -> torch.Tensor:
+    """A mask keeping, in every query block, the last key block (ragged where kv_len is not a multiple of BLOCK_K)
+    and ``kept`` - 1 others at random: with a count of 1 the last block ends a masked pair stage alone, with 2 it is
+    the pair's second half, with an odd count of 3 or more it fills the Hopper kernel's 64-key stage."""
+    score = torch.rand(shape.batch, shape.heads, shape.q_blocks, shape.k_blocks, generator=g, device=g.device)
+    score[..., -1] = -1.0  # sorts first: always kept
+    mask = torch.zeros(score.shape, dtype=torch.bool, device=g.device)
+    return mask.scatter_(-1, score.argsort(dim=-1)[..., :kept], True)
+
+
+def check_no_key_past_the_last(q, k, v, mask, out) -> None:
+    """``out`` (a kernel's, on ``q, k, v`` from ``keys_scoring_far_below_zero``) against the reference, after
+    checking that the reference with one zero key appended past the last would be far off: the inputs make such
+    a key visible."""
+    ref = block_sparse_attention(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(), backend="reference")
+    zero = torch.zeros_like(k[:, :, :1]).cpu()
+    with_one_more = block_sparse_attention(q.cpu(), torch.cat([k.cpu(), zero], 2), torch.cat([v.cpu(), zero], 2),
+                                           None if mask is None else mask.cpu(), backend="reference")
+    assert relative_l1(with_one_more, ref) > 0.5
+    assert not torch.isnan(out).any()
+    assert relative_l1(out.cpu(), ref) < L1_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kept", [1, 2, 3, None])  # None: the dense walk
+@pytest.mark.parametrize("Nkv", [200, 129])  # last key blocks of 8 keys and of 1
+def test_no_key_past_the_last_is_read(kept, Nkv):
+    """The Triton kernel on inputs where one key read past the end would show (the Hopper kernel's GPU form:
+    ``test_gpu_hopper_kernel_reads_no_key_past_the_last``)."""
+    q, k, v = keys_scoring_far_below_zero(1, 2, 1, 130, Nkv, 64, seed=Nkv)
+    shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=False)
+    mask = None if kept is None else mask_keeping_the_last_key_block(shape, kept, torch.Generator().manual_seed(kept))
+    out = block_sparse_attention(q, k, v, mask, backend="triton", out=poisoned_like(q))
+    check_no_key_past_the_last(q, k, v, mask, out)
 
 
 def test_non_contiguous_inputs_and_broadcast_mask():
