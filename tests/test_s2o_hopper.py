@@ -8,6 +8,7 @@ import torch
 from sparge_diffusers import BLOCK_K, BLOCK_Q, s2o_attention
 from sparge_diffusers.kernels import attention_hopper, s2o_hopper
 from sparge_diffusers.kernels._inputs import check_attention_inputs
+from sparge_diffusers.kernels.s2o import CHECK_EVERY
 from sparge_diffusers.testing import llm_like_qkv, video_like_qkv
 
 from test_attention_hopper import compile_gluon_offline, descriptor_type, run_offline_compile
@@ -26,7 +27,7 @@ def test_rule_names_why_the_walk_cannot_run(monkeypatch):
     for every in (1, 2, 3, 5, 15):  # the stop test must fall between two 128-key stages, two or more apart
         assert "check_every" in s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, check_every=every))
         assert s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, check_every=every, early_stop=False)) is None
-    for every in (4, 6, 16):  # even and >= 4: the walk runs
+    for every in (4, 6, 16, CHECK_EVERY):  # even and >= 4: the walk runs, at the default too
         assert s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, check_every=every)) is None
     assert "stage-2" in s2o_hopper.why_not_usable(q, q, q, q, shape, **dict(kw, pv_test=True))
     q96 = torch.zeros(1, 2, 256, 96, dtype=torch.bfloat16)

@@ -178,10 +178,11 @@ def test_selection_index_lists_each_blocks_queries_once_in_order():
     slots = index.slot[0]
     kept = slots >= 0
     assert kept.sum(-1).tolist() == [2, 2, 2, 1]  # repeats once, -1 and out-of-range (5) dropped
+    assert (slots[~kept] == -1).all()  # the documented mark of a dropped pair
     for n in range(4):  # each kept slot points back at its query
         assert (index.query_list[0, slots[n][kept[n]].long()] == n).all()
     items = index.chunk_block[0]
-    assert sorted(items[items >= 0].tolist()) == [0, 1, 2]
+    assert sorted(items[items >= 0].tolist()) == [0, 1, 2] and (items[items < 0] == -1).all()  # -1: unused item
     far = torch.where(idx == 5, (1 << 32) + 1, idx.long())  # an int32 cast would make it block 1: it stays none
     wrapped = build_selection_index(far, q_len=4, kv_len=4 * 32, block_size=32, is_causal=False)
     assert torch.equal(wrapped.slot, index.slot)
@@ -189,9 +190,34 @@ def test_selection_index_lists_each_blocks_queries_once_in_order():
     assert causal.block_start[0].tolist() == [0, 2]  # one block of 4 keys: only queries 0 and 1 chose it
 
 
+def test_selection_index_sorts_block_numbers_as_16_bit_keys_only_where_they_fit():
+    """The (block, query) pairs sort on 16-bit keys while every block number and the "none" sentinel (the block
+    count) fit in int16, fewer than 2 ** 15 blocks (1M keys at block size 32); at 2 ** 15 the sentinel would wrap to
+    -2 ** 15 and sort first, shifting every block's query list."""
+    for n_blocks in (2 ** 15 - 1, 2 ** 15):
+        last = n_blocks - 1
+        idx = torch.tensor([[[[last, -1], [0, last], [last - 1, 0]]]], dtype=torch.int32)  # 3 queries, 2 picks each
+        index = build_selection_index(idx, q_len=3, kv_len=n_blocks * 32, block_size=32, is_causal=False)
+        starts = index.block_start[0]
+        lists = {j: index.query_list[0, starts[j]:starts[j + 1]].tolist() for j in (0, last - 1, last)}
+        assert lists == {0: [1, 2], last - 1: [2], last: [0, 1]}, n_blocks
+
+
+def test_selection_index_keeps_each_blocks_queries_ascending():
+    """``query_list``'s documented order within a block (ascending: gathers stay near-contiguous), on
+    enough pairs that an unstable sort scrambles them (torch's CPU sort does at 5000 keys of three values)."""
+    idx = torch.randint(0, 3, (1, 2, 2500, 2), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    index = build_selection_index(idx, q_len=2500, kv_len=3 * 32, block_size=32, is_causal=False)
+    for bh in range(2):
+        starts = index.block_start[bh].tolist()
+        for j in range(3):
+            want = (idx[0, bh] == j).any(-1).nonzero().flatten()  # each query once, however often it picked j
+            assert torch.equal(index.query_list[bh, starts[j]:starts[j + 1]].long(), want), (bh, j)
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k, v, i: dict(block_indices=i[..., :0]), "top_k >= 1"),
-    (lambda q, k, v, i: dict(block_indices=i[:, :, :-1]), "shape"),
+    (lambda q, k, v, i: dict(block_indices=i[:, :, :-1]), r"= \(1, 1, 140, top_k >= 1\), got \(1, 1, 139, 2\)"),
     (lambda q, k, v, i: dict(block_indices=i.float()), "integer"),
     (lambda q, k, v, i: dict(block_indices=i + 100), r"block index >= 5"),
     (lambda q, k, v, i: dict(block_indices=torch.where(i == i.max(), 5, i)), r"block index >= 5"),  # one past
@@ -220,7 +246,7 @@ def test_query_chunks_give_the_one_piece_output():
     whole = selected_block_attention(q[:, 100:], k, v, idx[:, :, 100:], **tail)
     chunked = selected_block_attention(q[:, 100:], k, v, idx[:, :, 100:], max_partial_bytes=per_query * 70, **tail)
     assert torch.equal(chunked, whole)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=r"queries 10\.\.309 of the selection lie outside the 300 queries"):
         build_selection_index(idx, q_len=300, kv_len=300, block_size=32, is_causal=True, q_start=10)
     part = build_selection_index(idx[:, :, 100:], q_len=300, kv_len=300, block_size=32, is_causal=True, q_start=100)
     with pytest.raises(ValueError, match="q_start"):
