@@ -303,6 +303,24 @@ def test_topcdf_and_similarity_rules_at_their_edges():
         assert got[0, 0, 0].tolist() == [True, False, False, True], backend
 
 
+def test_reference_topcdf_keeps_a_block_whose_mass_is_exactly_tau_of_the_total():
+    """The reference's side of the edge above (the kernel's is tested on hand-made log2 scores). The reference
+    takes q and k and uses exp, so the masses are exact only at scale ln 2 (rounded to float32: exp(-scale) is then
+    0.5 and exp(-2 scale) 0.25, each within 0.03 ulp): key blocks of scores 0, -1, -2, -2 (before the scale)
+    give probabilities 1, 1/2, 1/4, 1/4 (unnormalised), masses 1, 1.5, 1.75, 2 of a total 2."""
+    D = 64
+    scale = torch.tensor(math.log(2)).item()  # float32's ln 2
+    assert torch.exp(torch.tensor([-scale, -2 * scale])).tolist() == [0.5, 0.25]
+    q = torch.zeros(1, 1, BLOCK_Q, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 4 * BLOCK_K, D)
+    k[..., 0] = torch.tensor([0.0, -1.0, -2.0, -2.0]).repeat_interleave(BLOCK_K)
+    for tau, kept in ((0.75, [True, True, False, False]), (0.7499, [True, False, False, False])):
+        got = predict_block_mask(q.half(), k.half(), scale=scale, simthreshd1=-1.0, cdfthreshd=tau,
+                                 backend="reference")
+        assert got[0, 0, 0].tolist() == kept, tau
+
+
 @pytest.mark.parametrize("rows", [2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_topcdf_rows_per_program_change_no_output(rows, causal, monkeypatch):
@@ -541,6 +559,31 @@ def test_pv_filter_skips_tiles_far_below_the_running_max(D):
             _, stats = block_sparse_attention(q, k, v, None, pvthreshd=pvthreshd, return_sparsity=True,
                                               backend=backend)
             assert stats.pv_skipped_stage2.item() == pytest.approx(skipped), (pvthreshd, backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("walk", ["mask", "s2o"])
+def test_pv_filter_skips_a_tile_whose_row_max_is_exactly_pvthreshd_below(backend, walk):
+    """The documented edge of stage 2: a tile is skipped when its largest row-max gap is at most -pvthreshd, so a
+    gap of exactly -pvthreshd skips it. Random inputs never tie; here the scores are 0 (key block 0) and -8 (key
+    block 1) at scale 1, so the gap is -8 * log2(e) rounded once to float32 (8 is a power of two: the same value
+    whether the scale and log2 e are multiplied first or not), and pvthreshd is that float. One float above it
+    computes the tile."""
+    D = 64
+    q = torch.zeros(1, 1, 1, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 2 * BLOCK_K, D)
+    k[:, :, BLOCK_K:, 0] = -8.0
+    v = torch.randn(1, 1, 2 * BLOCK_K, D, generator=torch.Generator().manual_seed(0))
+    q, k, v = q.half(), k.half(), v.half()
+    gap = torch.tensor(-8.0) * math.log2(math.e)  # float32, as the walks compute it
+    for pvthreshd, skipped in ((-gap.item(), 0.5), (torch.nextafter(-gap, torch.tensor(math.inf)).item(), 0.0)):
+        kw = dict(scale=1.0, pvthreshd=pvthreshd, return_sparsity=True, backend=backend)
+        if walk == "mask":
+            _, stats = block_sparse_attention(q, k, v, None, **kw)
+        else:  # every block visited (tau None), block 0 first: its compressed score is the higher
+            _, stats = s2o_attention(q, k, v, tau=None, simthreshd1=-1.0, **kw)
+        assert stats.pv_skipped_stage2.item() == skipped, pvthreshd
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -245,6 +245,27 @@ def _check_s2o_stop_test_ignores_nan_rows(backend, dtype, device):
     assert torch.equal(_non_finite_rows(out), _sdpa_non_finite_rows(nan_q, k, v, False))
 
 
+def _check_s2o_stop_test_counts_a_row_without_a_finite_score_as_no_gain(backend, dtype, device):
+    """A row whose scores are -inf on every key (+inf in its q against keys negative in that dim) has a zero
+    normaliser before and after each tile: no gain, as a NaN row has. So the walk decides as with a NaN in the same
+    row. An infinite gain for it (``l >= 0`` for ``l > 0`` in the gain's last branch) keeps its query block from
+    ever stopping. ``check_every`` 4: on an H100 with ``auto`` the Gluon walk runs this (it takes even intervals
+    from 4)."""
+    q, k, v = _video(dtype, device)
+    k = k.clone()
+    k[0, 1, :, 9] = -(k[0, 1, :, 9].abs() + 0.1)
+    walk = dict(tau=0.05, check_every=4, return_sparsity=True, backend=backend)
+    _, clean = s2o_attention(q, k, v, **walk)
+    assert clean.qk_skipped.max() > 0.1, "the walk must stop early here, or the test proves nothing about it"
+    _, nan_row = s2o_attention(_with_nan(q, (0, 1, 200, 5)), k, v, **walk)
+    inf_q = q.clone()
+    inf_q[0, 1, 200, 9] = float("inf")
+    out, stats = s2o_attention(inf_q, k, v, **walk)
+    assert (out[0, 1, 200] == 0).all(), "a row without a finite score gets zeros, as in SDPA"
+    assert torch.equal(stats.qk_skipped, nan_row.qk_skipped), \
+        f"{stats.qk_skipped.tolist()} of the blocks skipped, {nan_row.qk_skipped.tolist()} with a NaN in that row"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_nan_in_q_or_k_reaches_the_output_through_stage_1(backend, dtype):
@@ -262,6 +283,8 @@ CPU_CHECKS = {
     "fsa_selection_keeps_the_blocks_whose_importance_is_nan": _check_selection_keeps_nan_blocks,
     "a_row_of_negative_inf_scores_gets_zeros_and_a_negative_inf_tile_adds_nothing": _check_rows_without_a_finite_score,
     "s2o_stop_test_counts_a_nan_row_as_no_gain": _check_s2o_stop_test_ignores_nan_rows,
+    "s2o_stop_test_counts_a_row_without_a_finite_score_as_no_gain":
+        _check_s2o_stop_test_counts_a_row_without_a_finite_score_as_no_gain,
 }
 
 
@@ -280,6 +303,7 @@ def test_rows_without_a_finite_score_and_s2o_nan_rows_on_gpu(dtype, hopper, monk
     monkeypatch.setattr(s2o_hopper, "OVERRIDE", hopper)
     _check_rows_without_a_finite_score("auto", dtype, "cuda")
     _check_s2o_stop_test_ignores_nan_rows("auto", dtype, "cuda")
+    _check_s2o_stop_test_counts_a_row_without_a_finite_score_as_no_gain("auto", dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -449,7 +449,8 @@ def test_gpu_auto_backends_take_triton_where_it_runs_and_pytorch_elsewhere(monke
 def test_gpu_pbs_matches_reference(dtype, D, pvthreshd, start):
     from sparge_diffusers.kernels import attention_hopper
 
-    q, k, v = llm_like_qkv(3000, heads=8, kv_heads=2, head_dim=D, dtype=dtype, device="cuda", seed=2)
+    # Two sequences with orders of their own: each (batch, K/V head) reads its own row of key positions
+    q, k, v = llm_like_qkv(3000, batch=2, heads=8, kv_heads=2, head_dim=D, dtype=dtype, device="cuda", seed=2)
     q = q[:, :, start:]
     variant = "lower_right" if start else None
     order = segmented_key_order(last_block_key_importance(q, k, causal_variant=variant), 256)
@@ -475,7 +476,8 @@ def test_gpu_pbs_matches_reference(dtype, D, pvthreshd, start):
     dense = block_sparse_attention(q, kp, vp, None, **kw)
     assert relative_l1(dense.float().cpu(), causal_sdpa(q.cpu(), k.cpu(), v.cpu(), variant)) < L1_TOL[dtype]
     if start:  # the prompt's last chunk, on a query-block boundary: the whole prompt's rows, bitwise
-        q_all = llm_like_qkv(3000, heads=8, kv_heads=2, head_dim=D, dtype=dtype, device="cuda", seed=2)[0]
+        q_all = llm_like_qkv(3000, batch=2, heads=8, kv_heads=2, head_dim=D, dtype=dtype, device="cuda",
+                             seed=2)[0]
         settings = dict(segment=256, cdfthreshd=0.9, pvthreshd=pvthreshd)
         whole = pbs_sparge_attention(q_all, k, v, **settings)
         assert torch.equal(pbs_sparge_attention(q, k, v, causal_variant=variant, **settings), whole[:, :, start:])
