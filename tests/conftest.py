@@ -57,11 +57,19 @@ def runs_in_interpreter() -> bool:
     return bool(knobs.runtime.interpret)
 
 
-def _patch_interpreter_bf16_dot() -> None:
-    """Triton's interpreter (3.6-3.9) keeps bf16 as raw uint16 bits and tl.dot multiplies those bits.
+def _patch_interpreter_dot() -> None:
+    """Two fixes to tl.dot in Triton's interpreter (3.6-3.9); only the interpreter is patched, the kernels are
+    unchanged.
 
-    Convert bf16 operands to float32 first, which is what the GPU's tensor cores compute (exact products,
-    float32 accumulation). Only the interpreter is patched; the kernels are unchanged.
+    bf16: the interpreter keeps bf16 as raw uint16 bits and multiplies those bits. Convert bf16 operands to float32
+    first, which is what the GPU's tensor cores compute (exact products, float32 accumulation).
+
+    Rows: the interpreter's one float32 matmul goes to the CPU's BLAS, whose sgemm may round a row differently by
+    its position in the tile (OpenBLAS 0.3.31's Haswell kernels on an AMD EPYC: 60 of 63 row shifts of a 64-row
+    tile changed some output). A GPU's MMA gives a row the same result wherever it sits, and tests check that
+    (FSA's query pieces and prebuilt index gather each query into another tile row: ``torch.equal`` failed on that
+    CPU). So each row is multiplied on its own: the same BLAS call for every row, wherever it sits (about 2x the
+    matmul's time, small beside the interpreter's own).
     """
     if not runs_in_interpreter():
         return
@@ -69,7 +77,7 @@ def _patch_interpreter_bf16_dot() -> None:
     from triton.runtime import interpreter
 
     original = interpreter.InterpreterBuilder.create_dot
-    if getattr(original, "_sparge_bf16_fix", False):
+    if getattr(original, "_sparge_dot_fix", False):
         return
 
     def create_dot(self, a, b, d, *args, **kwargs):
@@ -79,9 +87,14 @@ def _patch_interpreter_bf16_dot() -> None:
                 return interpreter.TensorHandle(data, tl.float32)
             return x
 
-        return original(self, as_f32(a), as_f32(b), d, *args, **kwargs)
+        a, b = as_f32(a), as_f32(b)
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8: the interpreter's own path
+            return original(self, a, b, d, *args, **kwargs)
+        # (..., M, 1, K) @ (..., 1, K, N): one (1, K) x (K, N) product per row
+        rows = np.matmul(a.data[..., :, None, :], b.data[..., None, :, :], dtype=d.data.dtype)[..., 0, :]
+        return interpreter.TensorHandle(rows + d.data, d.dtype.scalar)
 
-    create_dot._sparge_bf16_fix = True
+    create_dot._sparge_dot_fix = True
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
@@ -90,7 +103,7 @@ def pytest_configure(config):
         interpret = interpreter_wanted(torch.cuda.is_available(), config.getoption("markexpr") or "")
         os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # xdist's workers inherit it
     share_threads_among_workers(getattr(config.option, "numprocesses", None), os.environ)
-    _patch_interpreter_bf16_dot()
+    _patch_interpreter_dot()
 
 
 def pytest_collection_modifyitems(config, items):
