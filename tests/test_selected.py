@@ -234,14 +234,25 @@ def test_input_errors(bad, match):
         selected_block_attention(q, k, v, **kwargs)
 
 
-def test_query_chunks_give_the_one_piece_output():
+def test_query_chunks_give_the_one_piece_output(monkeypatch):
     q, k, v = make_qkv(1, 4, 2, 300, 300, 32, torch.bfloat16, "NHD", seed=4)
     idx = random_selection(1, 2, 300, 10, 3, seed=4)
     kwargs = dict(block_size=32, tensor_layout="NHD", backend="triton")
     whole = selected_block_attention(q, k, v, idx, **kwargs)
-    per_query = 3 * 4 * (32 * 2 + 4)
+    per_query = 3 * 4 * (32 * 2 + 4)  # the documented top_k * H * (D * 2 + 4) bytes of partial outputs per query
+    pieces = []  # (first query, queries) of each launch
+    launch = selected_module.selected_attention_triton
+    monkeypatch.setattr(selected_module, "selected_attention_triton", lambda *a, **kw: pieces.append(
+        (a[5].q_start, a[5].slot.shape[1])) or launch(*a, **kw))
     chunked = selected_block_attention(q, k, v, idx, max_partial_bytes=per_query * 70, out=poisoned_like(q), **kwargs)
-    assert torch.equal(chunked, whole)  # 5 chunks of 60 queries; rows are computed independently
+    assert torch.equal(chunked, whole)  # rows are computed independently
+    assert pieces == [(0, 60), (60, 60), (120, 60), (180, 60), (240, 60)]  # the fewest equal chunks under the cap
+    for cap, expected in ((per_query * 60, [(s, 60) for s in range(0, 300, 60)]),  # the cap exactly: still 5
+                          (per_query * 60 - 1, [(s, 50) for s in range(0, 300, 50)]),  # a byte less: 6
+                          (per_query * 300, [(0, 300)])):
+        pieces.clear()
+        assert torch.equal(selected_block_attention(q, k, v, idx, max_partial_bytes=cap, **kwargs), whole)
+        assert pieces == expected, cap
     tail = dict(kwargs, causal_variant="lower_right")  # the last 200 queries: each chunk keeps the causal offset
     whole = selected_block_attention(q[:, 100:], k, v, idx[:, :, 100:], **tail)
     chunked = selected_block_attention(q[:, 100:], k, v, idx[:, :, 100:], max_partial_bytes=per_query * 70, **tail)
@@ -251,6 +262,28 @@ def test_query_chunks_give_the_one_piece_output():
     part = build_selection_index(idx[:, :, 100:], q_len=300, kv_len=300, block_size=32, is_causal=True, q_start=100)
     with pytest.raises(ValueError, match="q_start"):
         selected_block_attention(q, k, v, part, **kwargs)
+
+
+def test_block_size_defaults_to_64_keys(monkeypatch):
+    """The signatures' default block size (64), in the attention call and in the selection's statistics."""
+    q, k, v = make_qkv(1, 2, 1, 200, 200, 16, torch.float16, "HND", seed=1)
+    idx = random_selection(1, 1, 200, 4, 2, seed=1)
+    for backend in ("reference", "triton"):
+        assert torch.equal(selected_block_attention(q, k, v, idx, backend=backend),
+                           selected_block_attention(q, k, v, idx, block_size=64, backend=backend)), backend
+    by_default = selection_sparsity(idx, heads=2, kv_len=200)
+    explicit = selection_sparsity(idx, heads=2, kv_len=200, block_size=64)
+    assert torch.equal(by_default.qk_skipped, explicit.qk_skipped)
+    other = selection_sparsity(idx, heads=2, kv_len=200, block_size=32)  # the block size changes the figure here
+    assert not torch.equal(by_default.qk_skipped, other.qk_skipped)
+    # the backend rule gets the head dim (GPUs with 99 KB of shared memory per block refuse D > 128), in either layout
+    seen = []
+    rule = selected_module.pick_backend
+    monkeypatch.setattr(selected_module, "pick_backend", lambda *a: seen.append(a[2]) or rule(*a))
+    for layout in ("HND", "NHD"):
+        qn, kn, vn = make_qkv(1, 2, 1, 200, 200, 16, torch.float16, layout, seed=1)
+        selected_block_attention(qn, kn, vn, idx, tensor_layout=layout, backend="reference")
+    assert seen == [16, 16]
 
 
 def test_selection_index_reuse_is_checked():
