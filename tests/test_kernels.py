@@ -321,10 +321,19 @@ def test_reference_topcdf_keeps_a_block_whose_mass_is_exactly_tau_of_the_total()
         assert got[0, 0, 0].tolist() == kept, tau
 
 
+def test_topcdf_rows_per_program_are_the_measured_choice():
+    """``topcdf_rows``' docstring: 1 query block per program up to a padded width of 128 key blocks and from 1024
+    (fastest on an H100 at Flux, nk 72, and Mochi, nk 700), 4 between (fastest at Llama-32K, nk 512)."""
+    from sparge_diffusers.kernels.predict import topcdf_rows
+
+    nks = (1, 9, 72, 128, 129, 278, 512, 513, 700, 1024, 2000)
+    assert [topcdf_rows(nk) for nk in nks] == [1, 1, 1, 1, 4, 4, 4, 1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("rows", [2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_topcdf_rows_per_program_change_no_output(rows, causal, monkeypatch):
-    """Query blocks per TopCdf program is a speed choice (1 at the sizes tests reach, 4 at 128-1023 key blocks):
+    """Query blocks per TopCdf program is a speed choice (1 at the sizes tests reach, 4 at 129-512 key blocks):
     with 2 or 4 and five query blocks (not a multiple), the mask and its compacted walk are those of one row per
     program, and the mask is the reference's."""
     from sparge_diffusers.kernels import predict
