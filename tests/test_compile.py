@@ -50,6 +50,69 @@ def test_operator_wrappers_refuse_what_int_truncated():
                 call(bad)
 
 
+def test_operator_wrappers_and_stage_functions_take_the_defaults_of_the_functions_they_stand_for():
+    """Each *_op wrapper takes "the same arguments" as its eager function: every argument both name has the same
+    default (a wrapper repeats each default in its own signature). pbs_sparge_attention_op's thresholds are those
+    of sparge_attention, to which pbs_sparge_attention passes them. Stage 1 and stage 2 alone default to the whole
+    method's settings."""
+    import inspect
+
+    from sparge_diffusers import (block_sparse_attention, predict_block_mask, s2o_attention, s2o_attention_op,
+                                  select_key_blocks, select_key_blocks_op, selected_block_attention,
+                                  selected_block_attention_op)
+    from sparge_diffusers.llm import pbs_sparge_attention, pbs_sparge_attention_op
+
+    def defaults(function):
+        return {name: p.default for name, p in inspect.signature(function).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+
+    # the arguments with defaults that both take (a wrapper has no backend, out or statistics; sparge's has dense)
+    for op, eager, n_shared in ((sparge_attention_op, sparge_attention, 11), (s2o_attention_op, s2o_attention, 11),
+                                (selected_block_attention_op, selected_block_attention, 8),
+                                (select_key_blocks_op, select_key_blocks, 7),
+                                (pbs_sparge_attention_op, pbs_sparge_attention, 3),
+                                (pbs_sparge_attention_op, sparge_attention, 8)):
+        got, want = defaults(op), defaults(eager)
+        shared = sorted(got.keys() & want.keys())
+        assert len(shared) == n_shared, (op.__name__, shared)
+        assert [got[name] for name in shared] == [want[name] for name in shared], (op.__name__, eager.__name__)
+    sparge = defaults(sparge_attention)
+    for function, names in ((predict_block_mask, ("is_causal", "simthreshd1", "cdfthreshd", "attention_sink")),
+                            (block_sparse_attention, ("is_causal", "return_sparsity", "tensor_layout"))):
+        assert [defaults(function)[name] for name in names] == [sparge[name] for name in names], function.__name__
+
+
+def test_operator_wrappers_take_the_default_scale_of_the_head_dim_and_refuse_boolean_thresholds():
+    """Each wrapper resolves the default scale itself, 1 / sqrt(q's last size): with every other size of q unlike the
+    head dim, each gives its eager function's output. A bool in a list of thresholds is refused, as the eager
+    per_head refuses it (True was taken as 1.0)."""
+    from sparge_diffusers import (s2o_attention, s2o_attention_op, select_key_blocks, select_key_blocks_op,
+                                  selected_block_attention, selected_block_attention_op)
+    from sparge_diffusers.llm import pbs_sparge_attention, pbs_sparge_attention_op
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 200, 16, generator=g)
+    k, v = (torch.randn(1, 1, 200, 16, generator=g) for _ in range(2))
+    idx = select_key_blocks(q, k, top_k=2)
+    q_long, k_long = torch.randn(1, 2, 600, 16, generator=g), torch.randn(1, 1, 600, 16, generator=g)
+    assert not torch.equal(select_key_blocks(q_long, k_long, top_k=4, scale=1.0),
+                           select_key_blocks(q_long, k_long, top_k=4)), "the scale must change this selection"
+    for name, op, eager in (
+            ("sparge", lambda: sparge_attention_op(q, k, v), lambda: sparge_attention(q, k, v)),
+            ("s2o", lambda: s2o_attention_op(q, k, v), lambda: s2o_attention(q, k, v)),
+            ("selected", lambda: selected_block_attention_op(q, k, v, idx),
+             lambda: selected_block_attention(q, k, v, idx)),
+            ("select", lambda: select_key_blocks_op(q_long, k_long, top_k=4),  # 10 blocks, 2 forced: 2 by score
+             lambda: select_key_blocks(q_long, k_long, top_k=4)),
+            ("pbs", lambda: pbs_sparge_attention_op(q, k, v, segment=128),
+             lambda: pbs_sparge_attention(q, k, v, segment=128))):
+        assert torch.equal(op(), eager()), name
+    for call in (lambda: sparge_attention_op(q, k, v, simthreshd1=[True, 0.5]),
+                 lambda: s2o_attention_op(q, k, v, tau=[0.001, False])):
+        with pytest.raises(ValueError, match="must be a number or a sequence of numbers"):
+            call()
+
+
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_custom_op_matches_sparge_attention_and_passes_opcheck(layout):
     torch.manual_seed(0)
@@ -189,6 +252,14 @@ def test_custom_op_dense_flag_switches_to_exact_attention():
         out = sparge_attention_op(q, k[:, :, :100], v[:, :, :100], dense=flag, **long_q)
         assert not out.isnan().any() and relative_l1(out, sparge_attention(q, k[:, :, :100], v[:, :, :100],
                                                                             **long_q)) < 1e-6, variant
+    # grouped heads where another pair of sizes is equal (batch and K/V heads; q's heads and the batch; queries and
+    # K/V heads; q's heads and keys), so that comparing the wrong sizes would leave SDPA's enable_gqa off
+    for B, H, HK, Nq, Nkv in ((2, 4, 2, 2, 4), (4, 4, 2, 3, 5)):
+        g = torch.Generator().manual_seed(B)
+        qg = torch.randn(B, H, Nq, 64, generator=g)
+        kg, vg = (torch.randn(B, HK, Nkv, 64, generator=g) for _ in range(2))
+        assert torch.equal(sparge_attention_op(qg, kg, vg, dense=flag, **kw),
+                           F.scaled_dot_product_attention(qg, kg, vg, enable_gqa=True)), (B, H, HK, Nq, Nkv)
     flag.fill_(False)
     assert torch.equal(sparge_attention_op(q, k, v, dense=flag, **kw), sparge_attention(q, k, v, **kw))
     args = (q, k, v, flag, False, 0.125, [-1.0], [0.3], [50.0], False, "HND")

@@ -1263,6 +1263,37 @@ def test_head_dims_above_128_need_the_shared_memory_of_an_a100_or_h100(monkeypat
     assert _inputs.pick_backend("reference", gpu, head_dim) == "reference"
 
 
+def test_every_entry_point_hands_the_backend_rule_its_head_dim(monkeypatch):
+    """The backend rule refuses head dims above 128 on GPUs with 99 KB of shared memory per block (the test above),
+    so each entry point must hand it q's head dim (its last size in either layout), not another of q's sizes: a
+    wrong size there would launch a kernel that cannot fit, or refuse one that can. Recorded on the CPU, where the
+    rule then picks the reference whatever it is given."""
+    from sparge_diffusers import llm, select_key_blocks, selected_block_attention
+    from sparge_diffusers.kernels import api, block_selection, compact, selected
+
+    seen = []
+    for module in (api, block_selection, compact, selected, llm):
+        monkeypatch.setattr(module, "pick_backend", lambda backend, device, head_dim=None, _name=module.__name__,
+                            _rule=module.pick_backend: seen.append((_name.split(".")[-1], head_dim)) or
+                            _rule(backend, device, head_dim or 0))
+    for layout in ("HND", "NHD"):  # every size of q other than the head dim differs from it
+        q, k, v = make_qkv(1, 2, 1, 200, 200, 16, torch.float16, layout, seed=0)
+        seen.clear()
+        mask = predict_block_mask(q, k, tensor_layout=layout, is_causal=True)
+        for call in (lambda: sparge_attention(q, k, v, tensor_layout=layout),
+                     lambda: block_sparse_attention(q, k, v, mask, tensor_layout=layout, is_causal=True),
+                     lambda: s2o_attention(q, k, v, tensor_layout=layout),
+                     lambda: compact_block_mask(mask, q, k, tensor_layout=layout, is_causal=True),
+                     lambda: selected_block_attention(q, k, v, select_key_blocks(q, k, top_k=2, tensor_layout=layout),
+                                                      tensor_layout=layout)):
+            call()
+        if layout == "HND":
+            llm.pbs_sparge_attention(q, k, v, segment=128)
+        modules = {"api", "block_selection", "compact", "selected"} | ({"llm"} if layout == "HND" else set())
+        assert {name for name, _ in seen} == modules, seen
+        assert all(head_dim == 16 for _, head_dim in seen), (layout, seen)
+
+
 def test_threshold_ranges_are_closed_in_every_form_a_threshold_takes():
     """per_head (every call's check, Python and tensor paths) and check_threshold_values (settings, tuning grids,
     the LLM function's options) take both ends of each range and refuse values past them."""
@@ -1540,6 +1571,7 @@ def test_relative_l1_compares_equal_shapes_only():
     assert relative_l1(torch.ones(3), torch.zeros(3)) == math.inf
     assert math.isnan(relative_l1(torch.tensor([math.nan]), torch.ones(1)))
     assert relative_l1(2 * out, out) == pytest.approx(1.0)
+    assert relative_l1(torch.tensor([0.3]), torch.tensor([0.2])) == pytest.approx(0.5)  # a reference summing below 1
 
 
 def test_sampled_relative_l1_matches_the_full_metric_and_wants_hnd():
