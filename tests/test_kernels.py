@@ -743,6 +743,12 @@ def test_non_contiguous_inputs_and_broadcast_mask():
                        block_sparse_attention(q, k, v, dense_mask, backend="triton"))
     assert torch.equal(s2o_attention(qs, ks, vs, backend="triton", out=poisoned_like(q)),
                        s2o_attention(q, k, v, backend="triton"))
+    # a mask stored key-block-major (its last stride 2, the query blocks): the compaction reads it by its strides
+    fixed = torch.tensor([[True, False, True, True], [True, True, False, False]]).expand(2, 4, 2, 4)
+    stored_by_key_block = fixed.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert stored_by_key_block.stride(-1) == 2
+    assert torch.equal(block_sparse_attention(q, k, v, stored_by_key_block, backend="triton"),
+                       block_sparse_attention(q, k, v, fixed.contiguous(), backend="triton"))
 
 
 @pytest.mark.parametrize("maker,causal", [

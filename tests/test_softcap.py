@@ -97,6 +97,9 @@ def test_compiled_gpu_kernels_take_tanh_from_the_fast_instruction(monkeypatch):
     monkeypatch.setattr(attention, "interpreting", lambda: False)
     monkeypatch.setattr(torch.version, "hip", None)
     assert attention.softcap_mode(30.0, cuda) == fast
+    monkeypatch.setattr(attention, "device_capability", lambda index: (7, 5))  # the first with the instruction
+    assert attention.softcap_mode(30.0, cuda) == fast
+    monkeypatch.setattr(attention, "device_capability", lambda index: (9, 0))
     monkeypatch.setattr(attention, "interpreting", lambda: True)
     assert attention.softcap_mode(30.0, cuda) == exact
     monkeypatch.setattr(attention, "interpreting", lambda: False)
