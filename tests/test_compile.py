@@ -113,6 +113,29 @@ def test_operator_wrappers_take_the_default_scale_of_the_head_dim_and_refuse_boo
             call()
 
 
+def test_warn_once_warns_once_per_set_at_the_frame_its_stacklevel_counts_from_its_caller():
+    """``warn_once``'s stacklevel counts from its caller, as ``warnings.warn``'s does: 1 names the line that called
+    it, 2 that line's caller (the processor passes the depth that reaches the model code)."""
+    import inspect
+
+    from sparge_diffusers._compile import warn_once
+
+    seen = set()
+
+    def nested():
+        warn_once("from nested", seen, stacklevel=2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_once("direct", seen, stacklevel=1)
+        line = inspect.currentframe().f_lineno - 1
+        nested()
+        nested_line = inspect.currentframe().f_lineno - 1
+        warn_once("direct", seen, stacklevel=1)  # once per set
+    assert [(str(w.message), w.filename, w.lineno) for w in caught] == \
+        [("direct", __file__, line), ("from nested", __file__, nested_line)]
+
+
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_custom_op_matches_sparge_attention_and_passes_opcheck(layout):
     torch.manual_seed(0)

@@ -220,10 +220,37 @@ def test_fid_same_set_is_zero_and_shifted_set_matches_the_formula():
 
 
 def test_fid_errors():
-    with pytest.raises(ValueError, match="at least two"):
-        fid(images(1), images(1), feature=SmallFeatures())
-    with pytest.raises(FileNotFoundError, match="weights-inception-2015-12-05"):
-        fid(images(2), images(2), inception_weights="/nowhere/inception.pth")
+    for real, fake in ((1, 1), (1, 3), (3, 1)):  # each set needs two images, whatever the other holds
+        with pytest.raises(ValueError, match="at least two"):
+            fid(images(real), images(fake), feature=SmallFeatures())
+    for weights in ("/nowhere/inception.pth", None):
+        with pytest.raises(FileNotFoundError, match="weights-inception-2015-12-05"):
+            fid(images(2), images(2), inception_weights=weights)
+
+
+def test_fid_builds_the_standard_metric_on_the_inception_weights_given(tmp_path, monkeypatch):
+    """Without a custom feature: torchmetrics' 2048-feature Inception FID on the weights file, images in [0, 1]
+    (``normalize``: it scales them to the 0-255 bytes Inception takes). The metric is recorded, not run: its
+    weights are a download."""
+    import torchmetrics.image.fid as torchmetrics_fid
+
+    made = []
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def update(self, imgs, real):
+            pass
+
+        def compute(self):
+            return torch.tensor(1.5)
+
+    monkeypatch.setattr(torchmetrics_fid, "FrechetInceptionDistance", Recorder)
+    weights = tmp_path / "weights-inception-2015-12-05-6726825d.pth"
+    weights.write_bytes(b"")
+    assert fid(images(2), images(2), inception_weights=weights) == 1.5
+    assert made == [dict(feature=2048, normalize=True, feature_extractor_weights_path=str(weights))]
 
 
 # --- CLIP ---------------------------------------------------------------------------------------------
