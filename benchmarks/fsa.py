@@ -1,6 +1,7 @@
 """Per-query block selection (NSA's selection branch) with FSA's KV-outer loop, one run on one GPU.
 
-Inputs: sparge_diffusers.testing.llm_like_qkv (sink, local windows, vertical key stripes), 32 query heads,
+Inputs: sparge_diffusers.testing.llm_like_qkv (local windows, a mild sink and mild vertical key stripes at its
+defaults: see its docstring), 32 query heads,
 D = 128, bf16, causal, with 32, 8 or 4 K/V heads (GQA groups of 1, 4, 8: FSA's subject is small groups). The
 selection is ``select_key_blocks`` (top_k blocks per query token from block-mean keys, sink and own block
 forced; its fused Triton kernel, timed against its float32 PyTorch reference on the same GPU, with the share of

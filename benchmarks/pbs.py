@@ -2,7 +2,8 @@
 
 Inputs: sparge_diffusers.testing.llm_like_qkv at Llama-3.1-8B's attention shape (32 query heads, 8 K/V heads,
 D = 128), which has the attention sink, local windows and scattered "vertical" key stripes that PBS-Attn
-targets. For each length and TopCdf threshold (tau), with keys in order (``sparge_attention``) and with keys
+targets (the sink and the stripes mild at the generator's defaults, which this script takes: see its
+docstring). For each length and TopCdf threshold (tau), with keys in order (``sparge_attention``) and with keys
 sorted within segments (``llm.pbs_sparge_attention``):
 - block density (computed Q.K^T blocks / those of dense causal attention) and the relative L1 against exact
   float32 attention (sampled rows);

@@ -18,8 +18,9 @@
    Triton walk; and the time to build the visiting order (block statistics, compressed scores, sort), per call
    and in CUDA-graph replays.
 
-Usage: python benchmarks/s2o.py [--out results.json] [--parts overhead,timing]   (needs a GPU)
-With --parts, the other parts are kept from an existing --out file.
+Usage: python benchmarks/s2o.py [--out results.json] [--parts overhead,timing] [--shapes flux,llama32k]
+       [--tradeoff llama32k,llama32k_sink]   (needs a GPU; any workload of workloads.FULL and EXTRA)
+With --parts, --shapes or --tradeoff, the other parts and shapes are kept from an existing --out file.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from sparge_diffusers.kernels import attention, attention_hopper, s2o_hopper
 from sparge_diffusers.kernels._inputs import check_attention_inputs
 from sparge_diffusers.kernels.predict import block_statistics_triton
 from sparge_diffusers.kernels.s2o import VisitOrder
-from sparge_diffusers.workloads import FULL, cudnn_attention_fn, sampled_errors
+from sparge_diffusers.workloads import EXTRA, FULL, cudnn_attention_fn, sampled_errors
 
 from _report import save_report
 
+TRADEOFF = ("cogvideox", "llama32k")  # part 1's workloads by default (--tradeoff: any of FULL and EXTRA)
 CDF = (0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 TAU = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02)
 
@@ -232,22 +234,26 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="tradeoff,overhead,timing")
     ap.add_argument("--shapes", default=",".join(FULL), help="overhead/timing shapes, e.g. mochi,flux")
+    ap.add_argument("--tradeoff", default=",".join(TRADEOFF), help="trade-off workloads, from: "
+                    + ", ".join({**FULL, **EXTRA}))
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     results = {"tradeoff": {}, "overhead": {}, "timing": {}}
-    partial = parts != {"tradeoff", "overhead", "timing"} or set(args.shapes.split(",")) != set(FULL)
+    partial = (parts != {"tradeoff", "overhead", "timing"} or set(args.shapes.split(",")) != set(FULL)
+               or args.tradeoff.split(",") != list(TRADEOFF))
+    workloads = {**FULL, **EXTRA}
     if partial and args.out and os.path.exists(args.out):
         with open(args.out) as f:
             results = json.load(f)
     results.update({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                     "torch": torch.__version__})
     if "tradeoff" in parts:
-        for name in ("cogvideox", "llama32k"):
-            results["tradeoff"][name] = tradeoff(name, FULL[name])
+        for name in args.tradeoff.split(","):
+            results["tradeoff"][name] = tradeoff(name, workloads[name])
             print(name, "tradeoff done", flush=True)
             checkpoint(results, args.out)
     for name in args.shapes.split(","):
-        w = FULL[name]
+        w = workloads[name]
         if "overhead" in parts:
             results["overhead"][name] = overhead(name, w)
         if "timing" in parts:
@@ -265,7 +271,9 @@ def checkpoint(results: dict, out: str | None) -> None:
 
 
 def report_table(results: dict) -> str:
-    lines = [f"# {results['device']}, torch {results['torch']}; structured inputs (sparge_diffusers.workloads.FULL)"]
+    names = {*results["tradeoff"], *results["overhead"], *results["timing"]}
+    table = "FULL" if names <= set(FULL) else "FULL and EXTRA"
+    lines = [f"# {results['device']}, torch {results['torch']}; structured inputs (sparge_diffusers.workloads.{table})"]
     for name, r in results["tradeoff"].items():
         lines.append(f"## {name}: sweeps (sparsity / rel. L1 / MSE)")
         for key, rows in r["sweeps"].items():

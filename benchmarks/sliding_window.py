@@ -9,7 +9,7 @@ Per (length, window):
   * compiled FlexAttention with the sliding window as its mask_mod (its BlockMask built once, outside the timing);
   * ours, every block in the window (``block_sparse_attention(..., None, sliding_window=W)``);
   * ours, the whole method at default thresholds (``sparge_attention(..., sliding_window=W)``) on the LLM-like
-    structured inputs (``sparge_diffusers.testing.llm_like_qkv``: sink, local window, vertical stripes), with its
+    structured inputs (``sparge_diffusers.testing.llm_like_qkv``: local window, mild sink and stripes), with its
     sparsity against the blocks the window leaves.
 Every method runs on the same inputs; relative L1 against float32 attention under the window on 1024 sampled query
 rows. Times: kernel ms from CUDA-graph replays (median), fastest of 3 interleaved rounds.

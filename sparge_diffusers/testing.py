@@ -7,7 +7,13 @@ generators build inputs whose attention has the structure of real models, reprod
   smooth content field with a 3-D rotary positional term. The positional amplitude falls from the first
   head to the last, so heads range from local (a few neighbouring tokens) to global.
 * :func:`llm_like_qkv`: causal-LM-like q/k with an attention sink on token 0, a rotary local window and a
-  few scattered "vertical" key stripes that every query attends to, with grouped-query heads.
+  few scattered "vertical" key stripes that every query attends to, with grouped-query heads. The sink's and
+  the stripes' strengths are logits (``sink_logit``, ``stripe_logit``). The defaults (1.0 and 0.75), which the
+  built-in ``llama32k`` workload and every LLM-like benchmark result before session 99 use, make them mild:
+  in ``llama32k`` the sink takes at most 0.04% of a late query's attention (the last 64 queries, 32 heads),
+  as its logit of 1 sits within the spread of per-key logits that q's mean offset adds.
+  ``workloads.EXTRA["llama32k_sink"]`` takes 12 and 6: there the sink takes 1.6-99% (median 16%).
+  ``tests/test_structured_inputs.py`` checks both at the workloads' small sizes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,15 @@ def _check_sizes(heads: int, kv_heads: int, **sizes: int) -> None:
         check_positive_int(value, name)
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+
+
+def _check_real(value: object, name: str, *, positive: bool = False) -> float:
+    """``value`` where it is a finite int or float (not a bool; > 0 where ``positive``), else ValueError naming
+    ``name``: a NaN or negative locality reached torch.logspace and came back as NaN inputs."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            positive and value <= 0):
+        raise ValueError(f"{name} must be a finite {'positive ' if positive else ''}number, got {value!r}")
+    return float(value)
 
 
 def _rotary_features(positions: torch.Tensor, pairs: int, min_wavelength: float, max_wavelength: float
@@ -66,8 +81,9 @@ def video_like_qkv(
 
     Args:
         grid: (T, H, W) of the visual tokens.
-        locality: peak positional logit (after the 1/sqrt(D) scale) of the first and of the last head,
-            spaced geometrically; larger means more local attention.
+        locality: (first head, last head) strength of the positional term, spaced geometrically across the
+            k/v heads; larger means more local attention. The positional term's logit (after the 1/sqrt(D)
+            scale) between a token and itself is half of it: 7 and 1.5 at the default.
         mean_q, mean_k: norm of the per-head mean offset of q and k, relative to the mean token norm.
     Returns:
         (q, k, v) in ``tensor_layout``; k and v have ``kv_heads`` heads (default ``heads``).
@@ -78,6 +94,12 @@ def video_like_qkv(
         raise ValueError(f"grid must be (T, H, W), got {grid!r}")
     T, Hh, W = grid
     _check_sizes(heads, kv_heads, T=T, H=Hh, W=W, batch=batch, head_dim=head_dim)
+    if not isinstance(locality, (tuple, list)) or len(locality) != 2:
+        raise ValueError(f"locality must be (first head, last head), got {locality!r}")
+    for value, name in ((locality[0], "locality[0]"), (locality[1], "locality[1]")):
+        _check_real(value, name, positive=True)
+    _check_real(mean_q, "mean_q")
+    _check_real(mean_k, "mean_k")
     if isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 0:
         raise ValueError(f"text_tokens must be an int >= 0, got {text_tokens!r}")
     n_vis = T * Hh * W
@@ -95,7 +117,8 @@ def video_like_qkv(
                      for c, n in zip((t, y, x), pairs)], dim=-1)  # [N, pos_dim rounded down to even]
     content_dim = head_dim - pos.shape[1]  # the rest: an odd pos_dim (head_dim 6, 10) left one channel unfilled
     peak = torch.logspace(math.log10(locality[0]), math.log10(locality[1]), kv_heads, device=dev)
-    amp_pos = (peak * math.sqrt(head_dim) / pos.shape[1]).sqrt()  # a^2 * pairs_total / sqrt(D) = peak
+    # a^2 * pos_i . pos_i / sqrt(D) = a^2 * (pos.shape[1] / 2) / sqrt(D) = peak / 2: the logit at zero offset
+    amp_pos = (peak * math.sqrt(head_dim) / pos.shape[1]).sqrt()
 
     channels = 16
     qs, ks, vs = [], [], []
@@ -143,10 +166,30 @@ def llm_like_qkv(
     seed: int = 0,
     tensor_layout: TensorLayout = "HND",
     stripes_per_1k: float = 1.0,
+    sink_logit: float = 1.0,
+    stripe_logit: float = 0.75,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal-LM-like q, k, v: attention sink, rotary local window and scattered vertical stripes."""
+    """Causal-LM-like q, k, v: attention sink, rotary local window and scattered vertical stripes.
+
+    Args:
+        stripes_per_1k: key stripes per 1000 tokens (at least one; drawn after the sink, repeats possible).
+        sink_logit: the logit (after the 1/sqrt(D) scale) that the sink's shared direction adds to every query's
+            score of token 0, and ``stripe_logit`` likewise for each stripe key. Other terms move each score by
+            about one logit: q's mean offset, the content dims' noise and the stripe direction's overlap with
+            the sink's. The defaults give a mild sink (see the module's docstring). As in
+            :func:`video_like_qkv` at its defaults, q and k each get a per-head mean offset of norm 1.5 times
+            the mean norm of k's tokens.
+    Returns:
+        (q, k, v) in ``tensor_layout``; k and v have ``kv_heads`` heads. The local window's positional logit
+        at zero offset falls geometrically from 6 (first k/v head) to 2 (last).
+    """
     check_layout(tensor_layout)
     _check_sizes(heads, kv_heads, seq_len=seq_len, batch=batch, head_dim=head_dim)
+    _check_real(stripes_per_1k, "stripes_per_1k")
+    if stripes_per_1k < 0:
+        raise ValueError(f"stripes_per_1k must be >= 0, got {stripes_per_1k!r}")
+    _check_real(sink_logit, "sink_logit")
+    _check_real(stripe_logit, "stripe_logit")
     gen = torch.Generator(device=device).manual_seed(seed)
     dev = torch.device(device)
 
@@ -156,7 +199,7 @@ def llm_like_qkv(
     group = heads // kv_heads
     pos = _rotary_features(torch.arange(seq_len, device=dev), head_dim // 4, 4.0, 4.0 * seq_len)
     pos_dim = pos.shape[1]  # head_dim // 2 rounded down to even; the content dims take the rest
-    window = torch.logspace(math.log10(12.0), math.log10(4.0), kv_heads, device=dev)  # peak logits
+    window = torch.logspace(math.log10(12.0), math.log10(4.0), kv_heads, device=dev)  # twice the zero-offset logit
     amp = (window * math.sqrt(head_dim) / pos_dim).sqrt()
     content_dim = head_dim - pos_dim
     n_stripes = max(1, int(stripes_per_1k * seq_len / 1000))
@@ -173,7 +216,9 @@ def llm_like_qkv(
         if seq_len > 1:  # stripes sit after the sink (a one-token sequence has none: randint(1, 1) raises)
             stripes = torch.randint(1, seq_len, (n_stripes,), generator=gen, device=dev)
             k[:, stripes, pos_dim:] += 3.0 * stripe_dir[:, None, :]
-        q_dirs = 2.5 * sink_dir + 2.5 * stripe_dir
+        # with the q term's scale / 10 below: sink 4 * 2.5 * sink_logit / 10 = sink_logit, stripes 3 * (10 / 3) / 10
+        # (2.5 and 10 / 3 * 0.75 = 2.5, the coefficients before session 99: the default inputs are unchanged)
+        q_dirs = (sink_logit * 2.5) * sink_dir + (stripe_logit * 10 / 3) * stripe_dir
         q[:, :, pos_dim:] += q_dirs.repeat_interleave(group, 0)[:, None, :] * (scale / 10)
         norm = k.norm(dim=-1).mean()
         k = k + 1.5 * norm * F.normalize(randn(kv_heads, 1, head_dim), dim=-1)  # mean offsets, as above

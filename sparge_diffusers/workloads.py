@@ -39,9 +39,10 @@ def _video(name, grid, text, batch, heads, head_dim):
     return Workload(name, batch, heads, heads, T * H * W + text, head_dim, False, make)
 
 
-def _llm(name, seq_len, heads, kv_heads, head_dim):
+def _llm(name, seq_len, heads, kv_heads, head_dim, **options):
     def make(device, seed=0):
-        return llm_like_qkv(seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, device=device, seed=seed)
+        return llm_like_qkv(seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, device=device, seed=seed,
+                            **options)
 
     return Workload(name, 1, heads, kv_heads, seq_len, head_dim, True, make)
 
@@ -57,9 +58,12 @@ FULL = {
 
 # Shapes taken by name (benchmarks/attention.py --shapes, sparge-diffusers bench --workloads) outside the issue's
 # four, which run by default: Gemma-3-12B's prefill at 32K (16 q heads, 8 k/v heads, head dim 256, which the Triton
-# kernel runs; the Hopper kernel takes 64 and 128).
+# kernel runs; the Hopper kernel takes 64 and 128), and llama32k's shape with a strong attention sink and stripes
+# (llama32k's own are mild: see sparge_diffusers.testing).
+STRONG_SINK = {"sink_logit": 12.0, "stripe_logit": 6.0}
 EXTRA = {
     "gemma3_32k": _llm("gemma3_32k", 32768, 16, 8, 256),
+    "llama32k_sink": _llm("llama32k_sink", 32768, 32, 8, 128, **STRONG_SINK),
 }
 
 # Small versions that the float32 reference finishes in seconds on a CPU.
@@ -71,6 +75,7 @@ SMALL = {
 }
 SMALL_EXTRA = {
     "gemma3_32k": _llm("gemma3_32k", 1024, 4, 2, 256),
+    "llama32k_sink": _llm("llama32k_sink", 1024, 4, 1, 128, **STRONG_SINK),
 }
 
 
