@@ -2,9 +2,9 @@
 
 Inputs: sparge_diffusers.testing.llm_like_qkv at Llama-3.1-8B's attention shape (32 query heads, 8 K/V heads,
 D = 128), which has the attention sink, local windows and scattered "vertical" key stripes that PBS-Attn
-targets (the sink and the stripes mild at the generator's defaults, which this script takes: see its
-docstring). For each length and TopCdf threshold (tau), with keys in order (``sparge_attention``) and with keys
-sorted within segments (``llm.pbs_sparge_attention``):
+targets (the sink and the stripes mild at the generator's defaults, which this script takes unless given
+--sink-logit, --stripe-logit or --stripes-per-1k: see its docstring). For each length and TopCdf threshold
+(tau), with keys in order (``sparge_attention``) and with keys sorted within segments (``llm.pbs_sparge_attention``):
 - block density (computed Q.K^T blocks / those of dense causal attention) and the relative L1 against exact
   float32 attention (sampled rows);
 - the whole call's ms (PBS: importance, sort and K/V gather included), and that overhead alone;
@@ -14,6 +14,7 @@ Both orders run where ``sparge_attention`` sends them (the Hopper kernel at D = 
 keys' original positions in its masked stages for PBS), and again on the Triton kernel ("(T)" columns).
 
 Usage: python benchmarks/pbs.py [--lengths 32768,65536] [--taus 0.9,0.98] [--segments 256] [--out r.json]
+       [--sink-logit 12 --stripe-logit 6 --stripes-per-1k 1] [--attention-sink]
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def on_triton(fn):
     return run
 
 
-def run_length(n, taus, segments, with_flex, log):
-    q, k, v = llm_like_qkv(n, heads=32, kv_heads=8, head_dim=128, device="cuda", seed=0)
+def run_length(n, taus, segments, with_flex, log, inputs=None, attention_sink=False):
+    q, k, v = llm_like_qkv(n, heads=32, kv_heads=8, head_dim=128, device="cuda", seed=0, **(inputs or {}))
     shape = check_attention_inputs(q, k, v, tensor_layout="HND", is_causal=True)
     dense_blocks = dense_block_count(shape, True) * shape.batch * shape.heads
     row = {"cudnn_ms": bench_rounds({"cudnn": cudnn_attention_fn(q, k, v, True)})[0]["cudnn"], "cells": []}
@@ -74,7 +75,7 @@ def run_length(n, taus, segments, with_flex, log):
     row["pbs_overhead_parts_ms"] = times
     for tau in taus:
         for method in ["in_order"] + [f"pbs{s}" for s in segments]:
-            settings = dict(cdfthreshd=tau)
+            settings = dict(cdfthreshd=tau, attention_sink=attention_sink)
             if method == "in_order":
                 kk, vv, pk = k, v, None
                 whole = {"whole": lambda: sparge_attention(q, k, v, is_causal=True, **settings)}
@@ -118,19 +119,28 @@ def main(argv=None):
     ap.add_argument("--segments", default="256")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--out", default=None)
+    for name in ("sink-logit", "stripe-logit", "stripes-per-1k"):  # llm_like_qkv's strengths; its defaults if unset
+        ap.add_argument(f"--{name}", type=float, default=None)
+    ap.add_argument("--attention-sink", action="store_true", help="keep every query's first key block (both orders)")
     args = ap.parse_args(argv)
+    inputs = {key: value for key in ("sink_logit", "stripe_logit", "stripes_per_1k")
+              if (value := getattr(args, key)) is not None}
     if not torch.cuda.is_available():
         sys.exit("benchmarks/pbs.py needs a CUDA GPU")
     import triton
 
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "date": time.strftime("%Y-%m-%d"), "lengths": {}}
+               "date": time.strftime("%Y-%m-%d"), "inputs": inputs, "attention_sink": args.attention_sink,
+               "lengths": {}}
     taus = [float(x) for x in args.taus.split(",")]
     segments = [int(x) for x in args.segments.split(",")]
     for n in map(int, args.lengths.split(",")):
-        results["lengths"][n] = run_length(n, taus, segments, not args.no_flex, lambda m: print(m, flush=True))
+        results["lengths"][n] = run_length(n, taus, segments, not args.no_flex, lambda m: print(m, flush=True),
+                                           inputs, args.attention_sink)
     lines = [f"GPU: {results['gpu']} (torch {results['torch']}, Triton {results['triton']}); llm_like_qkv, 32 q / "
-             f"8 kv heads, D = 128, bf16, causal; ms = fastest of 3 rounds of CUDA-graph medians",
+             f"8 kv heads, D = 128, bf16, causal; ms = fastest of 3 rounds of CUDA-graph medians" +
+             "".join(f"; {key} {value}" for key, value in inputs.items()) +
+             ("; attention_sink=True" if args.attention_sink else ""),
              f"{'N':>6} {'tau':>5} {'keys':>8} {'density':>7} {'L1':>7} {'whole ms':>9} {'cuDNN/wh':>8} "
              f"{'pre ms':>8} {'flex ms':>8} {'flex/pre':>8} {'wh(T) ms':>8} {'pre(T)':>7}"]
     for n, r in results["lengths"].items():

@@ -178,9 +178,12 @@ def llm_like_qkv(
         sink_logit: the logit (after the 1/sqrt(D) scale) that the sink's shared direction adds to every query's
             score of token 0, and ``stripe_logit`` likewise for each stripe key. Other terms move each score by
             about one logit: q's mean offset, the content dims' noise and the stripe direction's overlap with
-            the sink's. The defaults give a mild sink (see the module's docstring). As in
-            :func:`video_like_qkv` at its defaults, q and k each get a per-head mean offset of norm 1.5 times
-            the mean norm of k's tokens.
+            the sink's. The defaults give a mild sink (see the module's docstring). The q-side term also meets
+            every other key's content noise, which adds a per-key logit shared by all queries, of standard
+            deviation about sink_logit / 8 (stripe_logit / 6 for the stripes' term): at 12 and 6 the shared
+            per-key logits spread by 1.9-2.1 (std over keys, 2048 tokens), against 0.55-0.89 at the defaults,
+            where q's mean offset gives most of it. As in :func:`video_like_qkv` at its defaults, q and k each
+            get a per-head mean offset of norm 1.5 times the mean norm of k's tokens.
     Returns:
         (q, k, v) in ``tensor_layout``; k and v have ``kv_heads`` heads. The local window's positional logit
         at zero offset falls geometrically from 6 (first k/v head) to 2 (last).

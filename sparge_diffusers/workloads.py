@@ -59,7 +59,7 @@ FULL = {
 # Shapes taken by name (benchmarks/attention.py --shapes, sparge-diffusers bench --workloads) outside the issue's
 # four, which run by default: Gemma-3-12B's prefill at 32K (16 q heads, 8 k/v heads, head dim 256, which the Triton
 # kernel runs; the Hopper kernel takes 64 and 128), and llama32k's shape with a strong attention sink and stripes
-# (llama32k's own are mild: see sparge_diffusers.testing).
+# (llama32k's own are mild), which also spread the per-key logits that all queries share (see llm_like_qkv).
 STRONG_SINK = {"sink_logit": 12.0, "stripe_logit": 6.0}
 EXTRA = {
     "gemma3_32k": _llm("gemma3_32k", 32768, 16, 8, 256),

@@ -200,6 +200,18 @@ def test_llama_workloads_default_sink_is_mild_and_the_sink_workload_s_is_strong(
     assert sink_share(SMALL_EXTRA["llama32k_sink"]).min() > 0.25
 
 
+def test_strong_sink_and_stripes_also_spread_the_per_key_logits_all_queries_share():
+    """The docstring's side effect: the q-side sink and stripe terms meet every key's content noise. Shared per-key
+    logit (mean over the last 1024 queries, keys 1-999): std over keys 0.55-0.89 at the defaults, 1.9-2.1 at 12
+    and 6 (measured, 2048 tokens)."""
+    spreads = []
+    for options in ({}, {"sink_logit": 12.0, "stripe_logit": 6.0}):
+        q, k, _ = llm_like_qkv(2048, heads=8, kv_heads=2, head_dim=128, dtype=torch.float32, **options)
+        shared = logits(q[:, :, 1024:], k[:, :, 1:1000]).mean(-2)[0]  # [heads, keys]
+        spreads.append(shared.std(-1))
+    assert spreads[0].max() < 1.0 and spreads[1].min() > 1.7
+
+
 def test_generators_refuse_strengths_they_cannot_use():
     cases = [
         (lambda: video_like_qkv((1, 4, 4), locality=(0.0, 3.0)), r"locality\[0\] must be a finite positive"),
