@@ -212,6 +212,20 @@ def test_strong_sink_and_stripes_also_spread_the_per_key_logits_all_queries_shar
     assert spreads[0].max() < 1.0 and spreads[1].min() > 1.7
 
 
+def test_a_strong_sink_needs_its_block_kept():
+    """The README's advice for causal LLM attention on bare tensors: on llama32k_sink's small version (float32
+    reference) the defaults drop the sink's block for some query blocks (relative L1 0.256 measured), and
+    attention_sink=True keeps it (0.0015)."""
+    from sparge_diffusers import sparge_attention
+
+    q, k, v = SMALL_EXTRA["llama32k_sink"].make("cpu", 0)
+    errors = []
+    for attention_sink in (False, True):
+        out = sparge_attention(q, k, v, is_causal=True, attention_sink=attention_sink, backend="reference")
+        errors.append(workloads.sampled_relative_l1(out, q, k, v, True, rows=1024))
+    assert errors[0] > 0.1 and errors[1] < 0.01
+
+
 def test_generators_refuse_strengths_they_cannot_use():
     cases = [
         (lambda: video_like_qkv((1, 4, 4), locality=(0.0, 3.0)), r"locality\[0\] must be a finite positive"),

@@ -155,7 +155,8 @@ def predict_block_mask(
             above theta is not summarised by its mean: its row (query) or column (key) is kept in full.
         cdfthreshd: tau. Each query block keeps its most probable key blocks, under the softmax of the
             compressed scores, until their cumulative probability reaches tau (TopCdf).
-        attention_sink: always keep the first key block.
+        attention_sink: always keep the first key block. Off by default, as upstream; pass True for causal LLM
+            attention, whose sink token's logit a block mean dilutes (the README has measured errors).
         backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference".
         permuted_keys: with ``is_causal``, k is stored permuted within segments (:class:`PermutedKeys`,
             PBS-Attn): the causal rule and the always-kept diagonal follow the segments.
