@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .kernels._inputs import TensorLayout, check_layout, check_positive_int
+from .kernels._inputs import TensorLayout, _is_number, check_layout, check_positive_int
 
 
 def _check_sizes(heads: int, kv_heads: int, **sizes: int) -> None:
@@ -37,13 +37,11 @@ def _check_sizes(heads: int, kv_heads: int, **sizes: int) -> None:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
 
 
-def _check_real(value: object, name: str, *, positive: bool = False) -> float:
-    """``value`` where it is a finite int or float (not a bool; > 0 where ``positive``), else ValueError naming
-    ``name``: a NaN or negative locality reached torch.logspace and came back as NaN inputs."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-            positive and value <= 0):
+def _check_real(value: object, name: str, *, positive: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` is a finite int or float (not a bool; > 0 where ``positive``):
+    a NaN or negative locality reached torch.logspace and came back as NaN inputs."""
+    if not _is_number(value) or not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name} must be a finite {'positive ' if positive else ''}number, got {value!r}")
-    return float(value)
 
 
 def _rotary_features(positions: torch.Tensor, pairs: int, min_wavelength: float, max_wavelength: float
