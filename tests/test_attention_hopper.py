@@ -245,6 +245,41 @@ def test_reinterpreted_subviews_are_found():
     assert reinterpreted_subviews(plain + " -> !ttg.memdesc<2x1x1x64x64xbf16, #shared, #smem, mutable>") == []
 
 
+# PTX lines of a shared-memory store, a barrier that orders the lanes' memory operations, and an mbarrier arrive
+PTX_SHARED_STORE = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:st\.shared|stmatrix\.[\w.]*shared)")
+PTX_BARRIER = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:bar\.warp\.sync|bar\.sync|barrier\.sync|barrier\.cta\.sync)\b")
+PTX_ARRIVE = re.compile(r"^\s*(?:@!?%p\d+\s+)?mbarrier\.arrive\b")
+
+
+def arrives_after_unordered_stores(ptx: str) -> list[tuple[int, int]]:
+    """(store line, arrive line) of each mbarrier arrive whose nearest shared-memory store before it (in the PTX's
+    text) has no barrier between them. One lane arrives, and its release covers its own stores only: the tile
+    number every lane of a loader stores for its consumers (``_publish_tile``) is theirs to read only if a barrier
+    (``bar.warp.sync`` at least) orders those stores before the arrive. compute-sanitizer's racecheck flags this
+    handoff whatever the order (docs/testing.md, "Sanitizers on the GPU"); this checks the order."""
+    found, last_store = [], None
+    for number, line in enumerate(ptx.splitlines(), 1):
+        if PTX_SHARED_STORE.match(line):
+            last_store = number
+        elif PTX_BARRIER.match(line):
+            last_store = None
+        elif PTX_ARRIVE.match(line) and last_store is not None:
+            found.append((last_store, number))
+    return found
+
+
+def test_arrives_after_unordered_stores_are_found():
+    store = "\tst.shared.b32 \t[%r189+229712], %r2384;"
+    stmatrix = "\tstmatrix.sync.aligned.m8n8.x4.shared.b16 [%r1], {%r2};"
+    arrive = "\t@%p16 mbarrier.arrive.shared::cta.b64 _, [%r317];"
+    expect = "\t@%p16 mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r1], 8;"
+    assert arrives_after_unordered_stores("\n".join([store, "\tadd.s32 %r1, %r2, 3;", arrive])) == [(1, 3)]
+    assert arrives_after_unordered_stores("\n".join([stmatrix, expect])) == [(1, 2)]
+    for barrier in ("\tbar.warp.sync \t-1;", "\tbar.sync \t0, 128;", "\tbarrier.sync \t1;"):
+        assert arrives_after_unordered_stores("\n".join([store, barrier, arrive, expect])) == []
+    assert arrives_after_unordered_stores("\n".join([arrive, store])) == []  # a store after the arrive: not its release
+
+
 def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
     """Compile a Gluon kernel of ours for sm90 without a GPU, as launched (``num_warps``, ``maxnreg``); run in a
     process without TRITON_INTERPRET (under the interpreter, gluon.jit makes functions that cannot be compiled)."""
@@ -260,6 +295,7 @@ def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
                                      "enable_fp_fusion": _launch.FP_FUSION})  # as every launch asks
     assert "warp_specialize" in kernel.asm["ttgir"]
     assert not reinterpreted_subviews(kernel.asm["ttgir"]), reinterpreted_subviews(kernel.asm["ttgir"])[:2]
+    assert not arrives_after_unordered_stores(kernel.asm["ptx"]), arrives_after_unordered_stores(kernel.asm["ptx"])
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # an H100's shared memory per block
     print("compiled", kernel.metadata.shared)
 
