@@ -256,7 +256,9 @@ def arrives_after_unordered_stores(ptx: str) -> list[tuple[int, int]]:
     text) has no barrier between them. One lane arrives, and its release covers its own stores only: the tile
     number every lane of a loader stores for its consumers (``_publish_tile``) is theirs to read only if a barrier
     (``bar.warp.sync`` at least) orders those stores before the arrive. compute-sanitizer's racecheck flags this
-    handoff whatever the order (docs/testing.md, "Sanitizers on the GPU"); this checks the order."""
+    handoff whatever the order (docs/testing.md, "Sanitizers on the GPU"); this checks the order. Triton 3.9 (the
+    tests' pin) puts the barrier there; 3.6 leaves it out before ``mbarrier.expect`` (see the docs: benign, not fixed
+    yet), so under 3.6 the offline compiles fail here."""
     found, last_store = [], None
     for number, line in enumerate(ptx.splitlines(), 1):
         if PTX_SHARED_STORE.match(line):
@@ -280,6 +282,41 @@ def test_arrives_after_unordered_stores_are_found():
     assert arrives_after_unordered_stores("\n".join([arrive, store])) == []  # a store after the arrive: not its release
 
 
+PTX_PROXY_FENCE = re.compile(r"^\s*fence\.proxy\.async\b")
+PTX_TMA_STORE = re.compile(r"^\s*(?:@!?%p\d+\s+)?cp\.async\.bulk\.tensor\.\w+\.global\.shared")
+
+
+def tma_stores_of_unfenced_data(ptx: str) -> list[tuple[int, int]]:
+    """(store line, TMA store line) of each TMA store from shared memory whose nearest shared-memory store before it
+    (in the PTX's text) is not followed by a proxy fence and then a barrier before it. The threads write the output
+    tile through the generic proxy; the TMA unit reads it through the async proxy, which sees those writes only
+    after ``fence.proxy.async`` (``fence_async_shared``), and the one thread that issues the copy sees the other
+    threads' writes only after a barrier. Triton 3.9 inserts that fence itself; under 3.6 ours is the only one
+    (without it, this finds every output store of both kernels unfenced)."""
+    found, last_store, fenced = [], None, False
+    for number, line in enumerate(ptx.splitlines(), 1):
+        if PTX_SHARED_STORE.match(line):
+            last_store, fenced = number, False
+        elif PTX_PROXY_FENCE.match(line) and last_store is not None:
+            fenced = True
+        elif PTX_BARRIER.match(line) and fenced:
+            last_store = None
+        elif PTX_TMA_STORE.match(line) and last_store is not None:
+            found.append((last_store, number))
+    return found
+
+
+def test_tma_stores_of_unfenced_data_are_found():
+    store = "\tstmatrix.sync.aligned.m8n8.x4.shared.b16 [%r1], {%r2};"
+    fence, barrier = "\tfence.proxy.async.shared::cta;", "\tbar.sync \t0, 128;"
+    tma = "\t@%p230 cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%rd1, {%r2, %r3, %r4, %r5}], [%r6];"
+    assert tma_stores_of_unfenced_data("\n".join([store, fence, barrier, tma, tma])) == []
+    assert tma_stores_of_unfenced_data("\n".join([store, barrier, tma])) == [(1, 3)]  # no fence
+    assert tma_stores_of_unfenced_data("\n".join([store, fence, tma])) == [(1, 3)]  # no barrier after it
+    assert tma_stores_of_unfenced_data("\n".join([store, barrier, fence, tma])) == [(1, 4)]  # barrier first
+    assert tma_stores_of_unfenced_data("\n".join([store, fence, barrier, store, tma])) == [(4, 5)]
+
+
 def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
     """Compile a Gluon kernel of ours for sm90 without a GPU, as launched (``num_warps``, ``maxnreg``); run in a
     process without TRITON_INTERPRET (under the interpreter, gluon.jit makes functions that cannot be compiled)."""
@@ -296,6 +333,7 @@ def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
     assert "warp_specialize" in kernel.asm["ttgir"]
     assert not reinterpreted_subviews(kernel.asm["ttgir"]), reinterpreted_subviews(kernel.asm["ttgir"])[:2]
     assert not arrives_after_unordered_stores(kernel.asm["ptx"]), arrives_after_unordered_stores(kernel.asm["ptx"])
+    assert not tma_stores_of_unfenced_data(kernel.asm["ptx"]), tma_stores_of_unfenced_data(kernel.asm["ptx"])
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # an H100's shared memory per block
     print("compiled", kernel.metadata.shared)
 
