@@ -317,6 +317,35 @@ def test_tma_stores_of_unfenced_data_are_found():
     assert tma_stores_of_unfenced_data("\n".join([store, fence, barrier, store, tma])) == [(4, 5)]
 
 
+PTX_WGMMA = re.compile(r"^\s*wgmma\.mma_async\b")
+PTX_WGMMA_WAIT_ALL = re.compile(r"^\s*wgmma\.wait_group\.sync\.aligned\s+0\s*;")
+
+
+def arrives_while_wgmma_reads(ptx: str) -> list[tuple[int, int]]:
+    """(wgmma line, arrive line) of each mbarrier arrive with a warpgroup product issued before it (in the PTX's
+    text) and not yet waited for (``wgmma.wait_group 0``). The product reads its operands from shared memory
+    asynchronously; an arrive on a stage's (or Q buffer's) empty barrier while it may still read them lets the
+    loader overwrite them under it."""
+    found, last_product = [], None
+    for number, line in enumerate(ptx.splitlines(), 1):
+        if PTX_WGMMA.match(line):
+            last_product = number
+        elif PTX_WGMMA_WAIT_ALL.match(line):
+            last_product = None
+        elif PTX_ARRIVE.match(line) and last_product is not None:
+            found.append((last_product, number))
+    return found
+
+
+def test_arrives_while_wgmma_reads_are_found():
+    product = "\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 1, 1;"
+    wait_all, wait_one = "\twgmma.wait_group.sync.aligned 0;", "\twgmma.wait_group.sync.aligned 1;"
+    arrive = "\t@%p239 mbarrier.arrive.shared::cta.b64 _, [%r2241];"
+    assert arrives_while_wgmma_reads("\n".join([product, wait_all, arrive])) == []
+    assert arrives_while_wgmma_reads("\n".join([product, arrive, wait_all])) == [(1, 2)]
+    assert arrives_while_wgmma_reads("\n".join([product, wait_one, arrive])) == [(1, 3)]  # one may still run
+
+
 def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
     """Compile a Gluon kernel of ours for sm90 without a GPU, as launched (``num_warps``, ``maxnreg``); run in a
     process without TRITON_INTERPRET (under the interpreter, gluon.jit makes functions that cannot be compiled)."""
@@ -334,6 +363,7 @@ def compile_gluon_offline(fn, sig: dict, consts: dict) -> None:
     assert not reinterpreted_subviews(kernel.asm["ttgir"]), reinterpreted_subviews(kernel.asm["ttgir"])[:2]
     assert not arrives_after_unordered_stores(kernel.asm["ptx"]), arrives_after_unordered_stores(kernel.asm["ptx"])
     assert not tma_stores_of_unfenced_data(kernel.asm["ptx"]), tma_stores_of_unfenced_data(kernel.asm["ptx"])
+    assert not arrives_while_wgmma_reads(kernel.asm["ptx"]), arrives_while_wgmma_reads(kernel.asm["ptx"])
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # an H100's shared memory per block
     print("compiled", kernel.metadata.shared)
 
