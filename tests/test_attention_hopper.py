@@ -251,6 +251,20 @@ PTX_BARRIER = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:bar\.warp\.sync|bar\.sync|barr
 PTX_ARRIVE = re.compile(r"^\s*(?:@!?%p\d+\s+)?mbarrier\.arrive\b")
 
 
+def _uses_left_open(ptx: str, opens: re.Pattern, closes: re.Pattern, uses: re.Pattern) -> list[tuple[int, int]]:
+    """(line, use line) of each line matching ``uses`` whose nearest line matching ``opens`` before it (in the PTX's
+    text) has no line matching ``closes`` between them."""
+    found, opened = [], None
+    for number, line in enumerate(ptx.splitlines(), 1):
+        if opens.match(line):
+            opened = number
+        elif closes.match(line):
+            opened = None
+        elif uses.match(line) and opened is not None:
+            found.append((opened, number))
+    return found
+
+
 def arrives_after_unordered_stores(ptx: str) -> list[tuple[int, int]]:
     """(store line, arrive line) of each mbarrier arrive whose nearest shared-memory store before it (in the PTX's
     text) has no barrier between them. One lane arrives, and its release covers its own stores only: the tile
@@ -259,15 +273,7 @@ def arrives_after_unordered_stores(ptx: str) -> list[tuple[int, int]]:
     handoff whatever the order (docs/testing.md, "Sanitizers on the GPU"); this checks the order. Triton 3.9 (the
     tests' pin) puts the barrier there; 3.6 leaves it out before ``mbarrier.expect`` (see the docs: benign, not fixed
     yet), so under 3.6 the offline compiles fail here."""
-    found, last_store = [], None
-    for number, line in enumerate(ptx.splitlines(), 1):
-        if PTX_SHARED_STORE.match(line):
-            last_store = number
-        elif PTX_BARRIER.match(line):
-            last_store = None
-        elif PTX_ARRIVE.match(line) and last_store is not None:
-            found.append((last_store, number))
-    return found
+    return _uses_left_open(ptx, PTX_SHARED_STORE, PTX_BARRIER, PTX_ARRIVE)
 
 
 def test_arrives_after_unordered_stores_are_found():
@@ -326,15 +332,7 @@ def arrives_while_wgmma_reads(ptx: str) -> list[tuple[int, int]]:
     text) and not yet waited for (``wgmma.wait_group 0``). The product reads its operands from shared memory
     asynchronously; an arrive on a stage's (or Q buffer's) empty barrier while it may still read them lets the
     loader overwrite them under it."""
-    found, last_product = [], None
-    for number, line in enumerate(ptx.splitlines(), 1):
-        if PTX_WGMMA.match(line):
-            last_product = number
-        elif PTX_WGMMA_WAIT_ALL.match(line):
-            last_product = None
-        elif PTX_ARRIVE.match(line) and last_product is not None:
-            found.append((last_product, number))
-    return found
+    return _uses_left_open(ptx, PTX_WGMMA, PTX_WGMMA_WAIT_ALL, PTX_ARRIVE)
 
 
 def test_arrives_while_wgmma_reads_are_found():
