@@ -22,15 +22,10 @@ from sparge_diffusers import (block_sparse_attention, relative_l1, s2o_attention
                               selected_block_attention, sparge_attention)
 from sparge_diffusers.llm import pbs_sparge_attention
 
+from test_kernels import L1_TOL, dense_reference
+
 TOKENS, HEADS, KV_HEADS = 333, 4, 2
-L1_TOL = 1.2e-2  # bf16, as tests/test_kernels.py
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU every call runs the reference (a dry run)
-
-
-def _dense_reference(q, k, v, causal):
-    group = q.shape[1] // k.shape[1]
-    return torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1), is_causal=causal)
 
 
 def run_case(case: str) -> tuple[int, float]:
@@ -43,7 +38,7 @@ def run_case(case: str) -> tuple[int, float]:
     if call in ("dense", "densecausal"):
         causal = call == "densecausal"
         o = sparge_attention(q, k, v, is_causal=causal, cdfthreshd=1.0, pvthreshd=None, out=out)
-        ref = _dense_reference(q, k, v, causal)
+        ref = dense_reference(q, k, v, causal, "HND")
     elif call == "mask":
         mask = torch.rand(1, HEADS, 3, 6, device=DEVICE, generator=gen) < 0.5
         mask[..., 0] = True
@@ -51,13 +46,13 @@ def run_case(case: str) -> tuple[int, float]:
         ref = block_sparse_attention(q, k, v, mask, backend="reference")
     elif call == "whole":
         o = sparge_attention(q, k, v, is_causal=True, attention_sink=True, out=out)
-        ref = _dense_reference(q, k, v, True)
+        ref = dense_reference(q, k, v, True, "HND")
     elif call == "s2o":
         o = s2o_attention(q, k, v, out=out)
-        ref = _dense_reference(q, k, v, False)
+        ref = dense_reference(q, k, v, False, "HND")
     elif call == "pbs":
         o = pbs_sparge_attention(q, k, v, segment=128)
-        ref = _dense_reference(q, k, v, True)
+        ref = dense_reference(q, k, v, True, "HND")
     elif call == "fsa":
         indices = select_key_blocks(q, k, top_k=3)
         o = selected_block_attention(q, k, v, indices, out=out)
@@ -77,7 +72,7 @@ def main(cases: list[str]) -> int:
     failed = 0
     for case in cases:
         nans, l1 = run_case(case)
-        good = nans == 0 and l1 < L1_TOL
+        good = nans == 0 and l1 < L1_TOL[torch.bfloat16]
         failed += not good
         print(f"{'ok' if good else 'WRONG'} {case}: NaN {nans}, relative L1 {l1:.4g}", flush=True)
     return int(failed > 0)

@@ -53,7 +53,7 @@ def _run_driver(tmp_path: Path, cases: list[str], package_root: Path) -> subproc
     """The driver in a fresh process under ConSan, importing ``sparge_diffusers`` from ``package_root``."""
     env = dict(os.environ, TRITON_INSTRUMENTATION_MODE="consan", CUDA_LAUNCH_BLOCKING="1", TRITON_INTERPRET="0",
                TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))  # instrumented binaries kept apart
-    code = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); import sparge_diffusers; "
+    code = ("import runpy, sys; sys.path[:0] = [sys.argv[1], sys.argv[2].rpartition('/')[0]]; import sparge_diffusers; "
             "print('package', sparge_diffusers.__file__, flush=True); sys.argv = sys.argv[2:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     return subprocess.run([sys.executable, "-c", code, str(package_root), str(DRIVER), *cases], env=env,
