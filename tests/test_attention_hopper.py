@@ -1,8 +1,10 @@
 """The warp-specialised Gluon kernel for Hopper: when it is chosen, that it compiles for sm90 (CPU, offline
 compile), and on an sm90 GPU that it matches the float32 reference and the Triton kernel."""
 
+import ast
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,8 +273,8 @@ def arrives_after_unordered_stores(ptx: str) -> list[tuple[int, int]]:
     number every lane of a loader stores for its consumers (``_publish_tile``) is theirs to read only if a barrier
     (``bar.warp.sync`` at least) orders those stores before the arrive. compute-sanitizer's racecheck flags this
     handoff whatever the order (docs/testing.md, "Sanitizers on the GPU"); this checks the order. Triton 3.9 (the
-    tests' pin) puts the barrier there; 3.6 leaves it out before ``mbarrier.expect`` (see the docs: benign, not fixed
-    yet), so under 3.6 the offline compiles fail here."""
+    tests' pin) puts the barrier there itself; 3.6 left it out before ``mbarrier.expect``, which ``_publish_tile``'s
+    own barrier now covers (without it, the offline compiles under 3.6 fail here)."""
     return _uses_left_open(ptx, PTX_SHARED_STORE, PTX_BARRIER, PTX_ARRIVE)
 
 
@@ -286,6 +288,19 @@ def test_arrives_after_unordered_stores_are_found():
     for barrier in ("\tbar.warp.sync \t-1;", "\tbar.sync \t0, 128;", "\tbarrier.sync \t1;"):
         assert arrives_after_unordered_stores("\n".join([store, barrier, arrive, expect])) == []
     assert arrives_after_unordered_stores("\n".join([arrive, store])) == []  # a store after the arrive: not its release
+
+
+def test_publishing_a_tile_ends_with_a_warp_barrier():
+    """The barrier that orders every lane's store of the tile number before the loader's arrive is the kernel's own:
+    Triton 3.9 (the tests' pin) would insert one anyway, so the offline compiles here pass without it, while Triton
+    3.6 (torch 2.11's) leaves it out before ``mbarrier.expect`` (docs/testing.md, "Sanitizers on the GPU")."""
+    tree = ast.parse(Path(attention_hopper.__file__).read_text())
+    publish = next(node for node in ast.walk(tree)
+                   if isinstance(node, ast.FunctionDef) and node.name == "_publish_tile")
+    last = publish.body[-1]
+    assert isinstance(last, ast.Expr) and isinstance(last.value, ast.Call), ast.dump(last)
+    assert ast.unparse(last.value.func) == "_partition_barrier", ast.unparse(last)
+    assert ".store(" in ast.unparse(publish.body[-2])  # after the store, not before it
 
 
 PTX_PROXY_FENCE = re.compile(r"^\s*fence\.proxy\.async\b")

@@ -1,12 +1,12 @@
 """Race checks of the warp-specialised Gluon kernels with Triton's ConSan, and the driver of the sanitizer runs.
 
 compute-sanitizer's racecheck flags two places in the Hopper kernels, ordered in ways it does not follow: the tile
-number a loader hands its consumers (the loader's mbarrier arrive and the consumers' wait; under Triton 3.6 only
-the arriving lane's own store is ordered, the other lanes store the same value) and the bytes by which Triton's warp
-specialisation dispatches its partitions (a CTA barrier); docs/testing.md, "Sanitizers on the GPU", has the hazards
-and the PTX. ConSan (``TRITON_INSTRUMENTATION_MODE=consan``) models Gluon's mbarriers, TMA copies and partitions, so
-it is the check these kernels must pass: on an sm90 GPU the mask walk and S2O's ordered walk run under it, and a
-planted race (a consumer reading the tile number before waiting for it) must make it stop the kernel.
+number a loader hands its consumers (a warp barrier orders every lane's store of it before the loader's mbarrier
+arrive, which the consumers wait on) and the bytes by which Triton's warp specialisation dispatches its partitions
+(a CTA barrier); docs/testing.md, "Sanitizers on the GPU", has the hazards and the PTX. ConSan
+(``TRITON_INSTRUMENTATION_MODE=consan``) models Gluon's mbarriers, TMA copies and partitions, so it is the check
+these kernels must pass: on an sm90 GPU the mask walk and S2O's ordered walk run under it, and a planted race (a
+consumer reading the tile number before waiting for it) must make it stop the kernel.
 """
 
 import os

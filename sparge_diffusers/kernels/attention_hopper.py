@@ -71,6 +71,8 @@ if GLUON_IMPORT_ERROR is None:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _REINTERPRET_IS_PUBLIC = hasattr(gl.shared_memory_descriptor, "reinterpret")
+    # some Gluon releases name it thread_barrier, others barrier
+    _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.jit
     def _tile_of(t, NQ, H, GROUP):
@@ -206,6 +208,9 @@ if GLUON_IMPORT_ERROR is None:
         (the loader's arrive on q_ready releases this store)."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         tile_ids.index(qb).store(gl.full([1], t, gl.int32, layout))
+        # Every lane stores; one lane's arrive releases only its own stores, so the warp's stores are ordered
+        # before it here. Triton 3.9 inserts this barrier itself; 3.6 leaves it out before mbarrier.expect.
+        _partition_barrier()
 
     @gluon.jit
     def _read_tile(tile_ids, q_ready, i, NUM_WARPS: gl.constexpr):

@@ -45,11 +45,9 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
-    # some Gluon releases name it thread_barrier, others barrier
-    _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-    from .attention_hopper import (_add_sink, _allocate_ring, _issue_stage, _load_rows, _mask_scores, _publish_tile,
-                                   _read_tile, _softmax_step, _stage_pv, _stage_scores, _store_output_rows, _tile_of)
+    from .attention_hopper import (_add_sink, _allocate_ring, _issue_stage, _load_rows, _mask_scores,
+                                   _partition_barrier, _publish_tile, _read_tile, _softmax_step, _stage_pv,
+                                   _stage_scores, _store_output_rows, _tile_of)
 
     @gluon.jit
     def _walk_extent(N_FORCED, COUNT, row):
