@@ -851,6 +851,9 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         (lambda: sparge_attention(q[0], k[0], v[0]), "must be 4-D"),
         (lambda: sparge_attention(q[:0], k[:0], v[:0]), r"empty input: q shape \(0, 4, 100, 64\)"),
         (lambda: block_sparse_attention(q, k[:, :, :0], v[:, :, :0], None), r"k shape \(1, 2, 0, 64\)"),
+        # zero heads are empty input, not a GQA mismatch (the head test came first and blamed "k/v heads (0)")
+        (lambda: sparge_attention(q[:, :0], k[:, :0], v[:, :0]), r"empty input: q shape \(1, 0, 100, 64\)"),
+        (lambda: sparge_attention(q, k[:, :0], v[:, :0]), r"empty input: .*k shape \(1, 0, 100, 64\)"),
         (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 3, 2, dtype=torch.bool)),
          r"block_mask shape \(1, 1, 3, 2\) does not match the inputs: expected \(1, 4 or 1, 1, 2\)"),
         (lambda: block_sparse_attention(q, k, v, torch.ones(1, 1, 1, 2)), "bool or integer"),

@@ -167,10 +167,10 @@ def check_attention_inputs(
         vh = to_hnd(v, tensor_layout)
         if tuple(vh.shape) != tuple(kh.shape):
             raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if HK == 0 or H % HK != 0:
-        raise ValueError(f"number of q heads ({H}) must be a multiple of the number of k/v heads ({HK})")
-    if min(B, H, Nq, Nkv) == 0:
+    if min(B, H, HK, Nq, Nkv) == 0:  # before the head test, which would blame a zero head count on GQA
         raise ValueError(f"empty input: q shape {tuple(q.shape)}, k shape {tuple(k.shape)}")
+    if H % HK != 0:
+        raise ValueError(f"number of q heads ({H}) must be a multiple of the number of k/v heads ({HK})")
     if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM and D % 8 == 0):
         raise ValueError(f"head dim {D} is not supported: use a multiple of 8 between {MIN_HEAD_DIM} and "
                          f"{MAX_HEAD_DIM} (64, 128 and 256 are the tuned ones)")
