@@ -27,6 +27,7 @@ the first (default 0).
 import functools
 import os
 import random
+import tempfile
 
 import pytest
 import torch
@@ -113,9 +114,17 @@ def batch_inputs(call: dict, device: str) -> tuple[torch.Tensor, dict, torch.Ten
     return ids.to(device), inputs, mask.bool().to(device)
 
 
-def check_prompt(seed: int, device: str, tmp_path) -> None:
+def check_prompt(seed: int, device: str) -> None:
+    # the checkpoint (1.5-3.5 MB) goes as soon as the seed is checked: under pytest's tmp_path, which keeps its
+    # last three runs, a fuzz run of 12,000 seeds left 28 GB behind and two such runs filled a disk (session 103)
+    with tempfile.TemporaryDirectory(prefix="sparge-random-prompt-") as checkpoint:
+        check_prompt_from(seed, device, checkpoint)
+
+
+def check_prompt_from(seed: int, device: str, checkpoint: str) -> None:
+    """``check_prompt`` with the drawn model saved to, and loaded back from, the folder ``checkpoint``."""
     call = draw_prompt(seed, device)
-    reference = build_model(call, tmp_path)
+    reference = build_model(call, checkpoint)
     ids, inputs, real = batch_inputs(call, device)
     attention = register("sparge_test_random_prompts", simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None,
                          min_padded_tokens=0, min_segment_queries=0, strict=True)  # every prompt's call sparse
@@ -127,7 +136,7 @@ def check_prompt(seed: int, device: str, tmp_path) -> None:
     routed: dict[str, object] = {}
 
     def run(implementation, run_dtype):
-        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=implementation)
 
         def pin(name, module, args, output):
             if name not in routed:  # the reference run
@@ -161,11 +170,11 @@ def replayed(output, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("seed", seeds("cpu"))
-def test_random_prompt_matches_the_models_own_attention(seed, tmp_path):
-    check_prompt(seed, "cpu", tmp_path)
+def test_random_prompt_matches_the_models_own_attention(seed):
+    check_prompt(seed, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", seeds("cuda"))
-def test_gpu_random_prompt_matches_the_models_own_attention(seed, tmp_path):
-    check_prompt(seed, "cuda", tmp_path)
+def test_gpu_random_prompt_matches_the_models_own_attention(seed):
+    check_prompt(seed, "cuda")
