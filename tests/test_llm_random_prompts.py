@@ -116,7 +116,7 @@ def batch_inputs(call: dict, device: str) -> tuple[torch.Tensor, dict, torch.Ten
 
 def check_prompt(seed: int, device: str) -> None:
     # the checkpoint (1.5-3.5 MB) goes as soon as the seed is checked: under pytest's tmp_path, which keeps its
-    # last three runs, a fuzz run of 12,000 seeds left 28 GB behind and two such runs filled a disk (session 103)
+    # last three runs, a fuzz run of 12,000 seeds left 25-28 GB behind and two such runs filled a disk (session 103)
     with tempfile.TemporaryDirectory(prefix="sparge-random-prompt-") as checkpoint:
         check_prompt_from(seed, device, checkpoint)
 
