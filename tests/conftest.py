@@ -98,7 +98,19 @@ def _patch_interpreter_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def cudnn_sdpa_wanted(environ: MutableMapping[str, str]) -> bool:
+    """Whether torch may choose cuDNN's SDPA kernel in this run: yes, unless ``SPARGE_TEST_CUDNN_SDPA=0``. Under
+    compute-sanitizer memcheck, cuDNN's kernel (torch 2.11, cuDNN 9.19, H200) reads 2 bytes past an attention mask
+    of an odd key count (an LLM decode step's fallback to SDPA, say) and memcheck then stops the process; turned
+    off, a sanitizer run of the random-draw streams goes on past those calls, on the flash and memory-efficient
+    kernels torch picks wherever it does not choose cuDNN (docs/testing.md, "Sanitizers on the GPU"). The tests
+    that ask for cuDNN by name fail in such a run."""
+    return environ.get("SPARGE_TEST_CUDNN_SDPA", "1") != "0"
+
+
 def pytest_configure(config):
+    if not cudnn_sdpa_wanted(os.environ):
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if "TRITON_INTERPRET" not in os.environ:
         interpret = interpreter_wanted(torch.cuda.is_available(), config.getoption("markexpr") or "")
         os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # xdist's workers inherit it

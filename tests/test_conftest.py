@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import (available_cpus, interpreter_wanted, runs_in_interpreter, share_threads_among_workers,
-                      threads_per_worker)
+from conftest import (available_cpus, cudnn_sdpa_wanted, interpreter_wanted, runs_in_interpreter,
+                      share_threads_among_workers, threads_per_worker)
 
 
 @triton.jit
@@ -104,6 +104,16 @@ def test_this_run_gives_each_xdist_worker_its_share_of_threads():
     if "PYTEST_XDIST_WORKER" not in os.environ:
         pytest.skip("checks a pytest-xdist worker")
     assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+
+
+@pytest.mark.parametrize(("environ", "wanted"), [({}, True), ({"SPARGE_TEST_CUDNN_SDPA": "1"}, True),
+                                                 ({"SPARGE_TEST_CUDNN_SDPA": "0"}, False)])
+def test_cudnn_sdpa_is_turned_off_only_when_asked(environ, wanted):
+    assert cudnn_sdpa_wanted(environ) is wanted
+
+
+def test_this_run_leaves_cudnn_sdpa_as_the_environment_asks():
+    assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn_sdpa_wanted(os.environ)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -188,12 +188,12 @@ def test_docs_links_resolve_and_prose_lines_fit_120_columns(doc: Path):
 
 def test_testing_doc_gives_the_readme_test_command_and_the_tests_own_variables():
     """docs/testing.md: its CPU command is the README's (and so CI's), and every seed variable it names is read by
-    a test, so a renamed variable fails here rather than silently running the default seeds."""
+    a test (or the test setup), so a renamed variable fails here rather than silently running the default seeds."""
     text = (ROOT / "docs" / "testing.md").read_text()
     assert fenced_blocks("bash")[1] in re.findall(r"```bash\n(.*?)```", text, re.S)
     named = set(re.findall(r"SPARGE_[A-Z_]+", text))
     assert len(named) >= 8
-    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    tests = "".join(p.read_text() for p in [*(ROOT / "tests").glob("test_*.py"), ROOT / "tests" / "conftest.py"])
     read = set(re.findall(r"environ.get\(\s*\"(SPARGE_[A-Z_]+)\"", tests))
     assert named <= read, f"docs/testing.md names {sorted(named - read)}, which no test reads"
 
