@@ -18,7 +18,9 @@ raises on softcap. Everything else is left to transformers' own SDPA function, t
 ``attn_implementation="sdpa"`` uses: decode steps (one query), and, with one warning per reason, explicit masks of
 other patterns, dropout, sliding windows that hide keys under a method that takes none (S2O, FSA, PBS's
 permuted keys), position biases, non-causal modules, unsupported dtypes or head dims and shapes the kernels refuse
-(a value head dim unlike the query's). ``strict=True`` raises instead of falling back. Calls that neither the
+(a value head dim unlike the query's); for a model with one K/V head, a prefill call under a mask gets contiguous K/V
+copies rather than the function's views of head stride 0, which torch 2.11's memory-efficient kernel misreads
+(:func:`_sdpa_function`). ``strict=True`` raises instead of falling back. Calls that neither the
 kernels nor SDPA compute raise ValueError whatever ``strict`` says (per-token sinks, key indices chosen by the
 model: :func:`check_call_arguments`). Packed sequences given only as flash-attention's ``cu_seq_lens`` run sparse
 (eagerly), one call per sequence (:func:`packed_segments`). Composes the kernels
@@ -750,10 +752,7 @@ class SpargeLLMAttention:
                 causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
                 return eager_attention(query, key, value, attention_mask, sinks=terms.sinks, softcap=terms.softcap,
                                        scale=scaling, is_causal=causal, dropout=dropout), None
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, is_causal=is_causal, **kwargs)
+            return _sdpa_function(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
         if variant == "upper_left" and key.shape[2] > query.shape[2]:
             # a static cache's first prefill: query i sees keys 0..i, so the slots past the prompt are never read
             key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
@@ -963,6 +962,33 @@ def _method_extras(window: int | None, terms: ScoreTerms) -> dict[str, Any]:
     if terms.softcap is not None:
         extras["softcap"] = terms.softcap
     return extras
+
+
+def _sdpa_function(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, is_causal: bool | None,
+                   kwargs: dict) -> tuple[torch.Tensor, None]:
+    """The fallback: transformers' SDPA function, as ``attn_implementation="sdpa"`` calls it, but for one call.
+
+    Under a mask, a query count above one and one K/V head for several query heads, that function's ``repeat_kv``
+    hands SDPA views of K and V whose head stride is 0, and torch 2.11's memory-efficient kernel misreads them
+    (pytorch/pytorch#191937, fixed after 2.11): relative L1 0.023-0.029 on an H200 with cuDNN's SDPA off, against
+    0.001-0.002 on contiguous copies (docs/testing.md, "Sanitizers on the GPU"). That call gets contiguous copies
+    here, as ``repeat_kv`` gives every model with more K/V heads, and otherwise the SDPA call the function makes
+    (a mask and more than one query: not causal; no position bias, which stays with the function). Decode steps keep
+    the function's path: one query was not misread in the cases measured, and a copy of the cache per step would
+    cost more. The CPU takes the same path, so that the tests run it."""
+    group = query.shape[1]
+    if (attention_mask is not None and query.shape[2] > 1 and key.shape[1] == 1 < group
+            and getattr(module, "num_key_value_groups", 1) == group and kwargs.get("position_bias") is None
+            and query.device.type in ("cuda", "cpu")):
+        key, value = (x.expand(-1, group, -1, -1).contiguous() for x in (key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
 
 
 def _exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,

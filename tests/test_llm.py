@@ -1381,6 +1381,53 @@ def test_a_value_head_dim_unlike_the_querys_falls_back_to_sdpa():
     assert attention.sparse_calls == 0 and out.shape == (1, 130, 4, 32) and torch.equal(out, expected)
 
 
+def test_one_kv_head_under_a_mask_falls_back_to_sdpa_on_contiguous_kv(monkeypatch):
+    """transformers' SDPA function repeats one K/V head as views of head stride 0, which torch 2.11's memory-efficient
+    kernel misreads under a mask (pytorch/pytorch#191937; mask seeds 102021 and 103979 with cuDNN's SDPA off). The
+    fallback hands SDPA contiguous copies for such a prefill call, and the same values as the function; decode steps,
+    models with more K/V heads and calls without a mask still go to the function. Without the copies SDPA gets the
+    views (head stride 0) and the stride check below fails."""
+    import transformers.integrations.sdpa_attention as transformers_sdpa
+
+    function, sdpa = transformers_sdpa.sdpa_attention_forward, torch.nn.functional.scaled_dot_product_attention
+    function_calls, head_strides = [], []
+
+    def counted_function(*args, **kwargs):
+        function_calls.append(args[1].shape[2])
+        return function(*args, **kwargs)
+
+    def strides_seen(query, key, value, **kwargs):
+        head_strides.append((key.stride(1), value.stride(1)))
+        return sdpa(query, key, value, **kwargs)
+
+    torch.manual_seed(11)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    q, k, v = torch.randn(2, 2, 65, 64), torch.randn(2, 1, 185, 64), torch.randn(2, 1, 185, 64)
+    mask = torch.rand(2, 1, 65, 185) < 0.3  # no causal pattern: the fallback
+    mask[..., 0] = True
+    expected, _ = function(module, q, k, v, mask, scaling=0.125)
+    monkeypatch.setattr(transformers_sdpa, "sdpa_attention_forward", counted_function)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strides_seen)
+    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    with pytest.warns(UserWarning, match="an explicit attention mask"):
+        out, weights = attention(module, q, k, v, mask, scaling=0.125)
+    assert attention.sparse_calls == 0 and weights is None and out.shape == (2, 65, 2, 64) and out.is_contiguous()
+    assert function_calls == [] and len(head_strides) == 1 and 0 not in head_strides[0], head_strides
+    assert relative_l1(out, expected) < 1e-6
+    exact = sdpa(q.double(), k.double().expand(-1, 2, -1, -1), v.double().expand(-1, 2, -1, -1), attn_mask=mask,
+                 scale=0.125)
+    assert relative_l1(out, exact.transpose(1, 2)) < 1e-5
+
+    head_strides.clear()
+    attention(module, q[:, :, -1:], k, v, mask[:, :, -1:], scaling=0.125)  # a decode step: the function's own path
+    q4, k2, v2 = torch.randn(2, 4, 65, 64), torch.randn(2, 2, 185, 64), torch.randn(2, 2, 185, 64)
+    attention(module, q4, k2, v2, mask, scaling=0.125)  # two K/V heads: repeat_kv copies them
+    with pytest.warns(UserWarning, match="a non-causal attention module"):
+        attention(module, q, k, v, None, scaling=0.125, is_causal=False)  # no mask: enable_gqa, no views
+    assert function_calls == [1, 65, 65], function_calls
+
+
 def test_a_non_causal_call_or_dropout_falls_back_to_sdpa():
     """The kernels of the LLM path run causal prefill: an encoder's attention (module.is_causal False, or
     is_causal=False passed) must get transformers' SDPA function, which attends to every key, and so must a call
@@ -1930,6 +1977,32 @@ def test_compiled_s2o_and_fsa_are_one_graph_and_match_eager(tiny_llama, method, 
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = aot_compiled(model)
         assert torch.equal(logits(compiled, ids), eager) and torch.equal(logits(compiled, ids), eager)
+
+
+@pytest.mark.gpu
+def test_one_kv_head_under_a_mask_is_right_on_the_memory_efficient_kernel():
+    """Session 105's standalone case of pytorch/pytorch#191937 (65 queries, 185 keys, a causal window mask, 2 heads
+    on 1 K/V head): transformers' SDPA function gave relative L1 0.024-0.027 on torch 2.11's memory-efficient kernel,
+    on its K/V views of head stride 0. The fallback, which copies them, must give what the kernel gives on contiguous
+    K/V (0.0018 there)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(5)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    q = torch.randn(1, 2, 65, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 1, 185, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    positions, keys = torch.arange(120, 185, device="cuda")[:, None], torch.arange(185, device="cuda")[None, :]
+    mask = ((keys <= positions) & (keys > positions - 50))[None, None]
+    attention = SpargeLLMAttention(simthreshd1=-1.0, cdfthreshd=1.0, pvthreshd=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning: a window no sliding_window declares reads as segments
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            out, _ = attention(module, q, k, v, mask, scaling=0.125)
+    assert attention.sparse_calls == 0
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().expand(-1, 2, -1, -1), v.double().expand(-1, 2, -1, -1), attn_mask=mask, scale=0.125)
+    assert relative_l1(out.double(), exact.transpose(1, 2)) < 0.005
 
 
 @pytest.mark.gpu
