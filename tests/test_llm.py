@@ -1987,7 +1987,7 @@ def test_one_kv_head_under_a_mask_is_right_on_the_memory_efficient_kernel():
     K/V (0.0018 there)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    torch.manual_seed(5)
+    torch.manual_seed(0)  # session 105's draw (its diag script), value for value
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2
     q = torch.randn(1, 2, 65, 64, device="cuda", dtype=torch.bfloat16)
@@ -1998,10 +1998,10 @@ def test_one_kv_head_under_a_mask_is_right_on_the_memory_efficient_kernel():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning: a window no sliding_window declares reads as segments
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            out, _ = attention(module, q, k, v, mask, scaling=0.125)
+            out, _ = attention(module, q, k, v, mask, scaling=0.2)
     assert attention.sparse_calls == 0
     exact = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double().expand(-1, 2, -1, -1), v.double().expand(-1, 2, -1, -1), attn_mask=mask, scale=0.125)
+        q.double(), k.double().expand(-1, 2, -1, -1), v.double().expand(-1, 2, -1, -1), attn_mask=mask, scale=0.2)
     assert relative_l1(out.double(), exact.transpose(1, 2)) < 0.005
 
 
