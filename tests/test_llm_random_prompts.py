@@ -18,9 +18,7 @@ moves tiny random models' logits by up to 0.13 (relative L1 over seeds 0-399 on 
 Gemma 3 0.048, Llama 0.034, gpt-oss 0.031, Gemma 2 0.012), and the largest distance of ours matched those per
 architecture to within 1e-4. The mixture-of-experts routers (gpt-oss, Llama 4) replay the float32 run's outputs in
 the other runs: their top-k choices flip under rounding, which moved one token of seed 770 to another expert in our
-run but not in the model's own (session 60). Until session 111 the oracle ran on the GPU, where its float32 SDPA
-calls take torch's memory-efficient kernel, which gets rows wrong on K/V of head stride 0 (one K/V head) under a
-boolean mask: see check_prompt_from.
+run but not in the model's own (session 60). Why the oracle runs on the CPU: see check_prompt_from.
 
 ``SPARGE_LLM_RANDOM_PROMPTS`` sets the number of seeds (default 60 on the CPU, 40 on a GPU), ``SPARGE_LLM_RANDOM_FIRST``
 the first (default 0).
