@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from sparge_diffusers import (BLOCK_K, BLOCK_Q, PermutedKeys, block_sparse_attention, compact_block_mask,
                               predict_block_mask, relative_l1, sparge_attention, sparge_attention_op)
-from sparge_diffusers.kernels._inputs import check_attention_inputs
+from sparge_diffusers.kernels._inputs import check_attention_inputs, key_blocks_needing_masking
 from sparge_diffusers.kernels.attention import block_mask_to_index
 from sparge_diffusers.kernels.stats import dense_block_count
 from sparge_diffusers.testing import llm_like_qkv
@@ -115,7 +115,8 @@ def test_a_block_starting_one_key_before_the_last_rows_window_is_masked(backend)
     assert (out - exact).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("Nq,Nkv,variant,window", CASES)
+# window 191: key block 1 starts one key before the window of query block 1's last row (as in the test above)
+@pytest.mark.parametrize("Nq,Nkv,variant,window", CASES + [(256, 256, None, 191)])
 def test_compacted_walk_puts_the_masked_blocks_last_and_drops_those_outside_the_window(Nq, Nkv, variant, window):
     """The kernels take the first n_full blocks of a row without element masking: each of them must be wholly
     inside every row's window; the rest, each cut by the window or the diagonal, follow; blocks wholly outside
@@ -126,6 +127,9 @@ def test_compacted_walk_puts_the_masked_blocks_last_and_drops_those_outside_the_
     mask = random_mask(shape, 0.7, Nkv)
     index, count, n_full = block_mask_to_index(mask, shape, True)
     allowed = window_mask(Nq, Nkv, variant, window)
+    needs_masking = key_blocks_needing_masking(shape.q_blocks, shape.k_blocks, Nkv, torch.device("cpu"),
+                                               is_causal=True, q_len=Nq, causal_offset=shape.causal_offset,
+                                               sliding_window=window)
     for h in range(2):
         for i in range(shape.q_blocks):
             rows = allowed[i * BLOCK_Q:(i + 1) * BLOCK_Q]
@@ -138,6 +142,30 @@ def test_compacted_walk_puts_the_masked_blocks_last_and_drops_those_outside_the_
             assert all(not (rows[:, j * BLOCK_K:(j + 1) * BLOCK_K].all() and (j + 1) * BLOCK_K <= Nkv)
                        for j in walk[n_full[0, h, i]:])
             assert full == sorted(full) and walk[len(full):] == sorted(walk[len(full):])
+            # the reference's restatement of the rule, which orders its walk (stage 2's test depends on the order)
+            assert walk[len(full):] == [j for j in walk if needs_masking[i, j]]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_stage_2_decides_in_the_walk_order_full_blocks_before_the_windows_edge(backend):
+    """One query block (positions 384-511 of 512 keys, window 300) walks key blocks 4 and 5 (wholly inside every
+    row's window) first, then the window's edge (blocks 1-3, masked element by element) and the diagonal (6, 7). The
+    keys of blocks 4 and 5 score 16 above all others (23 in log2 units), so after them every later tile's gap is -23
+    and a threshold of 10 skips five of seven P.V products. A walk in ascending order (what the reference did until
+    session 112, when CPU statistics seed 35714 found it) meets blocks 1-3 first, their gap 0, and skips two."""
+    D = 64
+    q = torch.zeros(1, 1, BLOCK_Q, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 8 * BLOCK_K, D)
+    k[:, :, 4 * BLOCK_K:6 * BLOCK_K, 0] = 16.0 * math.sqrt(D)  # scores 16 at the default scale
+    v = torch.randn(1, 1, 8 * BLOCK_K, D, generator=torch.Generator().manual_seed(112))
+    q, k, v = q.half(), k.half(), v.half()
+    out, stats = block_sparse_attention(q, k, v, None, is_causal=True, causal_variant="lower_right",
+                                        sliding_window=300, pvthreshd=10.0, return_sparsity=True,
+                                        out=poisoned_like(q), backend=backend)
+    assert stats.dense_blocks == 7
+    assert stats.pv_skipped_stage2.item() == pytest.approx(5 / 7)
+    assert relative_l1(out.float(), exact(q, k, v, window_mask(BLOCK_Q, 8 * BLOCK_K, "lower_right", 300))) < 2e-3
 
 
 @pytest.mark.parametrize("Nq,Nkv,variant,window", CASES)

@@ -537,6 +537,29 @@ def causal_block_straddles(q_blocks: int, k_blocks: int, kv_len: int, device: to
             & (last_k[None, :] > first_q[:, None]))
 
 
+def key_blocks_needing_masking(q_blocks: int, k_blocks: int, kv_len: int, device: torch.device,
+                               key_segment: int = BLOCK_K, *, is_causal: bool, q_len: int | None = None,
+                               causal_offset: int = 0, sliding_window: int | None = None) -> torch.Tensor:
+    """[q_blocks, k_blocks] bool: the key blocks whose tiles the kernels walk with element masking, after the
+    kept blocks that need none (``attention._walk_positions``): the ragged last block and, under causal masking,
+    the diagonal (with permuted keys, every block of the segments the query block overlaps) and, with a
+    ``sliding_window``, blocks that start before the window of the block's last query. Arguments as
+    :func:`causal_block_visible`'s (``attention._key_block_flags`` states the rule for the kernels; change both
+    together)."""
+    q_len = kv_len if q_len is None else q_len
+    ragged = torch.arange(k_blocks, device=device) * BLOCK_K + BLOCK_K > kv_len
+    masked = ragged[None, :].expand(q_blocks, k_blocks)
+    if not is_causal:
+        return masked.clone()
+    first_q = torch.arange(q_blocks, device=device) * BLOCK_Q + causal_offset
+    first_k = _key_segment_start(k_blocks, key_segment, device)
+    masked = masked | (first_k[None, :] + key_segment - 1 > first_q[:, None])
+    if sliding_window is not None:  # the last row's own position, not capped at the last key (as the kernels)
+        last_q = torch.clamp(first_q + BLOCK_Q - 1, max=q_len - 1 + causal_offset)
+        masked = masked | (first_k[None, :] <= last_q[:, None] - sliding_window)
+    return masked
+
+
 @dataclass(frozen=True, eq=False)
 class PermutedKeys:
     """Keys and values stored in a permuted order for causal attention (PBS-Attn's segmented permutation).

@@ -37,9 +37,10 @@ def _key_block_flags(first_q, cols, valid, KV_LEN, Q_OFFSET, LAST_ROW, WINDOW, I
     causal_offset``), and the last row at LAST_ROW (``AttentionShape.last_row_position``, not capped at the last
     key). With keys permuted within segments of KEY_SEGMENT positions (``_inputs.PermutedKeys``; BLOCK_K = keys in
     order), a block's keys may come from anywhere in its segment, so the rule applies to the segment's extent
-    (``_inputs.causal_block_visible`` restates it for the reference; change both together). A sliding window of
-    WINDOW keys (``AttentionShape.window_arg``; keys in order) also hides blocks wholly before the block's first
-    query's window, and element-masks blocks that start before its last query's window."""
+    (``_inputs.causal_block_visible`` and ``_inputs.key_blocks_needing_masking`` restate it for the reference;
+    change them together). A sliding window of WINDOW keys (``AttentionShape.window_arg``; keys in order) also hides
+    blocks wholly before the block's first query's window, and element-masks blocks that start before its last
+    query's window."""
     needs_masking = (cols * BLOCK_K + BLOCK_K) > KV_LEN
     visible = valid
     diagonal = cols < 0  # all False, in the shape of cols

@@ -18,6 +18,7 @@ from ._inputs import (
     TensorLayout,
     causal_block_straddles,
     causal_block_visible,
+    key_blocks_needing_masking,
     to_hnd,
 )
 from .stats import SparsityStats, sparsity_stats
@@ -198,10 +199,13 @@ def reference_block_sparse_attention(
     (``_inputs.PermutedKeys``); the causal test then compares each key's original position with the query's.
     Query row i sits at causal position i + ``shape.causal_offset``.
 
-    Key blocks of each query block are visited in ascending order, as the kernel does. For each tile the
-    running max, normaliser and output rescale are updated as in Eq. 1; the P.V product is skipped when
-    max over the tile's rows of (m_local - m_new) * scale * log2(e) <= -pvthreshd (upstream's units; the
-    paper's lambda = -pvthreshd * ln 2; rows with no visible key or with NaN or inf scores left out).
+    Key blocks of each query block are visited in the kernel's order (``attention.block_mask_to_index``): those
+    that need no element masking, then the masked ones, each in ascending order. Only a sliding window makes this
+    differ from Algorithm 1's ascending order (the window's first blocks are masked), and stage 2's test depends on
+    the order (CPU statistics seed 35714: a window's edge walked first here, last in the kernel, until session
+    112). For each tile the running max, normaliser and output rescale are updated as in Eq. 1; the P.V product
+    is skipped when max over the tile's rows of (m_local - m_new) * scale * log2(e) <= -pvthreshd (upstream's
+    units; the paper's lambda = -pvthreshd * ln 2; rows with no visible key or with NaN or inf scores left out).
     Departure: the granularity is the whole 128-row tile rather than a warp's 16 rows. Following Algorithm 1
     line 13, the row sums still enter the normaliser when P.V is skipped. Query rows that see no key get a zero
     output. ``sink_logits`` (H,): each row's softmax also takes exp(sink_logits[h]) with no value vector
@@ -227,6 +231,10 @@ def reference_block_sparse_attention(
     out = torch.zeros_like(qh)
     qk_counts = mask.sum(-1).to(torch.int64)
     pv_counts = torch.zeros(B, H, nq, dtype=torch.int64, device=q.device)
+    needs_masking = key_blocks_needing_masking(nq, nk, shape.kv_len, torch.device("cpu"), key_segment,
+                                               is_causal=is_causal, q_len=shape.q_len,
+                                               causal_offset=shape.causal_offset,
+                                               sliding_window=shape.sliding_window).tolist()
     for i in range(nq):
         rows = slice(i * BLOCK_Q, min((i + 1) * BLOCK_Q, Nq))
         qi = qh[:, :, rows]
@@ -235,7 +243,7 @@ def reference_block_sparse_attention(
         l = torch.zeros(B, H, n_rows, device=q.device)
         acc = torch.zeros(B, H, n_rows, D, device=q.device)
         q_pos = torch.arange(rows.start, rows.stop, device=q.device) + shape.causal_offset  # causal positions
-        for j in range(nk):
+        for j in sorted(range(nk), key=lambda j: (needs_masking[i][j], j)):  # the kernel's walk
             active = mask[:, :, i, j]  # (B, H)
             if not active.any():
                 continue
