@@ -548,15 +548,16 @@ def key_blocks_needing_masking(q_blocks: int, k_blocks: int, kv_len: int, device
     together)."""
     q_len = kv_len if q_len is None else q_len
     ragged = torch.arange(k_blocks, device=device) * BLOCK_K + BLOCK_K > kv_len
-    masked = ragged[None, :].expand(q_blocks, k_blocks)
+    masked = ragged[None, :].expand(q_blocks, k_blocks).clone()
     if not is_causal:
-        return masked.clone()
-    first_q = torch.arange(q_blocks, device=device) * BLOCK_Q + causal_offset
-    first_k = _key_segment_start(k_blocks, key_segment, device)
-    masked = masked | (first_k[None, :] + key_segment - 1 > first_q[:, None])
+        return masked
+    # the diagonal of the blocks a query block sees (the others are never walked)
+    masked |= causal_block_straddles(q_blocks, k_blocks, kv_len, device, key_segment, q_len=q_len,
+                                     causal_offset=causal_offset)
     if sliding_window is not None:  # the last row's own position, not capped at the last key (as the kernels)
+        first_q = torch.arange(q_blocks, device=device) * BLOCK_Q + causal_offset
         last_q = torch.clamp(first_q + BLOCK_Q - 1, max=q_len - 1 + causal_offset)
-        masked = masked | (first_k[None, :] <= last_q[:, None] - sliding_window)
+        masked |= _key_segment_start(k_blocks, key_segment, device)[None, :] <= last_q[:, None] - sliding_window
     return masked
 
 

@@ -85,7 +85,9 @@ def _record_tail_tiles(TAIL_SIZES, TAIL_TILES, tail_start, tail_width, pid_bh, q
 def _walk_positions(keep, needs_masking, axis: tl.constexpr):
     """(position in the walk of each kept block, count of blocks needing no element masking) along ``axis``: those
     blocks first, then the masked ones, each in ascending order. Without a sliding window the masked blocks (the
-    ragged last block, the causal diagonal) already come last; a window's masked blocks come first by position."""
+    ragged last block, the causal diagonal) already come last; a window's masked blocks come first by position.
+    Departure from SpargeAttn's Algorithm 1 (blocks in ascending order): under a window, stage 2 judges the edge
+    blocks after the inside ones, against the running maximum those set (the reference walks in the same order)."""
     full = keep & ~needs_masking
     n_full = tl.sum(full.to(tl.int32), axis=axis)
     masked_first = n_full
